@@ -1,0 +1,53 @@
+"""bps_tf: BytePS-style data-parallel training for TensorFlow and Keras.
+
+Gradients are summed through CPU parameter servers: each worker sends its
+gradient once and receives the sum once. Horovod scripts switch by changing
+one import (`import bps_tf as hvd`).
+
+Importing bps_tf does not import TensorFlow: the TensorFlow-facing names
+below load on first use, so servers (`python -m bps_tf.server`) stay light.
+"""
+from __future__ import annotations
+
+import importlib
+
+from bps_tf.basics import (  # noqa: F401  (no TensorFlow)
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it (imported lazily; they need TensorFlow)
+_LAZY = {
+    "push_pull": "bps_tf.api",
+    "allreduce": "bps_tf.api",
+    "allgather": "bps_tf.api",
+    "broadcast": "bps_tf.api",
+    "broadcast_variables": "bps_tf.api",
+    "broadcast_object": "bps_tf.api",
+    "DistributedGradientTape": "bps_tf.api",
+    "Compression": "bps_tf.api",
+    "Average": "bps_tf.api",
+    "Sum": "bps_tf.api",
+    "DistributedOptimizer": "bps_tf.keras",
+    "BytePSStrategy": "bps_tf.strategy",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bps_tf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

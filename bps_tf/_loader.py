@@ -1,0 +1,57 @@
+"""Loads the native core: libzmq first (from pyzmq's wheel), then bps_tf._core.
+
+The core is built without linking libzmq (see docs/dependencies.md), so the
+ZeroMQ symbols must be global in the process before libbps_core.so loads.
+pyzmq's wheel ships libzmq under a hashed file name that changes between
+releases, so it is found at run time rather than at build time.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib
+import importlib.util
+import os
+
+_zmq_handle = None
+
+
+def _pyzmq_libzmq() -> list[str]:
+    spec = importlib.util.find_spec("zmq")  # locates pyzmq without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    site = os.path.dirname(list(spec.submodule_search_locations)[0])
+    return sorted(glob.glob(os.path.join(site, "pyzmq.libs", "libzmq*.so*")))
+
+
+def preload_libzmq() -> str:
+    """Makes libzmq's symbols global; returns the path used."""
+    global _zmq_handle
+    if _zmq_handle is not None:
+        return _zmq_handle._name
+    candidates = _pyzmq_libzmq()
+    system = ctypes.util.find_library("zmq")
+    candidates += [system] if system else []
+    candidates.append("libzmq.so.5")
+    errors = []
+    for path in candidates:
+        try:
+            _zmq_handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+    raise ImportError(
+        "bps_tf needs libzmq: install pyzmq (`pip install pyzmq`), whose wheel ships it. "
+        "Tried: " + "; ".join(errors or ["no candidate found"]))
+
+
+def load_core():
+    preload_libzmq()
+    try:
+        return importlib.import_module("bps_tf._core")
+    except ImportError as exc:
+        raise ImportError(
+            f"bps_tf's native core is not built ({exc}). Install bps_tf with "
+            "`pip install --no-build-isolation .` or build in place with "
+            "`python setup.py build_ext --inplace`.") from exc

@@ -1,0 +1,96 @@
+"""Process-level API without TensorFlow: init, shutdown, size, rank, ...
+
+Servers and tools import this module; it must never import TensorFlow.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+
+from bps_tf import cluster, config
+from bps_tf._loader import load_core
+
+_core = None
+_atexit_registered = False
+log = logging.getLogger("bps_tf")
+
+
+class NotInitializedError(RuntimeError):
+    pass
+
+
+def core():
+    global _core
+    if _core is None:
+        _core = load_core()
+    return _core
+
+
+def init(environ=None) -> None:
+    """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1).
+
+    Blocks until every worker and server has met; raises with the reason if
+    they disagree or do not all arrive in BYTEPS_RENDEZVOUS_TIMEOUT seconds.
+    """
+    global _atexit_registered
+    c = core()
+    if c.is_initialized():
+        return
+    spec = cluster.resolve(environ)
+    if spec.role in ("server", "scheduler"):
+        raise RuntimeError(
+            f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
+            "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
+    values = dict(config.core_settings(environ))
+    values.update(spec.core_values())
+    c.worker_init(config.to_core_text(values))
+    if not _atexit_registered:
+        atexit.register(shutdown)
+        _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Leaves the cluster; pending operations fail. Safe to call twice."""
+    if _core is not None:
+        _core.worker_shutdown()
+
+
+def is_initialized() -> bool:
+    return _core is not None and _core.is_initialized()
+
+
+def _require_init() -> None:
+    if not is_initialized():
+        raise NotInitializedError("bps_tf is not initialized: call bps_tf.init() first")
+
+
+def size() -> int:
+    _require_init()
+    return _core.size()
+
+
+def rank() -> int:
+    _require_init()
+    return _core.rank()
+
+
+def local_size() -> int:
+    _require_init()
+    return _core.local_size()
+
+
+def local_rank() -> int:
+    _require_init()
+    return _core.local_rank()
+
+
+def stats() -> dict:
+    """Engine counters (bytes sent/received, dropped frames, ops done)."""
+    return json.loads(core().stats_json())
+
+
+def debug_send_log() -> list:
+    """(tensor name, partition, priority) in the order partitions left this
+    worker; recorded only with BYTEPS_DEBUG_SEND_LOG=1."""
+    return [tuple(x) for x in stats()["send_log"]]

@@ -1,0 +1,94 @@
+"""Every bps_tf setting read from the environment, with its default.
+
+One table so the launcher, the worker, the server and the docs agree. The C++
+core receives the resolved values as a ``key=value`` text (see
+``to_core_text``); it never reads the environment itself, which keeps it
+testable and keeps the defaults in one place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str            # environment variable
+    core_key: str       # key in the core's config text ("" = Python only)
+    default: str
+    parse: Callable[[str], object]
+    doc: str
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def _bool(text: str) -> int:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return 1
+    if low in ("0", "false", "no", "off", ""):
+        return 0
+    raise ValueError(f"expected 0/1, got {text!r}")
+
+
+SETTINGS = (
+    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "4096000", _int,
+            "Largest piece a tensor is cut into before it is pushed; each piece "
+            "goes to one server. Must agree on every node."),
+    Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
+            "Bytes a worker may have in flight to the servers at once; the "
+            "priority queue decides what leaves next. 0 means 8 partitions."),
+    Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
+            "Threads a server uses to sum the partitions it owns."),
+    Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
+            "Asynchronous mode: the server adds each push to its stored value "
+            "and answers with the value at once. Must agree on every node."),
+    Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
+            "Seconds without a heartbeat after which a peer is declared dead "
+            "and every process stops with an error naming it."),
+    Setting("BYTEPS_RENDEZVOUS_TIMEOUT", "rendezvous_timeout_s", "120", float,
+            "Seconds a node waits for the whole cluster to meet at start-up."),
+    Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
+            "Seconds one push_pull may wait for the other workers before it "
+            "fails (0: no limit; dead peers are caught by BYTEPS_TIMEOUT)."),
+    Setting("BYTEPS_HEARTBEAT_INTERVAL", "heartbeat_s", "1", float,
+            "Seconds between heartbeats each node sends to the scheduler."),
+    Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
+            "ZeroMQ I/O threads per process."),
+    Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
+            "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
+    Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,
+            "Record the order partitions leave a worker (read with "
+            "bps_tf.basics.debug_send_log()); for tests and tuning."),
+)
+
+BY_ENV: Dict[str, Setting] = {s.env: s for s in SETTINGS}
+
+
+def value(env: str, environ: Optional[Mapping[str, str]] = None):
+    """The parsed value of one setting, raising a clear error on bad input."""
+    environ = os.environ if environ is None else environ
+    setting = BY_ENV[env]
+    text = environ.get(env, setting.default)
+    try:
+        return setting.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{env}={text!r} is not valid: {exc}") from None
+
+
+def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+    return {s.core_key: value(s.env, environ) for s in SETTINGS if s.core_key}
+
+
+def to_core_text(values: Mapping[str, object]) -> str:
+    """Encode settings as the core's ``key=value`` lines."""
+    lines = []
+    for key, val in values.items():
+        text = str(val)
+        if "\n" in text or "=" in key:
+            raise ValueError(f"setting {key!r} holds a newline")
+        lines.append(f"{key}={text}")
+    return "\n".join(lines) + "\n"

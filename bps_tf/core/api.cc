@@ -1,0 +1,62 @@
+// The C ABI of bps_api.h over the C++ engine.
+#include <cstring>
+#include <string>
+
+#include "bps_api.h"
+#include "common.h"
+#include "server_node.h"
+#include "stats.h"
+#include "worker_engine.h"
+
+namespace {
+void CopyError(const std::string& message, char* err, size_t err_len) {
+  if (!err || err_len == 0) return;
+  std::strncpy(err, message.c_str(), err_len - 1);
+  err[err_len - 1] = '\0';
+}
+}  // namespace
+
+extern "C" {
+
+int bps_worker_init(const char* config, char* err, size_t err_len) {
+  try {
+    bps::WorkerEngine::Get().Init(bps::Config::Parse(config ? config : ""));
+    return 0;
+  } catch (const std::exception& e) {
+    CopyError(e.what(), err, err_len);
+    return -1;
+  }
+}
+
+void bps_worker_shutdown(void) { bps::WorkerEngine::Get().Shutdown(); }
+int bps_is_initialized(void) { return bps::WorkerEngine::Get().initialized() ? 1 : 0; }
+int bps_rank(void) { return bps::WorkerEngine::Get().rank(); }
+int bps_size(void) { return bps::WorkerEngine::Get().size(); }
+int bps_local_rank(void) { return bps::WorkerEngine::Get().local_rank(); }
+int bps_local_size(void) { return bps::WorkerEngine::Get().local_size(); }
+
+void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, int ndim,
+                           const void* in, void* out, int64_t priority, bps_done_fn done,
+                           void* ctx) {
+  std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
+  try {
+    bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx);
+  } catch (const std::exception& e) {
+    done(ctx, 0, e.what());
+  }
+}
+
+int bps_server_run(const char* config, char* err, size_t err_len) {
+  std::string error;
+  int code = bps::RunServerNode(bps::Config::Parse(config ? config : ""), &error);
+  if (code != 0) CopyError(error, err, err_len);
+  return code;
+}
+
+size_t bps_stats_json(char* buf, size_t len) {
+  std::string json = bps::Stats::Get().Json();
+  if (buf && len > 0) CopyError(json, buf, len);
+  return json.size() + 1;
+}
+
+}  // extern "C"

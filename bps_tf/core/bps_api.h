@@ -1,0 +1,60 @@
+// The whole contract of the bps_tf core, as a C ABI.
+//
+// The pybind11 module and the TensorFlow op library both link libbps_core.so
+// and reach one engine per process through these functions. A C ABI keeps
+// them independent of the C++ standard library ABI TensorFlow was built with.
+#ifndef BPS_TF_CORE_BPS_API_H_
+#define BPS_TF_CORE_BPS_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Element types; the values travel on the wire, never renumber them.
+enum bps_dtype {
+  BPS_FLOAT16 = 0,
+  BPS_BFLOAT16 = 1,
+  BPS_FLOAT32 = 2,
+  BPS_FLOAT64 = 3,
+  BPS_INT32 = 4,
+  BPS_INT64 = 5,
+};
+
+// Called once per enqueued operation. ok != 0 on success; otherwise error
+// holds a message (valid only during the call).
+typedef void (*bps_done_fn)(void* ctx, int ok, const char* error);
+
+// Starts this process's worker engine from "key=value\n" config text and
+// blocks until the cluster has met (or fails). 0 on success, -1 with a
+// message in err.
+int bps_worker_init(const char* config, char* err, size_t err_len);
+// Leaves the cluster cleanly; pending operations fail. Safe to call twice.
+void bps_worker_shutdown(void);
+int bps_is_initialized(void);
+int bps_rank(void);
+int bps_size(void);
+int bps_local_rank(void);
+int bps_local_size(void);
+
+// Sums `in` across all workers into `out` (which may alias `in`); both must
+// stay valid until `done` runs. Tensors are matched across workers by name;
+// a higher priority leaves first. `done` may run before this returns.
+void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape,
+                           int ndim, const void* in, void* out,
+                           int64_t priority, bps_done_fn done, void* ctx);
+
+// Runs a server (and the scheduler, when the config says so) until the job
+// ends. Returns the process exit code; a message in err when non-zero.
+int bps_server_run(const char* config, char* err, size_t err_len);
+
+// Counters and the debug send log, as JSON. Returns the length needed.
+size_t bps_stats_json(char* buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // BPS_TF_CORE_BPS_API_H_

@@ -1,0 +1,70 @@
+// The wire protocol between workers, servers and the scheduler.
+//
+// Every message is [header][payload] as two ZeroMQ frames (a ROUTER socket
+// sees the sender's routing id in front). The header is a fixed 64-byte
+// little-endian struct; control payloads are "key=value" text, data payloads
+// are raw tensor bytes. Anything that does not parse is dropped and counted.
+#ifndef BPS_TF_CORE_PROTOCOL_H_
+#define BPS_TF_CORE_PROTOCOL_H_
+
+#include <cstdint>
+#include <string>
+
+namespace bps {
+
+constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
+constexpr uint16_t kProtocolVersion = 1;
+
+enum class MsgType : uint16_t {
+  kHello = 1,          // node -> scheduler: who I am, my settings
+  kWelcome = 2,        // scheduler -> node: the cluster layout
+  kBarrier = 3,        // node -> scheduler
+  kBarrierDone = 4,    // scheduler -> node
+  kDeclare = 5,        // worker -> scheduler: a tensor's name and signature
+  kDeclared = 6,       // scheduler -> worker: its key and servers, or an error
+  kPush = 7,           // worker -> server: one partition
+  kPullReply = 8,      // server -> worker: the summed partition
+  kHeartbeat = 9,      // node -> scheduler
+  kHeartbeatAck = 10,  // scheduler -> node
+  kBye = 11,           // worker -> scheduler: leaving normally
+  kShutdown = 12,      // scheduler -> server: every worker has left
+  kError = 13,         // fatal (key 0) or about one partition (key != 0)
+};
+constexpr uint16_t kMaxMsgType = 13;
+
+enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  int32_t sender;        // worker rank or server id; -1 for the scheduler
+  uint16_t sender_role;  // Role
+  uint16_t dtype;
+  uint64_t key;          // partition key (tensor key | part index)
+  uint64_t round;        // how many times this worker pushed this key before
+  uint64_t request_id;   // echoed in replies to a kDeclare
+  uint64_t payload_bytes;
+  uint8_t reserved[16];  // zero; room for a frame authenticator
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
+
+FrameHeader MakeHeader(MsgType type, Role role, int32_t sender);
+
+// Checks a received header against the size of its payload frame. Returns
+// an empty string when valid, else why it is not.
+std::string ValidateHeader(const void* data, size_t size, size_t payload_size);
+
+const char* MsgTypeName(uint16_t type);
+const char* RoleName(Role role);
+
+// Partition keys: the tensor key's low 16 bits hold the part index.
+constexpr uint64_t kPartBits = 16;
+constexpr uint64_t kMaxParts = 1ULL << kPartBits;
+inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key | part; }
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_PROTOCOL_H_

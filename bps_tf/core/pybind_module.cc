@@ -1,0 +1,149 @@
+// bps_tf._core: the core for Python without TensorFlow (servers, init,
+// and numpy push_pull used by tests and benchmarks).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bps_api.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string CallWithError(int (*fn)(const char*, char*, size_t), const std::string& config,
+                          int* code) {
+  std::vector<char> err(4096, '\0');
+  {
+    py::gil_scoped_release release;
+    *code = fn(config.c_str(), err.data(), err.size());
+  }
+  return std::string(err.data());
+}
+
+// One asynchronous numpy push_pull; keeps its arrays alive until done.
+class Handle {
+ public:
+  Handle(py::array in, py::array out) : in_(std::move(in)), out_(std::move(out)) {}
+
+  static void Done(void* ctx, int ok, const char* error) {
+    auto* self = static_cast<std::shared_ptr<Handle>*>(ctx);
+    {
+      std::lock_guard<std::mutex> lock((*self)->mu_);
+      (*self)->finished_ = true;
+      (*self)->ok_ = ok != 0;
+      if (!ok && error) (*self)->error_ = error;
+    }
+    (*self)->cv_.notify_all();
+    delete self;
+  }
+
+  // Waits up to timeout seconds (<0: forever); returns the output array.
+  py::array Wait(double timeout) {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu_);
+      auto ready = [this] { return finished_; };
+      if (timeout < 0) {
+        cv_.wait(lock, ready);
+      } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout), ready)) {
+        throw std::runtime_error("push_pull did not finish within the timeout");
+      }
+    }
+    if (!ok_) throw std::runtime_error(error_);
+    return out_;
+  }
+
+  bool Done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finished_;
+  }
+
+ private:
+  py::array in_, out_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  bool ok_ = false;
+  std::string error_;
+};
+
+int DTypeCode(const py::array& a, const std::string& override_name) {
+  std::string name = override_name.empty() ? std::string(py::str(a.dtype())) : override_name;
+  if (name == "float16") return BPS_FLOAT16;
+  if (name == "bfloat16") return BPS_BFLOAT16;
+  if (name == "float32") return BPS_FLOAT32;
+  if (name == "float64") return BPS_FLOAT64;
+  if (name == "int32") return BPS_INT32;
+  if (name == "int64") return BPS_INT64;
+  throw py::type_error("bps_tf cannot push_pull dtype " + name +
+                       " (float16, bfloat16, float32, float64, int32, int64)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "bps_tf core engine (no TensorFlow)";
+  m.def("worker_init", [](const std::string& config) {
+    int code = 0;
+    std::string err = CallWithError(&bps_worker_init, config, &code);
+    if (code != 0) throw std::runtime_error(err);
+  });
+  m.def("worker_shutdown", [] {
+    py::gil_scoped_release release;
+    bps_worker_shutdown();
+  });
+  m.def("is_initialized", [] { return bps_is_initialized() != 0; });
+  m.def("rank", &bps_rank);
+  m.def("size", &bps_size);
+  m.def("local_rank", &bps_local_rank);
+  m.def("local_size", &bps_local_size);
+  m.def("server_run", [](const std::string& config) {
+    int code = 0;
+    std::string err = CallWithError(&bps_server_run, config, &code);
+    return py::make_tuple(code, err);
+  });
+  m.def("stats_json", [] {
+    size_t need = bps_stats_json(nullptr, 0);
+    std::string buf(need, '\0');
+    bps_stats_json(&buf[0], buf.size());
+    return std::string(buf.c_str());
+  });
+
+  py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
+      .def("wait", &Handle::Wait, py::arg("timeout") = -1.0)
+      .def("done", static_cast<bool (Handle::*)()>(&Handle::Done));
+
+  // Starts a sum of `array` across workers; `out` receives it. Both must be
+  // C-contiguous. dtype_name overrides numpy's name (e.g. "bfloat16" for
+  // ml_dtypes arrays).
+  m.def(
+      "push_pull_async",
+      [](const std::string& name, py::array in, py::array out, int64_t priority,
+         const std::string& dtype_name) {
+        if (!(in.flags() & py::array::c_style) || !(out.flags() & py::array::c_style)) {
+          throw py::value_error("push_pull_async needs C-contiguous arrays");
+        }
+        if (in.nbytes() != out.nbytes()) throw py::value_error("in and out differ in size");
+        int dtype = DTypeCode(in, dtype_name);
+        std::vector<int64_t> shape(in.shape(), in.shape() + in.ndim());
+        auto handle = std::make_shared<Handle>(in, out);
+        auto* ctx = new std::shared_ptr<Handle>(handle);
+        const void* src = in.data();
+        void* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          bps_enqueue_push_pull(name.c_str(), dtype, shape.data(), static_cast<int>(shape.size()),
+                                src, dst, priority, &Handle::Done, ctx);
+        }
+        return handle;
+      },
+      py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
+      py::arg("dtype_name") = "");
+}

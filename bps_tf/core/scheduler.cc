@@ -1,0 +1,320 @@
+#include "scheduler.h"
+
+#include <algorithm>
+
+namespace bps {
+
+namespace {
+int KvInt(const Config& kv, const std::string& key, int dflt) {
+  try {
+    return static_cast<int>(kv.GetInt(key, dflt));
+  } catch (const Error&) {
+    return dflt;
+  }
+}
+}  // namespace
+
+Scheduler::Scheduler(const Config& cfg)
+    : cfg_(cfg),
+      num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
+      num_servers_(static_cast<int>(cfg.GetInt("num_servers", 1))),
+      partition_bytes_(cfg.GetInt("partition_bytes", 4096000)),
+      timeout_s_(cfg.GetDouble("timeout_s", 30)),
+      server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0) {}
+
+Outgoing Scheduler::Reply(const std::string& identity, MsgType type, const std::string& payload,
+                          uint64_t request_id) {
+  Outgoing o;
+  o.identity = identity;
+  o.header = MakeHeader(type, Role::kScheduler, -1);
+  o.header.request_id = request_id;
+  o.payload = payload;
+  return o;
+}
+
+std::string Scheduler::Describe(const Node& n) const {
+  std::string s = std::string(RoleName(n.role)) + " " + std::to_string(n.id);
+  if (!n.hostname.empty()) s += " (host " + n.hostname + ", pid " + n.pid + ")";
+  return s;
+}
+
+void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
+  if (!fatal_.empty()) return;
+  fatal_ = message;
+  BPS_LOG(kError, message);
+  for (const auto& kv : nodes_) {
+    if (!kv.second.departed) out->push_back(Reply(kv.first, MsgType::kError, message));
+  }
+}
+
+void Scheduler::Handle(const std::string& identity, const FrameHeader& h,
+                       const std::string& payload, std::vector<Outgoing>* out) {
+  MsgType type = static_cast<MsgType>(h.type);
+  Config kv = Config::Parse(payload);
+  auto it = nodes_.find(identity);
+  if (it != nodes_.end()) it->second.last_seen = Clock::now();
+  if (!fatal_.empty()) {
+    // A broken job answers every newcomer with the reason, so nobody waits.
+    if (type != MsgType::kBye) out->push_back(Reply(identity, MsgType::kError, fatal_));
+    return;
+  }
+  switch (type) {
+    case MsgType::kHello:
+      OnHello(identity, h, kv, out);
+      return;
+    case MsgType::kBarrier:
+      if (it == nodes_.end()) return;
+      barrier_.insert(identity);
+      if (barrier_.size() == static_cast<size_t>(num_workers_ + num_servers_)) {
+        for (const auto& n : nodes_) out->push_back(Reply(n.first, MsgType::kBarrierDone, ""));
+        barrier_.clear();
+      }
+      return;
+    case MsgType::kDeclare:
+      if (it == nodes_.end() || it->second.role != Role::kWorker) return;
+      OnDeclare(identity, h, kv, out);
+      return;
+    case MsgType::kHeartbeat:
+      if (it != nodes_.end()) out->push_back(Reply(identity, MsgType::kHeartbeatAck, ""));
+      return;
+    case MsgType::kBye: {
+      if (it == nodes_.end()) return;
+      it->second.departed = true;
+      BPS_LOG(kInfo, Describe(it->second) << " left");
+      int left = 0;
+      for (const auto& n : nodes_) {
+        if (n.second.role == Role::kWorker && n.second.departed) ++left;
+      }
+      if (left == num_workers_) {
+        for (auto& n : nodes_) {
+          if (n.second.role == Role::kServer) {
+            out->push_back(Reply(n.first, MsgType::kShutdown, ""));
+            n.second.departed = true;
+          }
+        }
+        finished_ = true;
+      }
+      return;
+    }
+    default:
+      return;  // not for the scheduler
+  }
+}
+
+void Scheduler::OnHello(const std::string& identity, const FrameHeader& h, const Config& kv,
+                        std::vector<Outgoing>* out) {
+  Node n;
+  n.identity = identity;
+  n.role = static_cast<Role>(h.sender_role);
+  n.id = h.sender;
+  n.hostname = kv.Get("hostname");
+  n.pid = kv.Get("pid");
+  n.data_addr = kv.Get("data_addr");
+  n.local_rank = KvInt(kv, "local_rank", -1);
+  n.local_size = KvInt(kv, "local_size", -1);
+  n.last_seen = Clock::now();
+  if (n.role != Role::kWorker && n.role != Role::kServer) return;
+  nodes_[identity] = n;
+
+  // Every node must agree with the scheduler on the settings that shape the
+  // data: a disagreement names the setting and both values.
+  const char* kShared[] = {"num_workers", "num_servers", "partition_bytes", "async"};
+  for (const char* key : kShared) {
+    std::string mine = cfg_.Get(key, "");
+    std::string theirs = kv.Get(key, "");
+    if (mine != theirs) {
+      Fail(std::string("cluster setting '") + key + "' disagrees: the scheduler has " + mine +
+               ", " + Describe(n) + " has " + theirs +
+               " (set it the same on every node: " +
+               (std::string(key) == "num_workers"    ? "DMLC_NUM_WORKER"
+                : std::string(key) == "num_servers"  ? "DMLC_NUM_SERVER"
+                : std::string(key) == "partition_bytes" ? "BYTEPS_PARTITION_BYTES"
+                                                        : "BYTEPS_ENABLE_ASYNC") +
+               ")",
+           out);
+      return;
+    }
+  }
+  if (n.role == Role::kWorker && (n.id < 0 || n.id >= num_workers_)) {
+    Fail("worker rank " + std::to_string(n.id) + " is outside [0, " +
+             std::to_string(num_workers_) + ") (DMLC_WORKER_ID)",
+         out);
+    return;
+  }
+  for (const auto& other : nodes_) {
+    if (other.first != identity && other.second.role == n.role && n.id >= 0 &&
+        other.second.id == n.id) {
+      Fail("two " + std::string(RoleName(n.role)) + "s claim id " + std::to_string(n.id) +
+               ": " + Describe(other.second) + " and " + Describe(n),
+           out);
+      return;
+    }
+  }
+  BPS_LOG(kInfo, Describe(n) << " joined");
+  MaybeWelcome(out);
+}
+
+void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
+  int workers = 0, servers = 0;
+  for (const auto& n : nodes_) (n.second.role == Role::kWorker ? workers : servers)++;
+  if (workers > num_workers_ || servers > num_servers_) {
+    Fail("more nodes joined than the cluster has: " + std::to_string(workers) + " workers (of " +
+             std::to_string(num_workers_) + ") and " + std::to_string(servers) + " servers (of " +
+             std::to_string(num_servers_) + ")",
+         out);
+    return;
+  }
+  if (welcomed_ || workers != num_workers_ || servers != num_servers_) return;
+  welcomed_ = true;
+
+  // Servers without an id take the free ones in the order they joined.
+  std::vector<Node*> server_nodes;
+  std::set<int> taken;
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kServer) {
+      server_nodes.push_back(&n.second);
+      if (n.second.id >= 0) taken.insert(n.second.id);
+    }
+  }
+  int next = 0;
+  for (Node* s : server_nodes) {
+    if (s->id >= 0) continue;
+    while (taken.count(next)) ++next;
+    s->id = next;
+    taken.insert(next);
+  }
+  std::vector<std::string> addrs(static_cast<size_t>(num_servers_));
+  for (Node* s : server_nodes) {
+    if (s->id >= num_servers_) {
+      Fail("server id " + std::to_string(s->id) + " is outside [0, " +
+               std::to_string(num_servers_) + ") (BYTEPS_SERVER_ID)",
+           out);
+      return;
+    }
+    addrs[static_cast<size_t>(s->id)] = s->data_addr;
+  }
+
+  // Local rank: workers on one host, in rank order, unless a launcher said.
+  std::map<std::string, std::vector<Node*>> by_host;
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kWorker) by_host[n.second.hostname].push_back(&n.second);
+  }
+  for (auto& host : by_host) {
+    std::sort(host.second.begin(), host.second.end(),
+              [](const Node* a, const Node* b) { return a->id < b->id; });
+    for (size_t i = 0; i < host.second.size(); ++i) {
+      Node* w = host.second[i];
+      if (w->local_rank < 0) w->local_rank = static_cast<int>(i);
+      if (w->local_size < 0) w->local_size = static_cast<int>(host.second.size());
+    }
+  }
+
+  for (auto& kv : nodes_) {
+    Config w;
+    w.Set("id", std::to_string(kv.second.id));
+    w.Set("num_workers", std::to_string(num_workers_));
+    w.Set("num_servers", std::to_string(num_servers_));
+    w.Set("local_rank", std::to_string(std::max(kv.second.local_rank, 0)));
+    w.Set("local_size", std::to_string(std::max(kv.second.local_size, 1)));
+    for (size_t i = 0; i < addrs.size(); ++i) w.Set("server." + std::to_string(i), addrs[i]);
+    out->push_back(Reply(kv.first, MsgType::kWelcome, w.Serialize()));
+  }
+  BPS_LOG(kInfo, "all " << num_workers_ << " workers and " << num_servers_ << " servers met");
+}
+
+Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::string& sig,
+                                        int dtype, uint64_t bytes) {
+  Assignment a;
+  // Keys come from the name (so every worker agrees whatever order tensors
+  // appear in); the scheduler resolves the rare hash collision.
+  uint64_t key = Fnv1a64(name + "|" + sig) & ~(kMaxParts - 1);
+  while (key == 0 || used_keys_.count(key)) key += kMaxParts;
+  used_keys_.insert(key);
+  a.key = key;
+  uint64_t elem = DTypeSize(dtype);
+  uint64_t part = std::max<uint64_t>(elem, (static_cast<uint64_t>(partition_bytes_) / elem) * elem);
+  for (uint64_t off = 0; off < bytes; off += part) {
+    uint64_t len = std::min(part, bytes - off);
+    size_t best = 0;
+    for (size_t s = 1; s < server_load_.size(); ++s) {
+      if (server_load_[s] < server_load_[best]) best = s;
+    }
+    server_load_[best] += len;
+    a.servers.push_back(static_cast<int>(best));
+  }
+  return a;
+}
+
+void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, const Config& kv,
+                          std::vector<Outgoing>* out) {
+  std::string name = kv.Get("name");
+  std::string sig = kv.Get("sig");
+  int rank = nodes_[identity].id;
+  auto encode = [](const Assignment& a) {
+    Config c;
+    c.Set("key", std::to_string(a.key));
+    std::string servers;
+    for (size_t i = 0; i < a.servers.size(); ++i) {
+      if (i) servers += ",";
+      servers += std::to_string(a.servers[i]);
+    }
+    c.Set("servers", servers);
+    return c.Serialize();
+  };
+  auto done = assigned_.find(name + "|" + sig);
+  if (done != assigned_.end()) {
+    out->push_back(Reply(identity, MsgType::kDeclared, encode(done->second), h.request_id));
+    return;
+  }
+  auto& waiting = pending_[name];
+  waiting[rank] = Pending{sig, identity, h.request_id};
+  if (waiting.size() < static_cast<size_t>(num_workers_)) return;
+
+  std::string first_sig = waiting.begin()->second.sig;
+  int first_rank = waiting.begin()->first;
+  std::string error;
+  for (const auto& w : waiting) {
+    if (w.second.sig != first_sig) {
+      error = "tensor '" + name + "' differs across workers: worker " +
+              std::to_string(first_rank) + " has " + first_sig + " but worker " +
+              std::to_string(w.first) + " has " + w.second.sig +
+              " (every worker must push_pull the same shape and dtype under one name)";
+      break;
+    }
+  }
+  std::string payload;
+  if (!error.empty()) {
+    BPS_LOG(kError, error);
+    Config c;
+    c.Set("error", error);
+    payload = c.Serialize();
+  } else {
+    int dtype = static_cast<int>(h.dtype);
+    uint64_t bytes = static_cast<uint64_t>(kv.GetInt("bytes", 0));
+    Assignment a = Assign(name, first_sig, dtype, bytes);
+    assigned_[name + "|" + first_sig] = a;
+    payload = encode(a);
+  }
+  for (const auto& w : waiting) {
+    out->push_back(Reply(w.second.identity, MsgType::kDeclared, payload, w.second.request_id));
+  }
+  pending_.erase(name);
+}
+
+void Scheduler::Tick(std::vector<Outgoing>* out) {
+  if (!fatal_.empty() || !welcomed_ || finished_) return;
+  for (const auto& kv : nodes_) {
+    const Node& n = kv.second;
+    if (n.departed) continue;
+    double quiet = SecondsSince(n.last_seen);
+    if (quiet > timeout_s_) {
+      Fail("lost " + Describe(n) + ": no heartbeat for " + std::to_string(static_cast<int>(quiet)) +
+               " s (it died or hung; BYTEPS_TIMEOUT=" + std::to_string(static_cast<int>(timeout_s_)) +
+               ")",
+           out);
+      return;
+    }
+  }
+}
+
+}  // namespace bps

@@ -1,0 +1,92 @@
+// The scheduler: where nodes meet. It checks that every node agrees on the
+// cluster settings, hands out the layout, runs barriers, matches tensor
+// declarations across workers (catching shape/dtype mismatches before any
+// data moves), assigns partitions to servers balanced by bytes, and watches
+// heartbeats so a dead peer stops the whole job instead of hanging it.
+//
+// It is pure logic: the node that hosts it feeds it messages and sends what
+// it returns, so it is easy to test and to place (server 0 or alone).
+#ifndef BPS_TF_CORE_SCHEDULER_H_
+#define BPS_TF_CORE_SCHEDULER_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "protocol.h"
+
+namespace bps {
+
+struct Outgoing {
+  std::string identity;  // routing id of the receiver's control socket
+  FrameHeader header;
+  std::string payload;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const Config& cfg);
+
+  void Handle(const std::string& identity, const FrameHeader& header,
+              const std::string& payload, std::vector<Outgoing>* out);
+  // Periodic checks (heartbeats, lingering after a fatal error).
+  void Tick(std::vector<Outgoing>* out);
+
+  bool finished() const { return finished_; }
+  const std::string& fatal() const { return fatal_; }
+
+ private:
+  struct Node {
+    std::string identity;
+    Role role;
+    int id = -1;
+    std::string hostname;
+    std::string data_addr;
+    std::string pid;
+    int local_rank = -1;
+    int local_size = -1;
+    Clock::time_point last_seen;
+    bool departed = false;
+  };
+  struct Pending {
+    std::string sig;
+    std::string identity;
+    uint64_t request_id;
+  };
+  struct Assignment {
+    uint64_t key;
+    std::vector<int> servers;
+  };
+
+  void OnHello(const std::string& identity, const FrameHeader& h, const Config& kv,
+               std::vector<Outgoing>* out);
+  void OnDeclare(const std::string& identity, const FrameHeader& h, const Config& kv,
+                 std::vector<Outgoing>* out);
+  void MaybeWelcome(std::vector<Outgoing>* out);
+  void Fail(const std::string& message, std::vector<Outgoing>* out);
+  Outgoing Reply(const std::string& identity, MsgType type, const std::string& payload,
+                 uint64_t request_id = 0);
+  std::string Describe(const Node& n) const;
+  Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
+
+  Config cfg_;
+  int num_workers_;
+  int num_servers_;
+  int64_t partition_bytes_;
+  double timeout_s_;
+  std::map<std::string, Node> nodes_;  // by identity
+  bool welcomed_ = false;
+  std::set<std::string> barrier_;
+  std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
+  std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
+  std::set<uint64_t> used_keys_;
+  std::vector<uint64_t> server_load_;
+  bool finished_ = false;
+  std::string fatal_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_SCHEDULER_H_

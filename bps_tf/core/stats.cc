@@ -1,0 +1,58 @@
+#include "stats.h"
+
+#include <cstdio>
+#include <sstream>
+
+namespace bps {
+
+Stats& Stats::Get() {
+  static Stats* stats = new Stats();  // never destroyed: threads may outlive exit
+  return *stats;
+}
+
+void Stats::RecordSend(const std::string& name, uint32_t part, int64_t priority) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (send_log_.size() < 100000) send_log_.push_back(SendRecord{name, part, priority});
+}
+
+void Stats::ClearSendLog() {
+  std::lock_guard<std::mutex> lock(mu_);
+  send_log_.clear();
+}
+
+namespace {
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+}  // namespace
+
+std::string Stats::Json() {
+  std::ostringstream o;
+  o << "{\"bytes_sent\":" << bytes_sent << ",\"bytes_received\":" << bytes_received
+    << ",\"frames_dropped\":" << frames_dropped << ",\"ops_done\":" << ops_done
+    << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
+    << ",\"send_log\":[";
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < send_log_.size(); ++i) {
+    if (i) o << ",";
+    o << "[" << JsonString(send_log_[i].name) << "," << send_log_[i].part << ","
+      << send_log_[i].priority << "]";
+  }
+  o << "]}";
+  return o.str();
+}
+
+}  // namespace bps

@@ -1,0 +1,42 @@
+// Process-wide counters, readable as JSON through bps_stats_json(); the
+// send log records the order partitions left a worker (off by default).
+#ifndef BPS_TF_CORE_STATS_H_
+#define BPS_TF_CORE_STATS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace bps {
+
+struct SendRecord {
+  std::string name;
+  uint32_t part;
+  int64_t priority;
+};
+
+class Stats {
+ public:
+  static Stats& Get();
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_received{0};
+  std::atomic<uint64_t> frames_dropped{0};
+  std::atomic<uint64_t> ops_done{0};
+  std::atomic<uint64_t> ops_failed{0};
+  std::atomic<uint64_t> partitions_sent{0};
+  std::atomic<bool> send_log_on{false};
+
+  void RecordSend(const std::string& name, uint32_t part, int64_t priority);
+  std::string Json();
+  void ClearSendLog();
+
+ private:
+  std::mutex mu_;
+  std::vector<SendRecord> send_log_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_STATS_H_

@@ -1,0 +1,79 @@
+// The server's summation engine: partitions are bound to engine threads
+// (each key to the least-loaded thread, by bytes), so one key is only ever
+// touched by one thread and needs no lock. A round of a key completes when
+// every worker has pushed it; then each worker gets one reply sharing the
+// summed buffer, and the next round accumulates into a fresh buffer, so a
+// fast worker's next push never disturbs a slow worker's pending reply.
+#ifndef BPS_TF_CORE_SUM_ENGINE_H_
+#define BPS_TF_CORE_SUM_ENGINE_H_
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "transport.h"
+
+namespace bps {
+
+struct PushJob {
+  int worker;
+  uint64_t key;
+  uint64_t round;
+  int dtype;
+  Msg payload;
+};
+
+struct ServerReply {
+  int worker;
+  FrameHeader header;
+  Msg payload;
+};
+
+class SumEngine {
+ public:
+  using Post = std::function<void(std::vector<ServerReply>&&)>;
+  SumEngine(int server_id, int num_workers, int threads, bool async, Post post);
+  ~SumEngine();
+  void Submit(PushJob&& job);  // called by the I/O thread only
+
+ private:
+  struct KeyState {
+    int dtype = -1;
+    size_t bytes = 0;
+    uint64_t round = 0;
+    int count = 0;
+    std::vector<bool> pushed;
+    bool has_sum = false;
+    Msg sum;
+    std::deque<PushJob> early;  // pushes for the next round, kept in order
+  };
+  struct Lane {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<PushJob> queue;
+    bool stop = false;
+    std::unordered_map<uint64_t, KeyState> keys;
+  };
+
+  void Run(Lane* lane);
+  void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
+  ServerReply ErrorReply(int worker, uint64_t key, const std::string& why);
+
+  int server_id_;
+  int num_workers_;
+  bool async_;
+  Post post_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::unordered_map<uint64_t, size_t> lane_of_key_;
+  std::vector<uint64_t> lane_bytes_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_SUM_ENGINE_H_

@@ -1,0 +1,94 @@
+// Thin RAII wrappers over the libzmq calls bps_tf makes: messages, sockets,
+// multipart send/receive and a wake-up fd for I/O threads. Sockets are owned
+// by exactly one thread; other threads hand work over through queues and
+// Wakeup::Notify().
+#ifndef BPS_TF_CORE_TRANSPORT_H_
+#define BPS_TF_CORE_TRANSPORT_H_
+
+#include <string>
+#include <vector>
+
+#include "protocol.h"
+#include "zmq_api.h"
+
+namespace bps {
+
+class Msg {
+ public:
+  Msg() { zmq_msg_init(&m_); }
+  explicit Msg(size_t size);
+  Msg(const void* data, size_t size);  // copies
+  // Zero-copy: `free_fn(data, hint)` runs once libzmq no longer needs data.
+  Msg(void* data, size_t size, zmq_free_fn* free_fn, void* hint);
+  ~Msg() { zmq_msg_close(&m_); }
+  Msg(Msg&& other) noexcept;
+  Msg& operator=(Msg&& other) noexcept;
+  Msg(const Msg&) = delete;
+  Msg& operator=(const Msg&) = delete;
+
+  Msg Share();  // another reference to the same bytes (no copy for large ones)
+  char* data() { return static_cast<char*>(zmq_msg_data(&m_)); }
+  size_t size() const { return zmq_msg_size(&m_); }
+  std::string str() { return std::string(data(), size()); }
+  zmq_msg_t* raw() { return &m_; }
+
+ private:
+  zmq_msg_t m_;
+};
+
+std::string ZmqError(const std::string& what);
+
+class Context {
+ public:
+  explicit Context(int io_threads);
+  ~Context();
+  void* get() { return ctx_; }
+
+ private:
+  void* ctx_;
+};
+
+class Socket {
+ public:
+  Socket(Context& ctx, int type, const std::string& routing_id = "");
+  ~Socket() { Close(); }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  void SetLinger(int ms);
+  void SetMaxMsgSize(int64_t bytes);
+  void Connect(const std::string& endpoint);
+  // Binds and returns the endpoint actually bound (port 0 picks one).
+  std::string Bind(const std::string& endpoint);
+  void Close();
+  void* get() { return sock_; }
+
+  // Receives one whole multipart message without blocking; false if none.
+  bool RecvFrames(std::vector<Msg>* frames);
+  // Sends frames; false (with errno in zmq_errno) if the peer is unknown.
+  bool SendFrames(std::vector<Msg>* frames);
+
+ private:
+  void* sock_;
+};
+
+// Builds the two frames of a message with a copied payload.
+std::vector<Msg> MakeFrames(const FrameHeader& header, const std::string& payload);
+std::vector<Msg> MakeFrames(const FrameHeader& header, Msg&& payload);
+
+// An eventfd that makes zmq_poll return when another thread has work.
+class Wakeup {
+ public:
+  Wakeup();
+  ~Wakeup();
+  void Notify();
+  void Drain();
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_TRANSPORT_H_

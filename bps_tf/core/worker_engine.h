@@ -1,0 +1,119 @@
+// The worker side of the core: one per process.
+//
+// An enqueued push_pull is matched with the other workers by name (the
+// scheduler checks that shapes and dtypes agree and assigns its partitions
+// to servers), cut into partitions, and queued by priority. One I/O thread
+// owns every socket: it sends partitions while the bytes in flight stay
+// under the credit (zero-copy from the caller's buffer), copies each summed
+// partition into the output, and calls `done` when the last one is back and
+// libzmq has released the input.
+#ifndef BPS_TF_CORE_WORKER_ENGINE_H_
+#define BPS_TF_CORE_WORKER_ENGINE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bps_api.h"
+#include "common.h"
+#include "transport.h"
+
+namespace bps {
+
+class WorkerEngine {
+ public:
+  static WorkerEngine& Get();
+
+  void Init(const Config& cfg);  // throws Error
+  void Shutdown();
+  bool initialized() const { return initialized_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+
+  void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
+               const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx);
+
+  struct TensorInfo;
+  struct Task;
+
+ private:
+  struct PartRef {
+    Task* task;
+    uint32_t part;
+  };
+  struct Order {
+    bool operator()(const PartRef& a, const PartRef& b) const;
+  };
+  enum class State { kIdle, kJoining, kReady, kFailed, kStopped };
+
+  void IoLoop();
+  void HandleControl(std::vector<Msg>& frames);
+  void HandleData(std::vector<Msg>& frames);
+  void OnWelcome(const Config& w);
+  void OnDeclared(uint64_t request_id, const Config& kv);
+  void SendReadyParts();
+  void FlushControl();
+  void SendControl(MsgType type, const std::string& payload, uint64_t request_id = 0);
+  void Fatal(const std::string& message, bool peer_failure = true);
+  void CheckTimers();
+  void Leave();
+
+  // Scheduling helpers; *_Locked run with mu_ held and never touch sockets.
+  bool ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>& info);
+  void FailTask(Task* task, const std::string& why);
+  void Release(Task* task, int count);
+  void Complete(Task* task);
+  static void FreePart(void* data, void* hint);
+
+  Config cfg_;
+  std::atomic<bool> initialized_{false};
+  bool local_mode_ = false;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  int num_servers_ = 0;
+  uint64_t partition_bytes_ = 4096000;
+  uint64_t credit_bytes_ = 0;
+  double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
+  std::string scheduler_endpoint_;
+
+  std::unique_ptr<Context> ctx_;
+  std::unique_ptr<Socket> control_;
+  std::vector<std::unique_ptr<Socket>> data_;
+  Wakeup wake_;
+  std::thread io_thread_;
+  std::atomic<bool> stop_requested_{false};
+
+  // Guarded by mu_.
+  std::mutex mu_;
+  std::condition_variable state_cv_;
+  State state_ = State::kIdle;
+  std::string fatal_;
+  std::set<std::string> names_in_flight_;
+  std::map<std::string, std::shared_ptr<TensorInfo>> tensors_;  // name|sig
+  std::map<std::string, std::vector<Task*>> declaring_;           // name|sig
+  std::map<uint64_t, std::string> request_sig_;
+  std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
+  std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_;
+  uint64_t next_seq_ = 0;
+  uint64_t next_request_ = 1;
+
+  // I/O thread only.
+  std::unordered_map<uint64_t, PartRef> in_flight_;  // partition key -> part
+  uint64_t credit_used_ = 0;
+  Clock::time_point last_heard_;
+  Clock::time_point last_beat_;
+  Clock::time_point join_started_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_WORKER_ENGINE_H_

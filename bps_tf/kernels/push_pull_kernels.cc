@@ -1,0 +1,139 @@
+// CPU kernels of BytepsPushPull and BytepsBroadcast: they only translate TF
+// tensors into the core's buffers and call `done` when the core finishes.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bps_api.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace bps_tf {
+
+using tensorflow::AsyncOpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+namespace {
+
+int CoreDType(tensorflow::DataType dt) {
+  switch (dt) {
+    case tensorflow::DT_HALF: return BPS_FLOAT16;
+    case tensorflow::DT_BFLOAT16: return BPS_BFLOAT16;
+    case tensorflow::DT_FLOAT: return BPS_FLOAT32;
+    case tensorflow::DT_DOUBLE: return BPS_FLOAT64;
+    case tensorflow::DT_INT32: return BPS_INT32;
+    case tensorflow::DT_INT64: return BPS_INT64;
+    default: return -1;
+  }
+}
+
+// Everything one asynchronous call needs until the core calls back; holding
+// the tensors keeps their buffers alive while the core reads and writes them.
+struct Pending {
+  OpKernelContext* ctx;
+  AsyncOpKernel::DoneCallback done;
+  Tensor input;
+  Tensor output;
+  Tensor zeros;
+};
+
+void OnDone(void* arg, int ok, const char* error) {
+  Pending* p = static_cast<Pending*>(arg);
+  if (!ok) {
+    std::string message = error ? error : "unknown error";
+    if (message.find("not initialized") != std::string::npos) {
+      p->ctx->SetStatus(tensorflow::errors::FailedPrecondition(message));
+    } else if (message.find("differs across workers") != std::string::npos) {
+      p->ctx->SetStatus(tensorflow::errors::InvalidArgument(message));
+    } else {
+      p->ctx->SetStatus(tensorflow::errors::Unavailable(message));
+    }
+  }
+  AsyncOpKernel::DoneCallback done = std::move(p->done);
+  delete p;
+  done();
+}
+
+void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* src) {
+  std::vector<int64_t> shape;
+  for (int i = 0; i < p->input.dims(); ++i) shape.push_back(p->input.dim_size(i));
+  bps_enqueue_push_pull(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
+                        static_cast<int>(shape.size()), src,
+                        const_cast<char*>(p->output.tensor_data().data()), priority, &OnDone, p);
+}
+
+}  // namespace
+
+class PushPullOp : public AsyncOpKernel {
+ public:
+  explicit PushPullOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
+    if (name_.empty()) name_ = def().name();
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& input = ctx->input(0);
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input.shape(), &output), done);
+    Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
+    Enqueue(name_, priority_, p, input.tensor_data().data());
+  }
+
+ private:
+  std::string name_;
+  tensorflow::int64 priority_ = 0;
+};
+
+class BroadcastOp : public AsyncOpKernel {
+ public:
+  explicit BroadcastOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+    OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
+    if (name_.empty()) name_ = def().name();
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& input = ctx->input(0);
+    if (bps_is_initialized()) {
+      OP_REQUIRES_ASYNC(ctx, root_rank_ >= 0 && root_rank_ < bps_size(),
+                        tensorflow::errors::InvalidArgument(
+                            "broadcast '", name_, "': root_rank ", root_rank_,
+                            " is outside [0, ", bps_size(), ")"),
+                        done);
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input.shape(), &output), done);
+    Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
+    const void* src = input.tensor_data().data();
+    // Broadcast is a sum in which every worker but the root adds zeros: exact
+    // for every dtype, and it reuses the whole push_pull path.
+    if (bps_is_initialized() && bps_rank() != root_rank_) {
+      tensorflow::Status s = ctx->allocate_temp(input.dtype(), input.shape(), &p->zeros);
+      if (!s.ok()) {
+        ctx->SetStatus(s);
+        DoneCallback d = std::move(p->done);
+        delete p;
+        d();
+        return;
+      }
+      std::memset(const_cast<char*>(p->zeros.tensor_data().data()), 0,
+                  p->zeros.tensor_data().size());
+      src = p->zeros.tensor_data().data();
+    }
+    Enqueue(name_, priority_, p, src);
+  }
+
+ private:
+  std::string name_;
+  tensorflow::int64 root_rank_ = 0;
+  tensorflow::int64 priority_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("BytepsPushPull").Device(tensorflow::DEVICE_CPU), PushPullOp);
+REGISTER_KERNEL_BUILDER(Name("BytepsBroadcast").Device(tensorflow::DEVICE_CPU), BroadcastOp);
+
+}  // namespace bps_tf

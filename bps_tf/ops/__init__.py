@@ -1,0 +1,67 @@
+"""TensorFlow ops of bps_tf: loading, Python wrappers and gradients.
+
+`push_pull_sum` sums a tensor across workers; `broadcast_raw` returns the
+root's value. Both run as asynchronous kernels on the core's engine.
+"""
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps
+
+from bps_tf import basics
+from bps_tf._loader import preload_libzmq
+
+OP_TYPES = ("BytepsPushPull", "BytepsBroadcast")
+
+
+def _load():
+    preload_libzmq()
+    basics.core()  # loads libbps_core.so once, shared with the op library
+    path = os.path.join(os.path.dirname(__file__), "libbps_tf_ops.so")
+    if not os.path.exists(path):
+        raise ImportError(
+            f"{path} is missing: build bps_tf with `pip install --no-build-isolation .` "
+            "or `python setup.py build_ext --inplace`")
+    return tf.load_op_library(path)
+
+
+_ops = _load()
+
+# Stateful ops are chained in program order by tf.function's automatic
+# control dependencies, which would serialise every push_pull of a step.
+# Listing them as asynchronous stateful ops (as TensorFlow does for its own
+# collectives) lets them overlap while keeping Grappler away from them.
+auto_control_deps.ASYNC_STATEFUL_OPS = frozenset(
+    set(auto_control_deps.ASYNC_STATEFUL_OPS) | set(OP_TYPES))
+
+
+def push_pull_sum(tensor, tensor_name: str, priority: int = 0):
+    """Sum of `tensor` over all workers (a copy when there is one)."""
+    return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority))
+
+
+def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):
+    """root_rank's value of `tensor`, on every worker."""
+    return _ops.byteps_broadcast(tensor, tensor_name=tensor_name, root_rank=int(root_rank),
+                                 priority=int(priority))
+
+
+@tf.RegisterGradient("BytepsPushPull")
+def _push_pull_grad(op, grad):
+    # The output is the sum of every worker's input, so each input's
+    # gradient is the sum of every worker's output gradient.
+    name = op.get_attr("tensor_name").decode() + "/grad"
+    return [push_pull_sum(grad, name, op.get_attr("priority"))]
+
+
+@tf.RegisterGradient("BytepsBroadcast")
+def _broadcast_grad(op, grad):
+    # Only the root's input reaches the output: it receives the summed
+    # gradient, the others none.
+    name = op.get_attr("tensor_name").decode() + "/grad"
+    summed = push_pull_sum(grad, name, op.get_attr("priority"))
+    if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
+        return [tf.zeros_like(summed)]
+    return [summed]

@@ -1,0 +1,38 @@
+// Op registrations. The ops are stateful so Grappler never folds, merges or
+// prunes them; the Python loader also lists them as asynchronous stateful ops
+// so tf.function does not chain them in program order (they overlap).
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace bps_tf {
+
+REGISTER_OP("BytepsPushPull")
+    .Input("tensor: T")
+    .Output("sum: T")
+    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("tensor_name: string")
+    .Attr("priority: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
+    .Doc(R"doc(
+Sums `tensor` across all bps_tf workers through the parameter servers.
+
+tensor_name: matches this tensor across workers; must be the same everywhere.
+priority: partitions of higher-priority tensors are sent first.
+)doc");
+
+REGISTER_OP("BytepsBroadcast")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("tensor_name: string")
+    .Attr("root_rank: int")
+    .Attr("priority: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
+    .Doc(R"doc(
+Returns root_rank's value of `tensor` on every worker.
+)doc");
+
+}  // namespace bps_tf
