@@ -1,0 +1,30 @@
+"""Runs a local bps_tf cluster with bpslaunch for tests and collects results."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(num_workers, num_servers, script_args, env=None, timeout=120):
+    """Runs `bpslaunch -np N --servers S python <script_args>`; returns the
+    CompletedProcess (output captured)."""
+    full_env = dict(os.environ)
+    full_env.pop("TF_CONFIG", None)
+    full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(num_workers), "--servers",
+           str(num_servers), sys.executable] + list(script_args)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def results(out_dir):
+    """rank -> the JSON a worker wrote."""
+    found = {}
+    for path in glob.glob(os.path.join(out_dir, "rank*.json")):
+        with open(path) as f:
+            found[int(os.path.basename(path)[4:-5])] = json.load(f)
+    return found

@@ -1,0 +1,102 @@
+"""The core engine across processes, with numpy workers (no TensorFlow).
+
+Each test launches one small local cluster with bpslaunch; numpy workers
+and servers start in well under a second.
+"""
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_runner import ROOT, launch, results  # noqa: E402
+
+CHECKS = os.path.join(ROOT, "tests", "workers", "engine_checks.py")
+PART = 64 * 1024  # small partitions keep "3 partitions + 1 byte" cheap
+
+
+def run_checks(tmp_path, mode, workers=3, servers=2, env=None, expect_ok=True):
+    out = str(tmp_path)
+    env = dict({"BYTEPS_PARTITION_BYTES": str(PART)}, **(env or {}))
+    proc = launch(workers, servers, [CHECKS, mode, out], env=env)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return results(out), proc
+
+
+def test_sums_exact_for_every_dtype_and_size(tmp_path):
+    res, _ = run_checks(tmp_path, "sums")
+    assert sorted(res) == [0, 1, 2]
+    for rank, r in res.items():
+        assert r["size"] == 3 and r["rank"] == rank
+        assert r["local_size"] == 3 and r["local_rank"] == rank
+        assert r["checked"] == 6 * 5 + 50
+        assert r["bad"] == []
+        assert r["stats"]["frames_dropped"] == 0
+
+
+def test_partitions_leave_in_priority_order_under_small_credit(tmp_path):
+    res, _ = run_checks(tmp_path, "priority", workers=2, servers=1,
+                        env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1"})
+    log = res[0]["send_log"]
+    assert len(log) == 12  # 6 tensors x 2 partitions
+    # The first partition leaves before the rest are queued; after it, every
+    # partition leaves in priority order (ties: older tensor first).
+    rest = [prio for _, _, prio in log[1:]]
+    assert rest == sorted(rest, reverse=True), log
+    assert sorted((name, part) for name, part, _ in log) == sorted(
+        (f"prio/{i}", p) for i in range(6) for p in range(2))
+    # The highest-priority tensor is entirely out within the first three sends.
+    assert [name for name, _, _ in log[:3]].count("prio/3") == 2, log
+
+
+def test_shape_mismatch_is_an_error_on_every_worker(tmp_path):
+    res, _ = run_checks(tmp_path, "mismatch", workers=2, servers=1)
+    for r in res.values():
+        err = r["error"]
+        assert err is not None
+        assert "'mismatch'" in err and "float32[3,4]" in err and "float32[4,3]" in err
+        assert r["after"] == [2.0] * 5  # other tensors still work
+        assert "twice" in r["twice_error"] and "in flight" in r["twice_error"]
+
+
+def test_a_slow_worker_never_mixes_rounds(tmp_path):
+    res, _ = run_checks(tmp_path, "rounds", workers=2, servers=2)
+    assert [r["bad_rounds"] for r in res.values()] == [0, 0]
+
+
+def test_async_mode_server_keeps_and_adds(tmp_path):
+    res, _ = run_checks(tmp_path, "async", workers=2, servers=1,
+                        env={"BYTEPS_ENABLE_ASYNC": "1"})
+    for r in res.values():
+        seen = r["seen"]
+        assert seen == sorted(seen) and seen[0] >= 1  # running totals
+        assert r["final"] == 10.0  # 2 workers x 5 pushes of ones
+
+
+def test_settings_disagreement_names_setting_and_both_values(tmp_path):
+    res, proc = run_checks(tmp_path, "settings", workers=2, servers=1,
+                           env={"BYTEPS_RENDEZVOUS_TIMEOUT": "20"}, expect_ok=False)
+    errors = [r["init_error"] for r in res.values()]
+    assert errors, proc.stderr
+    for err in errors:
+        assert "partition_bytes" in err and str(PART) in err and "1024" in err
+    assert proc.returncode != 0  # the server reports the failed job
+
+
+def test_zmq_constants_match_pyzmq():
+    zmq = pytest.importorskip("zmq")
+    with open(os.path.join(ROOT, "bps_tf", "core", "zmq_api.h")) as f:
+        text = f.read()
+    ours = {m.group(1): int(m.group(2))
+            for m in re.finditer(r"constexpr int k(\w+) = (\d+);", text)}
+    names = {"Dealer": zmq.DEALER, "Router": zmq.ROUTER, "DontWait": zmq.DONTWAIT,
+             "SndMore": zmq.SNDMORE, "PollIn": zmq.POLLIN, "PollOut": zmq.POLLOUT,
+             "RoutingId": zmq.ROUTING_ID, "SndBuf": zmq.SNDBUF, "RcvBuf": zmq.RCVBUF,
+             "Linger": zmq.LINGER, "MaxMsgSize": zmq.MAXMSGSIZE, "SndHwm": zmq.SNDHWM,
+             "RcvHwm": zmq.RCVHWM, "LastEndpoint": zmq.LAST_ENDPOINT,
+             "RouterMandatory": zmq.ROUTER_MANDATORY, "IoThreads": zmq.IO_THREADS}
+    for name, value in names.items():
+        assert ours[name] == int(value), name
+    assert ours["Hausnumero"] + 53 == int(zmq.ETERM)

@@ -1,0 +1,160 @@
+"""Engine checks run by each worker of a numpy-only cluster (no TensorFlow).
+
+Usage: engine_checks.py MODE OUT_DIR. Writes OUT_DIR/rank<r>.json with what
+this worker observed; tests/test_engine.py asserts on it.
+"""
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+
+if MODE == "settings":
+    # Worker 1 disagrees with the cluster on the partition size.
+    if os.environ.get("DMLC_WORKER_ID") == "1":
+        os.environ["BYTEPS_PARTITION_BYTES"] = "1024"
+
+from bps_tf import basics  # noqa: E402
+
+result = {}
+try:
+    basics.init()
+except Exception as exc:  # the test asserts on the message
+    result["init_error"] = str(exc)
+    with open(os.path.join(OUT, f"rank{os.environ['DMLC_WORKER_ID']}.json"), "w") as f:
+        json.dump(result, f)
+    sys.exit(0)
+
+core = basics.core()
+rank, size = basics.rank(), basics.size()
+result.update(rank=rank, size=size, local_rank=basics.local_rank(), local_size=basics.local_size())
+
+
+def dtype_of(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def start(name, array, priority=0):
+    out = np.empty_like(array)
+    dt = "bfloat16" if array.dtype.name == "bfloat16" else ""
+    return core.push_pull_async(name, array, out, priority, dt), out
+
+
+def check_sums():
+    part = int(os.environ["BYTEPS_PARTITION_BYTES"])
+    pending = []
+    for dname in ["float16", "bfloat16", "float32", "float64", "int32", "int64"]:
+        dt = dtype_of(dname)
+        sizes = [0, 1, 7, (1 << 20) // dt.itemsize, (3 * part + 1 + dt.itemsize - 1) // dt.itemsize]
+        for n in sizes:
+            # Integer values small enough to be exact in every dtype; they
+            # depend on the rank so a missing or doubled push shows.
+            base = (np.arange(n) % 7).astype(np.float64)
+            a = (base + rank + 1).astype(dt)
+            expect = (base * size + sum(r + 1 for r in range(size))).astype(dt)
+            h, out = start(f"sum/{dname}/{n}", a)
+            pending.append((dname, n, h, out, expect))
+    # 50 more in flight at once, all different sizes and priorities.
+    for i in range(50):
+        a = np.full(1000 + 37 * i, float(rank * 100 + i), dtype=np.float32)
+        expect = np.full_like(a, sum(r * 100 + i for r in range(size)))
+        h, out = start(f"flight/{i}", a, priority=random.Random(i).randint(-5, 5))
+        pending.append(("flight", i, h, out, expect))
+    bad = []
+    for dname, n, h, out, expect in pending:
+        h.wait(60)
+        if out.tobytes() != expect.tobytes():
+            bad.append(f"{dname}/{n}")
+    result["checked"] = len(pending)
+    result["bad"] = bad
+
+
+def check_priority():
+    # Worker 1 holds back, so worker 0's queue fills and the credit (one
+    # partition) makes the order visible: after the first partition, the
+    # highest priority must leave first.
+    part = int(os.environ["BYTEPS_PARTITION_BYTES"])
+    count = part // 4
+    if rank == 1:
+        time.sleep(1.0)
+    handles = []
+    for i, prio in enumerate([0, 3, -2, 7, 5, 1]):
+        a = np.full(count * 2, float(rank + i), dtype=np.float32)  # two partitions each
+        handles.append(start(f"prio/{i}", a, prio))
+    for h, _ in handles:
+        h.wait(60)
+    result["send_log"] = basics.debug_send_log()
+
+
+def check_mismatch():
+    shape = (3, 4) if rank == 0 else (4, 3)
+    h, _ = start("mismatch", np.zeros(shape, np.float32))
+    try:
+        h.wait(60)
+        result["error"] = None
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    # The engine keeps working for other tensors after the error.
+    h, out = start("after_mismatch", np.ones(5, np.float32))
+    h.wait(60)
+    result["after"] = out.tolist()
+    # The same name in flight twice is refused at once.
+    a = np.ones(10, np.float32)
+    h1, _ = start("twice", a)
+    h2, _ = start("twice", a)
+    try:
+        h2.wait(60)
+        result["twice_error"] = None
+    except RuntimeError as exc:
+        result["twice_error"] = str(exc)
+    h1.wait(60)
+
+
+def check_rounds():
+    # Many rounds of one name while one worker is irregularly slow: each
+    # round's sum must be that round's, never a neighbour's.
+    rng = random.Random(rank)
+    bad = 0
+    for r in range(150):
+        if rank == 1 and rng.random() < 0.2:
+            time.sleep(0.01)
+        a = np.full(50000, float(r * 10 + rank), dtype=np.float64)
+        h, out = start("rounds", a)
+        h.wait(60)
+        if not (out == sum(r * 10 + k for k in range(size))).all():
+            bad += 1
+    result["bad_rounds"] = bad
+
+
+def check_async():
+    # The server keeps the value: every push adds to it and the reply is the
+    # stored value, without waiting for the other workers.
+    seen = []
+    for _ in range(5):
+        h, out = start("async", np.ones(8, np.float32))
+        h.wait(60)
+        seen.append(float(out[0]))
+    final = seen[-1]
+    deadline = time.time() + 20
+    while final < 5 * size and time.time() < deadline:
+        h, out = start("async", np.zeros(8, np.float32))
+        h.wait(60)
+        final = float(out[0])
+        time.sleep(0.05)
+    result["seen"] = seen
+    result["final"] = final
+
+
+{"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
+ "rounds": check_rounds, "async": check_async}[MODE]()
+result["stats"] = {k: v for k, v in basics.stats().items() if k != "send_log"}
+with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+basics.shutdown()
