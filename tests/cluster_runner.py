@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,8 +18,10 @@ def launch(num_workers, num_servers, script_args, env=None, timeout=120):
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(num_workers), "--servers",
            str(num_servers), sys.executable] + list(script_args)
+    # Run from a neutral directory: `python -m` puts the working directory on
+    # sys.path, and the source tree must not shadow the installed package.
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+                          cwd=tempfile.gettempdir())
 
 
 def results(out_dir):
