@@ -54,6 +54,9 @@ SETTINGS = (
     Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
             "Seconds one push_pull may wait for the other workers before it "
             "fails (0: no limit; dead peers are caught by BYTEPS_TIMEOUT)."),
+    Setting("BYTEPS_FATAL_EXIT_GRACE", "fatal_exit_s", "15", float,
+            "After a peer failure, seconds a worker waits for the program to "
+            "react to the error before it exits with code 1 (0: never)."),
     Setting("BYTEPS_HEARTBEAT_INTERVAL", "heartbeat_s", "1", float,
             "Seconds between heartbeats each node sends to the scheduler."),
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,

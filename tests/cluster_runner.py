@@ -16,8 +16,10 @@ def launch(num_workers, num_servers, script_args, env=None, timeout=120):
     full_env.pop("TF_CONFIG", None)
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     full_env.update(env or {})
+    # The launcher's own timeout stops the job in order (and names it) before
+    # subprocess.run's hard limit would kill the launcher.
     cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(num_workers), "--servers",
-           str(num_servers), sys.executable] + list(script_args)
+           str(num_servers), "--timeout", str(max(timeout - 15, 10)), sys.executable] + list(script_args)
     # Run from a neutral directory: `python -m` puts the working directory on
     # sys.path, and the source tree must not shadow the installed package.
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout,

@@ -46,6 +46,8 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   }
 }
 
+void bps_debug_pause_sends(int paused) { bps::WorkerEngine::Get().PauseSends(paused != 0); }
+
 int bps_server_run(const char* config, char* err, size_t err_len) {
   std::string error;
   int code = bps::RunServerNode(bps::Config::Parse(config ? config : ""), &error);

@@ -50,6 +50,10 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape,
 // ends. Returns the process exit code; a message in err when non-zero.
 int bps_server_run(const char* config, char* err, size_t err_len);
 
+// Holds (1) or releases (0) this worker's queued partitions; lets tests and
+// diagnostics observe the scheduling order.
+void bps_debug_pause_sends(int paused);
+
 // Counters and the debug send log, as JSON. Returns the length needed.
 size_t bps_stats_json(char* buf, size_t len);
 

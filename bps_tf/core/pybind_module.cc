@@ -109,6 +109,7 @@ PYBIND11_MODULE(_core, m) {
     std::string err = CallWithError(&bps_server_run, config, &code);
     return py::make_tuple(code, err);
   });
+  m.def("debug_pause_sends", [](bool paused) { bps_debug_pause_sends(paused ? 1 : 0); });
   m.def("stats_json", [] {
     size_t need = bps_stats_json(nullptr, 0);
     std::string buf(need, '\0');

@@ -257,6 +257,14 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   wake_.Notify();
 }
 
+void WorkerEngine::PauseSends(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sends_paused_ = paused;
+  }
+  wake_.Notify();
+}
+
 bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>& info) {
   task->info = info;
   task->round = info->next_round++;
@@ -296,9 +304,25 @@ void WorkerEngine::Complete(Task* task) {
   delete task;
 }
 
+namespace {
+// What libzmq hands back when it no longer needs a partition's bytes.
+struct SentPart {
+  WorkerEngine::Task* task;
+  uint64_t bytes;
+};
+}  // namespace
+
 void WorkerEngine::FreePart(void*, void* hint) {
-  Task* task = static_cast<Task*>(hint);
-  WorkerEngine::Get().Release(task, 1);
+  SentPart* sent = static_cast<SentPart*>(hint);
+  WorkerEngine& engine = WorkerEngine::Get();
+  // The credit counts bytes not yet taken by the kernel: it keeps libzmq's
+  // queue short so urgent partitions can overtake, without waiting for the
+  // other workers (which could deadlock if workers chose different orders).
+  engine.credit_released_ += sent->bytes;
+  engine.wake_.Notify();
+  Task* task = sent->task;
+  delete sent;
+  engine.Release(task, 1);
 }
 
 void WorkerEngine::SendControl(MsgType type, const std::string& payload, uint64_t request_id) {
@@ -337,9 +361,10 @@ void WorkerEngine::SendReadyParts() {
         continue;
       }
       uint64_t len = p.task->PartLength(p.part);
-      if (credit_used_ > 0 && credit_used_ + len > credit_bytes_) break;
+      uint64_t in_flight = credit_handed_ - credit_released_.load();
+      if (sends_paused_ || (in_flight > 0 && in_flight + len > credit_bytes_)) break;
       ready_.pop();
-      credit_used_ += len;
+      credit_handed_ += len;
       to_send.push_back(p);
     }
   }
@@ -357,7 +382,8 @@ void WorkerEngine::SendReadyParts() {
     h.dtype = static_cast<uint16_t>(t->dtype);
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
-    auto frames = MakeFrames(h, Msg(const_cast<char*>(t->in) + off, len, &FreePart, t));
+    auto frames = MakeFrames(h, Msg(const_cast<char*>(t->in) + off, len, &FreePart,
+                                    new SentPart{t, len}));
     int server = t->info->servers[p.part];
     if (!data_[static_cast<size_t>(server)]->SendFrames(&frames)) {
       std::string why = "sending to server " + std::to_string(server) + " failed: " +
@@ -391,7 +417,6 @@ void WorkerEngine::HandleData(std::vector<Msg>& frames) {
   Task* t = p.task;
   uint64_t len = t->PartLength(p.part);
   in_flight_.erase(it);
-  credit_used_ -= len;
   if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && frames[1].size() == len) {
     std::memcpy(t->out + t->PartOffset(p.part), frames[1].data(), len);
     Stats::Get().bytes_received += len;
@@ -523,7 +548,6 @@ void WorkerEngine::Fatal(const std::string& message, bool peer_failure) {
     abandoned.push_back(kv.second.task);
   }
   in_flight_.clear();
-  credit_used_ = 0;
   std::vector<Task*> unsent;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -40,6 +40,9 @@ class WorkerEngine {
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
 
+  // Holds partitions in the queue (for tests and diagnostics of the order).
+  void PauseSends(bool paused);
+
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx);
 
@@ -73,7 +76,7 @@ class WorkerEngine {
   void FailTask(Task* task, const std::string& why);
   void Release(Task* task, int count);
   void Complete(Task* task);
-  static void FreePart(void* data, void* hint);
+  static void FreePart(void* data, void* hint);  // libzmq's release callback
 
   Config cfg_;
   std::atomic<bool> initialized_{false};
@@ -106,9 +109,14 @@ class WorkerEngine {
   uint64_t next_seq_ = 0;
   uint64_t next_request_ = 1;
 
+  bool sends_paused_ = false;
+
+  // Credit: bytes handed to libzmq (I/O thread) minus bytes it released.
+  uint64_t credit_handed_ = 0;
+  std::atomic<uint64_t> credit_released_{0};
+
   // I/O thread only.
   std::unordered_map<uint64_t, PartRef> in_flight_;  // partition key -> part
-  uint64_t credit_used_ = 0;
   Clock::time_point last_heard_;
   Clock::time_point last_beat_;
   Clock::time_point join_started_;

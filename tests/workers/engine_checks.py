@@ -77,20 +77,23 @@ def check_sums():
 
 
 def check_priority():
-    # Worker 1 holds back, so worker 0's queue fills and the credit (one
-    # partition) makes the order visible: after the first partition, the
-    # highest priority must leave first.
+    # Round 1 declares the tensors; in round 2 worker 0 queues every
+    # partition while sends are held, so their order is decided by the
+    # priority queue alone, then released under a one-partition credit.
     part = int(os.environ["BYTEPS_PARTITION_BYTES"])
-    count = part // 4
-    if rank == 1:
-        time.sleep(1.0)
-    handles = []
-    for i, prio in enumerate([0, 3, -2, 7, 5, 1]):
-        a = np.full(count * 2, float(rank + i), dtype=np.float32)  # two partitions each
-        handles.append(start(f"prio/{i}", a, prio))
-    for h, _ in handles:
-        h.wait(60)
-    result["send_log"] = basics.debug_send_log()
+    priorities = [0, 3, -2, 7, 5, 1]
+    for round_ in range(2):
+        if rank == 0 and round_ == 1:
+            core.debug_pause_sends(True)
+        handles = []
+        for i, prio in enumerate(priorities):
+            a = np.full(part // 2, float(rank + i), dtype=np.float32)  # two partitions each
+            handles.append(start(f"prio/{i}", a, prio))
+        if rank == 0 and round_ == 1:
+            core.debug_pause_sends(False)
+        for h, _ in handles:
+            h.wait(60)
+    result["send_log"] = basics.debug_send_log()[-2 * len(priorities):]
 
 
 def check_mismatch():
