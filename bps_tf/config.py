@@ -61,6 +61,11 @@ SETTINGS = (
             "Seconds between heartbeats each node sends to the scheduler."),
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
+    Setting("BYTEPS_JOB_TOKEN", "job_token", "", str,
+            "Per-job secret: every frame carries an HMAC-SHA256 of its header "
+            "keyed by it, and frames without the right one are dropped. "
+            "bpslaunch generates one for local clusters; set the same value "
+            "on every node of a multi-host job. Empty: no authentication."),
     Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "auth.h"
+
 namespace bps {
 
 FrameHeader MakeHeader(MsgType type, Role role, int32_t sender) {
@@ -32,6 +34,7 @@ std::string ValidateHeader(const void* data, size_t size, size_t payload_size) {
     return "header declares " + std::to_string(h.payload_bytes) + " payload bytes but " +
            std::to_string(payload_size) + " arrived";
   }
+  if (!HeaderAuthentic(data)) return "bad authenticator (BYTEPS_JOB_TOKEN differs or is missing)";
   return "";
 }
 

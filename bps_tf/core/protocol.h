@@ -46,7 +46,7 @@ struct FrameHeader {
   uint64_t round;        // how many times this worker pushed this key before
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
-  uint8_t reserved[16];  // zero; room for a frame authenticator
+  uint8_t mac[16];       // authenticator (auth.h); zero when auth is off
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");

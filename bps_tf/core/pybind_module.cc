@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "auth.h"
 #include "bps_api.h"
 
 namespace py = pybind11;
@@ -108,6 +109,12 @@ PYBIND11_MODULE(_core, m) {
     int code = 0;
     std::string err = CallWithError(&bps_server_run, config, &code);
     return py::make_tuple(code, err);
+  });
+  m.def("hmac_sha256", [](const std::string& key, const py::bytes& data) {
+    std::string d = data;
+    uint8_t out[32];
+    bps::HmacSha256(key, d.data(), d.size(), out);
+    return py::bytes(reinterpret_cast<const char*>(out), 32);
   });
   m.def("debug_pause_sends", [](bool paused) { bps_debug_pause_sends(paused ? 1 : 0); });
   m.def("stats_json", [] {

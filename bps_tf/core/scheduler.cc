@@ -250,6 +250,21 @@ void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, con
   std::string name = kv.Get("name");
   std::string sig = kv.Get("sig");
   int rank = nodes_[identity].id;
+  int64_t bytes = kv.GetInt("bytes", -1);
+  size_t elem = DTypeSize(h.dtype);
+  std::string invalid;
+  if (name.empty() || elem == 0 || bytes < 0 || bytes % static_cast<int64_t>(elem) != 0) {
+    invalid = "malformed declaration of tensor '" + name + "'";
+  } else if (static_cast<uint64_t>(bytes) / static_cast<uint64_t>(partition_bytes_) >= kMaxParts) {
+    invalid = "tensor '" + name + "' (" + std::to_string(bytes) + " bytes) needs more than " +
+              std::to_string(kMaxParts) + " partitions; raise BYTEPS_PARTITION_BYTES";
+  }
+  if (!invalid.empty()) {
+    Config c;
+    c.Set("error", invalid);
+    out->push_back(Reply(identity, MsgType::kDeclared, c.Serialize(), h.request_id));
+    return;
+  }
   auto encode = [](const Assignment& a) {
     Config c;
     c.Set("key", std::to_string(a.key));
@@ -290,8 +305,7 @@ void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, con
     payload = c.Serialize();
   } else {
     int dtype = static_cast<int>(h.dtype);
-    uint64_t bytes = static_cast<uint64_t>(kv.GetInt("bytes", 0));
-    Assignment a = Assign(name, first_sig, dtype, bytes);
+    Assignment a = Assign(name, first_sig, dtype, static_cast<uint64_t>(bytes));
     assigned_[name + "|" + first_sig] = a;
     payload = encode(a);
   }

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "auth.h"
 #include "scheduler.h"
 #include "stats.h"
 #include "sum_engine.h"
@@ -77,6 +78,7 @@ class ServerNode {
 
  private:
   void HandleRouter(std::vector<Msg>& frames);
+  void HandleRouterFrames(std::vector<Msg>& frames);
   void HandleControl(std::vector<Msg>& frames);
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies();
@@ -142,6 +144,17 @@ void ServerNode::SendReplies() {
 }
 
 void ServerNode::HandleRouter(std::vector<Msg>& frames) {
+  // Nothing a peer sends may stop the server: a frame that fails any check
+  // is dropped and counted.
+  try {
+    HandleRouterFrames(frames);
+  } catch (const std::exception& e) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kDebug, "dropped a frame: " << e.what());
+  }
+}
+
+void ServerNode::HandleRouterFrames(std::vector<Msg>& frames) {
   if (frames.size() != 3) {
     Stats::Get().frames_dropped++;
     return;
@@ -317,6 +330,10 @@ int ServerNode::Run(std::string* error) {
   }
   // Flush the last replies (e.g. the shutdown notices) before closing.
   SendReplies();
+  uint64_t dropped = Stats::Get().frames_dropped;
+  if (dropped) {
+    BPS_LOG(kWarning, "dropped " << dropped << " malformed or unauthenticated frames");
+  }
   engine_.reset();
   if (scheduler_ && is_server_ && exit_code_ == 0) {
     // The scheduler host lingers until its Shutdown notices are out.
@@ -332,6 +349,7 @@ int ServerNode::Run(std::string* error) {
 
 int RunServerNode(const Config& cfg, std::string* error) {
   SetLogLevel(cfg.Get("log_level", "WARNING"));
+  SetJobToken(cfg.Get("job_token"));
   try {
     ServerNode node(cfg);
     return node.Run(error);

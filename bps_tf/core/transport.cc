@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "auth.h"
 #include "common.h"
 
 namespace bps {
@@ -128,6 +129,7 @@ bool Socket::SendFrames(std::vector<Msg>* frames) {
 std::vector<Msg> MakeFrames(const FrameHeader& header, const std::string& payload) {
   FrameHeader h = header;
   h.payload_bytes = payload.size();
+  SealHeader(&h);
   std::vector<Msg> frames;
   frames.emplace_back(&h, sizeof(h));
   frames.emplace_back(payload.data(), payload.size());
@@ -137,6 +139,7 @@ std::vector<Msg> MakeFrames(const FrameHeader& header, const std::string& payloa
 std::vector<Msg> MakeFrames(const FrameHeader& header, Msg&& payload) {
   FrameHeader h = header;
   h.payload_bytes = payload.size();
+  SealHeader(&h);
   std::vector<Msg> frames;
   frames.emplace_back(&h, sizeof(h));
   frames.push_back(std::move(payload));

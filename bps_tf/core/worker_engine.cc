@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "auth.h"
 #include "stats.h"
 
 namespace bps {
@@ -77,6 +78,7 @@ void WorkerEngine::Init(const Config& cfg) {
   local_rank_ = 0;
   local_size_ = 1;
   SetLogIdentity("worker " + std::to_string(rank_));
+  SetJobToken(cfg.Get("job_token"));
   fatal_.clear();
   Stats::Get().send_log_on = cfg.GetInt("send_log", 0) != 0;
 
@@ -137,7 +139,8 @@ void WorkerEngine::Init(const Config& cfg) {
                         : "could not meet the cluster at the scheduler " + scheduler_endpoint_ +
                               " within " + std::to_string(static_cast<int>(rendezvous_s)) +
                               " s: not every worker and server joined (BYTEPS_RENDEZVOUS_TIMEOUT; "
-                              "check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT and that all nodes started)";
+                              "check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, that all nodes started, "
+                              "and that BYTEPS_JOB_TOKEN is the same on every node)";
   lock.unlock();
   stop_requested_ = true;
   wake_.Notify();

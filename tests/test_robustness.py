@@ -1,0 +1,165 @@
+"""No hangs, no silent wrong sums, no uninvited pushes (numpy workers)."""
+import json
+import os
+import random
+import socket
+import struct
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from manual_cluster import ROOT, ManualCluster, rss_mb  # noqa: E402
+
+WORKER = os.path.join(ROOT, "tests", "workers", "robust_worker.py")
+PART = 64 * 1024
+FAST_FAILURE = {"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
+                "BYTEPS_FATAL_EXIT_GRACE": "2", "BYTEPS_PARTITION_BYTES": str(PART)}
+
+
+def wait_joined(tmp_path, n, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if all(os.path.exists(tmp_path / f"joined{r}") for r in range(n)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("workers did not join")
+
+
+@pytest.mark.parametrize("victim", ["server1", "worker1", "server0"])
+def test_a_dead_peer_stops_every_process_with_its_name(tmp_path, victim):
+    with ManualCluster(2, 2, [WORKER, "loop", str(tmp_path)], env=FAST_FAILURE) as c:
+        wait_joined(tmp_path, 2)
+        time.sleep(0.5)
+        procs = {"server0": c.servers[0], "server1": c.servers[1],
+                 "worker0": c.workers[0], "worker1": c.workers[1]}
+        killed = time.time()
+        os.killpg(procs[victim].pid, 9)
+        procs[victim].wait()
+        survivors = {k: p for k, p in procs.items() if k != victim}
+        assert c.wait_all(survivors.values(), timeout=30), "a survivor hung"
+        elapsed = time.time() - killed
+        assert elapsed < 15
+        for name, p in survivors.items():
+            assert p.returncode != 0, f"{name} exited 0 after {victim} died"
+        expect = {"server1": "server 1", "worker1": "worker 1",
+                  "server0": "lost contact with the scheduler"}[victim]
+        assert expect in c.log("worker0"), c.log("worker0")
+
+
+def test_an_idle_worker_exits_when_a_peer_dies(tmp_path):
+    with ManualCluster(2, 1, [WORKER, "idle", str(tmp_path)], env=FAST_FAILURE) as c:
+        wait_joined(tmp_path, 2)
+        os.killpg(c.workers[1].pid, 9)
+        c.workers[1].wait()
+        assert c.wait_all([c.workers[0], c.servers[0]], timeout=20)
+        assert c.workers[0].returncode == 1
+        assert "worker 1" in c.log("worker0")
+
+
+def _hostile_frames(port, count, seed):
+    """Random, truncated, oversized and unauthenticated frames at a server."""
+    zmq = pytest.importorskip("zmq")
+    rng = random.Random(seed)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    magic, version = 0x31535042, 1
+    for i in range(count):
+        kind = i % 6
+        if kind == 0:  # random bytes, random frame count
+            frames = [rng.randbytes(rng.randint(0, 200)) for _ in range(rng.randint(1, 4))]
+        elif kind == 1:  # truncated header
+            frames = [struct.pack("<IHH", magic, version, 7)[: rng.randint(0, 8)], b""]
+        elif kind == 2:  # a well-formed push claiming many GiB, no authenticator
+            hdr = struct.pack("<IHHiHHQQQQ16s", magic, version, 7, rng.randint(0, 1), 0, 2,
+                              rng.getrandbits(64), 0, 0, 40 << 30, b"\0" * 16)
+            frames = [hdr, rng.randbytes(64)]
+        elif kind == 3:  # consistent sizes, forged authenticator
+            payload = rng.randbytes(rng.randint(0, 4096))
+            hdr = struct.pack("<IHHiHHQQQQ16s", magic, version, rng.choice([1, 5, 7, 9, 11]),
+                              rng.randint(-1, 3), rng.randint(0, 3), rng.randint(0, 9),
+                              rng.getrandbits(64), rng.getrandbits(8), 0, len(payload),
+                              rng.randbytes(16))
+            frames = [hdr, payload]
+        elif kind == 4:  # right size, random contents
+            frames = [rng.randbytes(64), rng.randbytes(rng.randint(0, 300))]
+        else:  # more than the server accepts in one frame
+            frames = [b"\0" * 64, b"\0" * (PART + 8192)] if i % 60 == 5 else [b"x" * 64]
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+    # Plain TCP garbage too (not even ZMTP).
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(rng.randbytes(rng.randint(1, 5000)))
+
+
+def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path):
+    env = dict(FAST_FAILURE, BYTEPS_TIMEOUT="30", BYTEPS_LOG_LEVEL="WARNING")
+    with ManualCluster(2, 1, [WORKER, "exact", str(tmp_path), "400"], env=env) as c:
+        wait_joined(tmp_path, 2)
+        rss_before = rss_mb(c.servers[0].pid)
+        _hostile_frames(c.port, 10000, seed=7)
+        rss_after = rss_mb(c.servers[0].pid)
+        assert c.wait_all(c.workers, timeout=120)
+        assert [w.returncode for w in c.workers] == [0, 0]
+        for r in range(2):
+            with open(tmp_path / f"rank{r}.json") as f:
+                assert json.load(f)["bad"] == []
+        assert c.wait_all(c.servers, timeout=20)
+        assert c.servers[0].returncode == 0
+        log = c.log("server0")
+        dropped = int(log.split("dropped ")[1].split()[0])
+        assert dropped >= 9000, log
+        assert rss_after - rss_before < 100, (rss_before, rss_after)
+
+
+def test_a_worker_without_the_token_cannot_join(tmp_path):
+    env = dict(FAST_FAILURE, BYTEPS_RENDEZVOUS_TIMEOUT="4")
+    with ManualCluster(2, 1, [WORKER, "loop", str(tmp_path)], env=env) as c:
+        # Replace worker 1 by one holding another token.
+        os.killpg(c.workers[1].pid, 9)
+        c.workers[1].wait()
+        c.base["BYTEPS_JOB_TOKEN"] = "not-the-job-token"
+        c.workers[1] = c._start("intruder", [sys.executable, WORKER, "loop", str(tmp_path)],
+                                {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1",
+                                 "DMLC_PS_ROOT_PORT": str(c.port)})
+        assert c.wait_all([c.workers[1]], timeout=30)
+        assert c.workers[1].returncode != 0
+        assert "could not meet the cluster" in c.log("intruder")
+        assert not os.path.exists(tmp_path / "joined1")
+
+
+def test_a_taken_port_is_a_clear_error(tmp_path):
+    import subprocess
+    import tempfile
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = dict(os.environ, DMLC_ROLE="server", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
+                   BYTEPS_SERVER_ID="0", BYTEPS_HOST_SCHEDULER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                   DMLC_PS_ROOT_PORT=str(port), BYTEPS_BIND_HOST="127.0.0.1")
+        env.pop("TF_CONFIG", None)
+        proc = subprocess.run([sys.executable, "-m", "bps_tf.server"], env=env, timeout=30,
+                              capture_output=True, text=True, cwd=tempfile.gettempdir())
+    assert proc.returncode != 0
+    assert "port already taken" in proc.stderr and str(port) in proc.stderr, proc.stderr
+
+
+def test_soak_short_exact_and_memory_flat(tmp_path):
+    env = {"BYTEPS_PARTITION_BYTES": str(PART)}
+    with ManualCluster(4, 2, [WORKER, "exact", str(tmp_path), "1000"], env=env) as c:
+        assert c.wait_all(c.workers, timeout=240)
+        assert [w.returncode for w in c.workers] == [0, 0, 0, 0]
+        for r in range(4):
+            with open(tmp_path / f"rank{r}.json") as f:
+                res = json.load(f)
+            assert res["bad"] == []
+            assert res["rss"]["end"] - res["rss"]["warm"] < 30, res["rss"]
+        assert c.wait_all(c.servers, timeout=20)
+        assert [s.returncode for s in c.servers] == [0, 0]

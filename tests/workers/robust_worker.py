@@ -1,0 +1,72 @@
+"""Worker for the robustness tests (numpy, no TensorFlow).
+
+Usage: robust_worker.py MODE OUT_DIR [N]
+  loop   push_pull until an error, then exit 3 with the error on stderr
+  idle   join, then sleep (never calls push_pull again)
+  exact  N rounds of random sizes/dtypes, all checked; writes rank<r>.json
+"""
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+from bps_tf import basics
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+N = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+
+
+basics.init()
+core = basics.core()
+rank, size = basics.rank(), basics.size()
+open(os.path.join(OUT, f"joined{rank}"), "w").close()
+
+if MODE == "loop":
+    i = 0
+    try:
+        while True:
+            a = np.full(100000, 1.0, np.float32)
+            out = np.empty_like(a)
+            core.push_pull_async(f"loop{i % 3}", a, out, 0, "").wait(120)
+            i += 1
+    except RuntimeError as exc:
+        print(f"push_pull failed: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+if MODE == "idle":
+    time.sleep(300)
+    sys.exit(0)
+
+if MODE == "exact":
+    part = int(os.environ["BYTEPS_PARTITION_BYTES"])
+    rng = random.Random(1234)  # same sequence on every worker
+    bad, rss = [], {}
+    for i in range(N):
+        dname = rng.choice(DTYPES)
+        dt = np.dtype(dname)
+        count = rng.randint(0, (3 * part) // dt.itemsize)
+        name = f"soak/{i % 40}/{dname}/{count}"
+        base = (np.arange(count) % 5).astype(dt)
+        a = base + dt.type(rank + 1)
+        out = np.empty_like(a)
+        core.push_pull_async(name, a, out, rng.randint(-3, 3), "").wait(120)
+        expect = base * dt.type(size) + dt.type(size * (size + 1) // 2)
+        if out.tobytes() != expect.tobytes():
+            bad.append(i)
+        if i == N // 5:
+            rss["warm"] = rss_mb()
+    rss["end"] = rss_mb()
+    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+        json.dump({"bad": bad, "rss": rss, "stats": basics.stats()}, f)
+    basics.shutdown()
