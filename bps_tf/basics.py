@@ -45,9 +45,25 @@ def init(environ=None) -> None:
     values = dict(config.core_settings(environ))
     values.update(spec.core_values())
     c.worker_init(config.to_core_text(values))
+    _configure_logging(values.get("log_level", "WARNING"), c.rank())
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+
+
+def _configure_logging(level: str, rank: int) -> None:
+    # One level for the core and Python (BYTEPS_LOG_LEVEL), and the rank in
+    # every line, as the core writes its own lines.
+    fmt = logging.Formatter(f"[%(asctime)s %(levelname)s bps_tf worker {rank}] %(message)s",
+                            datefmt="%H:%M:%S")
+    handler = next((h for h in log.handlers if getattr(h, "_bps_tf", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler._bps_tf = True
+        log.addHandler(handler)
+        log.propagate = False
+    handler.setFormatter(fmt)
+    log.setLevel(getattr(logging, str(level).upper(), logging.WARNING))
 
 
 def shutdown() -> None:

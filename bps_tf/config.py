@@ -66,6 +66,15 @@ SETTINGS = (
             "keyed by it, and frames without the right one are dropped. "
             "bpslaunch generates one for local clusters; set the same value "
             "on every node of a multi-host job. Empty: no authentication."),
+    Setting("BYTEPS_TRACE_ON", "trace_on", "0", _bool,
+            "Write a timeline (Chrome trace / Perfetto JSON) per worker: one "
+            "event per tensor and per partition per stage."),
+    Setting("BYTEPS_TRACE_DIR", "trace_dir", ".", str,
+            "Folder for the timeline files bps_trace_rank<r>.json."),
+    Setting("BYTEPS_TRACE_START_STEP", "trace_start_step", "0", _int,
+            "First step recorded; a step is one push_pull of a tensor."),
+    Setting("BYTEPS_TRACE_END_STEP", "trace_end_step", "20", _int,
+            "Last step recorded (-1: no limit; memory grows with the steps)."),
     Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,

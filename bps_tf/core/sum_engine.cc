@@ -136,7 +136,10 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.sum = std::move(job.payload);  // adopt the first push's buffer: no copy
     st.has_sum = true;
   } else {
+    auto begin = Clock::now();
     SumInto(st.dtype, st.sum.data(), job.payload.data(), count);
+    st.sum_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
   if (++st.count < num_workers_) return;
 
@@ -145,8 +148,10 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     r.header.key = job.key;
     r.header.round = st.round;
     r.header.dtype = static_cast<uint16_t>(st.dtype);
+    r.header.request_id = st.sum_ns / 1000;  // read by the worker's timeline
     replies->push_back(std::move(r));
   }
+  st.sum_ns = 0;
   st.sum = Msg();
   st.has_sum = false;
   st.count = 0;

@@ -50,6 +50,7 @@ class SumEngine {
     std::vector<bool> pushed;
     bool has_sum = false;
     Msg sum;
+    uint64_t sum_ns = 0;  // time spent adding this round (reported to workers)
     std::deque<PushJob> early;  // pushes for the next round, kept in order
   };
   struct Lane {

@@ -7,6 +7,7 @@
 
 #include "auth.h"
 #include "stats.h"
+#include "trace.h"
 
 namespace bps {
 
@@ -37,6 +38,8 @@ struct WorkerEngine::Task {
   std::mutex error_mu;
   std::string error;
   Clock::time_point start = Clock::now();
+  Clock::time_point scheduled{};
+  std::vector<PartTimes> times;  // filled only when this round is traced
 
   uint64_t PartOffset(uint32_t part) const { return part * info->part_bytes; }
   uint64_t PartLength(uint32_t part) const {
@@ -79,6 +82,8 @@ void WorkerEngine::Init(const Config& cfg) {
   local_size_ = 1;
   SetLogIdentity("worker " + std::to_string(rank_));
   SetJobToken(cfg.Get("job_token"));
+  Trace::Get().Configure(cfg.GetInt("trace_on", 0) != 0, cfg.Get("trace_dir", "."), rank_,
+                         cfg.GetInt("trace_start_step", 0), cfg.GetInt("trace_end_step", 20));
   fatal_.clear();
   Stats::Get().send_log_on = cfg.GetInt("send_log", 0) != 0;
 
@@ -271,7 +276,9 @@ void WorkerEngine::PauseSends(bool paused) {
 bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>& info) {
   task->info = info;
   task->round = info->next_round++;
+  task->scheduled = Clock::now();
   size_t parts = info->servers.size();
+  if (Trace::Get().Wants(task->round)) task->times.resize(parts);
   task->remaining = static_cast<int>(2 * parts);
   for (uint32_t p = 0; p < parts; ++p) ready_.push(PartRef{task, p});
   return parts == 0;
@@ -297,6 +304,10 @@ void WorkerEngine::Complete(Task* task) {
     std::lock_guard<std::mutex> lock(task->error_mu);
     error = task->error;
   }
+  if (error.empty() && task->info && Trace::Get().Wants(task->round)) {
+    Trace::Get().RecordOperation(task->name, task->round, task->bytes, task->start,
+                                 task->scheduled, Clock::now(), task->times);
+  }
   if (error.empty()) {
     Stats::Get().ops_done++;
     task->done(task->ctx, 1, nullptr);
@@ -312,6 +323,7 @@ namespace {
 struct SentPart {
   WorkerEngine::Task* task;
   uint64_t bytes;
+  uint32_t part;
 };
 }  // namespace
 
@@ -324,6 +336,7 @@ void WorkerEngine::FreePart(void*, void* hint) {
   engine.credit_released_ += sent->bytes;
   engine.wake_.Notify();
   Task* task = sent->task;
+  if (!task->times.empty()) task->times[sent->part].released = Clock::now();
   delete sent;
   engine.Release(task, 1);
 }
@@ -385,8 +398,9 @@ void WorkerEngine::SendReadyParts() {
     h.dtype = static_cast<uint16_t>(t->dtype);
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
+    if (!t->times.empty()) t->times[p.part].sent = Clock::now();
     auto frames = MakeFrames(h, Msg(const_cast<char*>(t->in) + off, len, &FreePart,
-                                    new SentPart{t, len}));
+                                    new SentPart{t, len, p.part}));
     int server = t->info->servers[p.part];
     if (!data_[static_cast<size_t>(server)]->SendFrames(&frames)) {
       std::string why = "sending to server " + std::to_string(server) + " failed: " +
@@ -421,7 +435,13 @@ void WorkerEngine::HandleData(std::vector<Msg>& frames) {
   uint64_t len = t->PartLength(p.part);
   in_flight_.erase(it);
   if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && frames[1].size() == len) {
+    PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
+    if (times) times->replied = Clock::now();
     std::memcpy(t->out + t->PartOffset(p.part), frames[1].data(), len);
+    if (times) {
+      times->copied = Clock::now();
+      times->server_sum_us = h.request_id;  // the server reports its summing time here
+    }
     Stats::Get().bytes_received += len;
   } else if (h.type == static_cast<uint16_t>(MsgType::kError)) {
     FailTask(t, "push_pull '" + t->name + "': " + frames[1].str());
@@ -602,6 +622,8 @@ void WorkerEngine::Leave() {
     ready = state_ == State::kReady;
   }
   Fatal("bps_tf was shut down", /*peer_failure=*/false);
+  std::string trace = Trace::Get().Flush();
+  if (!trace.empty()) BPS_LOG(kInfo, "timeline written to " << trace);
   if (ready && control_) {
     SendControl(MsgType::kBye, "");
     control_->SetLinger(2000);  // let the goodbye reach the scheduler

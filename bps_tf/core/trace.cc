@@ -1,0 +1,114 @@
+#include "trace.h"
+
+#include <cstdio>
+#include <sys/stat.h>
+
+namespace bps {
+
+namespace {
+std::string Quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out + "\"";
+}
+}  // namespace
+
+Trace& Trace::Get() {
+  static Trace* trace = new Trace();
+  return *trace;
+}
+
+void Trace::Configure(bool on, const std::string& dir, int rank, int64_t start_step,
+                      int64_t end_step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_ = on;
+  dir_ = dir.empty() ? "." : dir;
+  rank_ = rank;
+  start_ = start_step;
+  end_ = end_step < 0 ? INT64_MAX : end_step;
+  origin_ = Clock::now();
+  events_.clear();
+  rows_.clear();
+}
+
+int64_t Trace::Us(Clock::time_point t) const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_).count();
+}
+
+int Trace::Row(const std::string& label) {
+  auto it = rows_.find(label);
+  if (it != rows_.end()) return it->second;
+  int id = static_cast<int>(rows_.size()) + 1;
+  rows_[label] = id;
+  return id;
+}
+
+void Trace::RecordOperation(const std::string& name, uint64_t step, uint64_t bytes,
+                            Clock::time_point enqueued, Clock::time_point declared,
+                            Clock::time_point finished, const std::vector<PartTimes>& parts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string args = "{\"step\":" + std::to_string(step) + ",\"bytes\":" + std::to_string(bytes) +
+                     ",\"partitions\":" + std::to_string(parts.size()) + "}";
+  int row = Row(name);
+  events_.push_back({name, "push_pull", Us(enqueued), Us(finished) - Us(enqueued), row, args});
+  if (declared > enqueued) {
+    events_.push_back({"declare", "stage", Us(enqueued), Us(declared) - Us(enqueued), row, args});
+  }
+  auto add = [&](const char* stage, Clock::time_point a, Clock::time_point b, int tid,
+                 const std::string& extra) {
+    if (a == Clock::time_point{} || b < a) return;
+    events_.push_back({stage, "stage", Us(a), Us(b) - Us(a), tid, extra});
+  };
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const PartTimes& t = parts[p];
+    int tid = Row(name + " / part " + std::to_string(p));
+    std::string pa = "{\"step\":" + std::to_string(step) + ",\"partition\":" + std::to_string(p) + "}";
+    add("queue", declared, t.sent, tid, pa);
+    Clock::time_point pushed = t.released < t.replied ? t.released : t.replied;
+    add("push", t.sent, pushed, tid, pa);
+    add("server", pushed, t.replied, tid, pa);
+    if (t.server_sum_us > 0 && t.replied != Clock::time_point{}) {
+      // The server's summing time, drawn at the end of the server stage.
+      int64_t end = Us(t.replied);
+      int64_t begin = std::max(Us(pushed), end - static_cast<int64_t>(t.server_sum_us));
+      events_.push_back({"server sum", "stage", begin, end - begin, tid, pa});
+    }
+    add("copy out", t.replied, t.copied, tid, pa);
+  }
+}
+
+std::string Trace::Flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!on_) return "";
+  mkdir(dir_.c_str(), 0755);
+  std::string path = dir_ + "/bps_trace_rank" + std::to_string(rank_) + ".json";
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    BPS_LOG(kWarning, "cannot write the timeline to " << path);
+    return "";
+  }
+  std::fprintf(f, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
+  std::fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"worker %d\"}}",
+               rank_, rank_);
+  for (const auto& r : rows_) {
+    std::fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":%s}}",
+                 rank_, r.second, Quote(r.first).c_str());
+  }
+  for (const auto& e : events_) {
+    std::fprintf(f,
+                 ",\n{\"name\":%s,\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%lld,\"dur\":%lld,\"pid\":%d,"
+                 "\"tid\":%d,\"args\":%s}",
+                 Quote(e.name).c_str(), e.cat.c_str(), static_cast<long long>(e.ts),
+                 static_cast<long long>(e.dur), rank_, e.tid, e.args.c_str());
+  }
+  std::fprintf(f, "\n]}\n");
+  std::fclose(f);
+  events_.clear();
+  return path;
+}
+
+}  // namespace bps

@@ -1,0 +1,63 @@
+// Timeline: Chrome-trace / Perfetto JSON of where each push_pull's time
+// goes, one file per worker (BYTEPS_TRACE_ON=1, BYTEPS_TRACE_DIR).
+//
+// Layout: one thread row per tensor name holds the whole operation; one row
+// per partition of it holds that partition's stages in order (queue wait,
+// push, server (with the server's own sum time nested at its end), copy
+// out). Steps are counted per tensor (its round): only rounds in
+// [BYTEPS_TRACE_START_STEP, BYTEPS_TRACE_END_STEP] are recorded.
+#ifndef BPS_TF_CORE_TRACE_H_
+#define BPS_TF_CORE_TRACE_H_
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace bps {
+
+struct PartTimes {
+  Clock::time_point sent{}, released{}, replied{}, copied{};
+  uint64_t server_sum_us = 0;
+};
+
+class Trace {
+ public:
+  static Trace& Get();
+  void Configure(bool on, const std::string& dir, int rank, int64_t start_step, int64_t end_step);
+  bool Wants(uint64_t step) const {
+    return on_ && static_cast<int64_t>(step) >= start_ && static_cast<int64_t>(step) <= end_;
+  }
+  void RecordOperation(const std::string& name, uint64_t step, uint64_t bytes,
+                       Clock::time_point enqueued, Clock::time_point declared,
+                       Clock::time_point finished, const std::vector<PartTimes>& parts);
+  // Writes <dir>/bps_trace_rank<r>.json; returns the path ("" if off).
+  std::string Flush();
+
+ private:
+  struct Event {
+    std::string name;
+    std::string cat;
+    int64_t ts, dur;
+    int tid;
+    std::string args;
+  };
+  int64_t Us(Clock::time_point t) const;
+  int Row(const std::string& label);
+
+  bool on_ = false;
+  std::string dir_;
+  int rank_ = 0;
+  int64_t start_ = 0, end_ = -1;
+  Clock::time_point origin_ = Clock::now();
+  std::mutex mu_;
+  std::vector<Event> events_;
+  std::map<std::string, int> rows_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_TRACE_H_
