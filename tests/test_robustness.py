@@ -58,6 +58,18 @@ def test_an_idle_worker_exits_when_a_peer_dies(tmp_path):
         assert "worker 1" in c.log("worker0")
 
 
+def test_a_worker_that_left_fails_the_others_push_pulls_instead_of_hanging(tmp_path):
+    with ManualCluster(2, 1, [WORKER, "leave", str(tmp_path)], env=FAST_FAILURE) as c:
+        assert c.wait_all(c.workers, timeout=40)
+        assert [w.returncode for w in c.workers] == [0, 0]
+        with open(tmp_path / "leave.json") as f:
+            res = json.load(f)
+        assert res["seconds"] < 20
+        for err in res["errors"]:
+            assert err and "worker 1" in err and "left the job" in err, res
+        assert c.wait_all(c.servers, timeout=20)
+
+
 def _hostile_frames(port, count, seed):
     """Random, truncated, oversized and unauthenticated frames at a server."""
     zmq = pytest.importorskip("zmq")

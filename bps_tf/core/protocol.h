@@ -29,8 +29,9 @@ enum class MsgType : uint16_t {
   kBye = 11,           // worker -> scheduler: leaving normally
   kShutdown = 12,      // scheduler -> server: every worker has left
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
+  kPeerLeft = 14,      // scheduler -> worker: another worker shut down
 };
-constexpr uint16_t kMaxMsgType = 13;
+constexpr uint16_t kMaxMsgType = 14;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 

@@ -81,6 +81,13 @@ void Scheduler::Handle(const std::string& identity, const FrameHeader& h,
       if (it == nodes_.end()) return;
       it->second.departed = true;
       BPS_LOG(kInfo, Describe(it->second) << " left");
+      // Workers still running can no longer complete a push_pull: tell them,
+      // so they fail instead of waiting for a partner that is gone.
+      for (const auto& n : nodes_) {
+        if (n.second.role == Role::kWorker && !n.second.departed) {
+          out->push_back(Reply(n.first, MsgType::kPeerLeft, Describe(it->second)));
+        }
+      }
       int left = 0;
       for (const auto& n : nodes_) {
         if (n.second.role == Role::kWorker && n.second.departed) ++left;

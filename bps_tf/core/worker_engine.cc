@@ -222,6 +222,9 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     task->seq = next_seq_++;
     if (!fatal_.empty()) {
       error = fatal_;
+    } else if (!peer_left_.empty()) {
+      error = "push_pull '" + name + "' cannot complete: " + peer_left_ +
+              " has left the job (every worker must make the same push_pulls)";
     } else if (names_in_flight_.count(name)) {
       error = "push_pull '" + name +
               "' was started again before the previous one finished; names must be unique "
@@ -531,6 +534,14 @@ void WorkerEngine::HandleControl(std::vector<Msg>& frames) {
     case MsgType::kError:
       Fatal(frames[1].str());
       break;
+    case MsgType::kPeerLeft: {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer_left_.empty()) {
+        peer_left_ = frames[1].str();
+        peer_left_at_ = Clock::now();
+      }
+      break;
+    }
     default:
       break;
   }
@@ -593,9 +604,19 @@ void WorkerEngine::CheckTimers() {
     SendControl(MsgType::kHeartbeat, "");
   }
   State state;
+  std::string left;
   {
     std::lock_guard<std::mutex> lock(mu_);
     state = state_;
+    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS &&
+        (!in_flight_.empty() || !ready_.empty() || !declaring_.empty())) {
+      left = peer_left_;
+    }
+  }
+  if (!left.empty()) {
+    // Operations still pending after a partner left can never complete.
+    Fatal("push_pull cannot complete: " + left + " has left the job", /*peer_failure=*/false);
+    return;
   }
   if (state == State::kReady && SecondsSince(last_heard_) > timeout_s_) {
     Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +

@@ -100,6 +100,9 @@ class WorkerEngine {
   std::condition_variable state_cv_;
   State state_ = State::kIdle;
   std::string fatal_;
+  std::string peer_left_;  // set when another worker shut down
+  Clock::time_point peer_left_at_;
+  static constexpr double kPeerLeftGraceS = 3.0;
   std::set<std::string> names_in_flight_;
   std::map<std::string, std::shared_ptr<TensorInfo>> tensors_;  // name|sig
   std::map<std::string, std::vector<Task*>> declaring_;           // name|sig

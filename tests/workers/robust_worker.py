@@ -3,6 +3,7 @@
 Usage: robust_worker.py MODE OUT_DIR [N]
   loop   push_pull until an error, then exit 3 with the error on stderr
   idle   join, then sleep (never calls push_pull again)
+  leave  worker 1 shuts down at once; worker 0 records its push_pull errors
   exact  N rounds of random sizes/dtypes, all checked; writes rank<r>.json
 """
 import json
@@ -43,6 +44,25 @@ if MODE == "loop":
     except RuntimeError as exc:
         print(f"push_pull failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)
+
+if MODE == "leave":
+    # Worker 1 leaves at once; worker 0's push_pull must fail, naming it,
+    # instead of waiting for a partner that is gone.
+    if rank == 1:
+        basics.shutdown()
+        sys.exit(0)
+    start = time.time()
+    errors = []
+    for attempt in range(2):
+        a = np.ones(10, np.float32)
+        try:
+            core.push_pull_async("lonely", a, np.empty_like(a), 0, "").wait(60)
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    with open(os.path.join(OUT, "leave.json"), "w") as f:
+        json.dump({"errors": errors, "seconds": time.time() - start}, f)
+    sys.exit(0)
 
 if MODE == "idle":
     time.sleep(300)
