@@ -535,6 +535,8 @@ void WorkerEngine::HandleControl(std::vector<Msg>& frames) {
       Fatal(frames[1].str());
       break;
     case MsgType::kPeerLeft: {
+      // In async mode nobody waits for a partner: a departure changes nothing.
+      if (cfg_.GetInt("async", 0) != 0) break;
       std::lock_guard<std::mutex> lock(mu_);
       if (peer_left_.empty()) {
         peer_left_ = frames[1].str();
