@@ -1,0 +1,70 @@
+"""Keras 3 face of bps_tf, shaped like ``horovod.tensorflow.keras``:
+
+    import bps_tf.keras as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+    model.compile(optimizer=opt, loss=...)
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback()])
+"""
+from __future__ import annotations
+
+from bps_tf.basics import (init, is_initialized, local_rank, local_size, rank,
+                           shutdown, size)
+from bps_tf.api import (Average, Compression, Sum, allgather, broadcast,
+                        broadcast_object, broadcast_variables, push_pull)
+from bps_tf.api import allreduce as _tensor_allreduce
+from bps_tf.keras import callbacks
+from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "Average", "Sum", "Compression", "DistributedOptimizer", "allreduce", "push_pull",
+    "allgather", "broadcast", "broadcast_object", "broadcast_variables",
+    "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
+]
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0,
+              postscale_factor=1.0, op=None, compression=Compression.none):
+    """Reduces a value (tensor, array or number) across workers; Horovod's
+    Keras argument order."""
+    return _tensor_allreduce(value, name=name, average=average, op=op,
+                             prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor,
+                             compression=compression)
+
+
+def broadcast_model(model, root_rank=0):
+    """Gives every worker ``root_rank``'s model (and built optimizer) state."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        seen = {id(v) for v in variables}
+        variables += [v for v in optimizer.variables if id(v) not in seen]
+    broadcast_variables(variables, root_rank=root_rank)
+
+
+def broadcast_global_variables(root_rank):
+    """Keras 3 has no global variable collection; say what to use instead."""
+    raise NotImplementedError(
+        "Keras 3 has no global variables. Use "
+        "bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(root_rank) with "
+        "fit, or bps_tf.keras.broadcast_model(model, root_rank) / "
+        "broadcast_variables(variables, root_rank) in a custom loop.")
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none, **kwargs):
+    """``keras.models.load_model`` whose compiled optimizer comes back as a
+    DistributedOptimizer, with its saved state. ``custom_optimizers`` (a list
+    of classes) are added to ``custom_objects``."""
+    import keras
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects[cls.__name__] = cls
+    model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        make_distributed_in_place(optimizer, compression=compression)
+    return model

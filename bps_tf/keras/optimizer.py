@@ -1,0 +1,151 @@
+"""``DistributedOptimizer`` for Keras 3 optimizers.
+
+Keras 3 has none of the Keras-2 hooks Horovod overrides (``_aggregate_gradients``,
+``get_gradients``). Every Keras 3 path that updates variables goes through
+``optimizer.apply(grads, trainable_variables)``: ``apply_gradients`` calls it,
+and so does the TensorFlow trainer behind ``model.fit``. The wrapper is a
+dynamic subclass of the optimizer's own class whose ``apply`` reduces the
+gradients first, so the result is still an ``Adam`` (or whatever it wraps),
+keeps ``get_config``, and saves as the plain class.
+
+Order inside one step: reduce (this wrapper) -> Keras clipping, weight decay,
+update. Clipping therefore sees the averaged gradients, as in Horovod.
+
+With gradient accumulation (``backward_passes_per_step > 1``, implemented by
+Keras 3's ``gradient_accumulation_steps``) the reduction moves to the update
+step, so workers exchange gradients once per ``backward_passes_per_step``
+batches; there Keras clips the local accumulated gradients before the
+reduction.
+
+Under a ``tf.distribute`` strategy the strategy already reduces the
+gradients (Keras calls its all-reduce), so the wrapper passes them through.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from bps_tf import api
+
+
+class _DistributedMixin:
+    """Methods put in front of the wrapped optimizer's class. The settings
+    are class attributes of each generated class, so ``from_config`` on that
+    class rebuilds an equally distributed optimizer."""
+
+    _bps_prefix = "DistributedOptimizer"
+    _bps_compression = api.Compression.none
+    _bps_sparse_as_dense = False
+    _bps_op = api.Average
+    _bps_priority_fn = None
+    _bps_accum_scale = 1.0   # Horovod sums (not averages) aggregated passes
+
+    def _bps_should_reduce(self) -> bool:
+        # Inside a strategy the strategy's own all-reduce runs in
+        # _backend_update_step: reducing here too would count twice.
+        return not tf.distribute.has_strategy()
+
+    def _bps_accumulating(self) -> bool:
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        return bool(steps) and steps > 1
+
+    def _bps_reduce(self, grads, variables, postscale_factor=1.0):
+        return api.reduce_gradients(
+            list(grads), list(variables), self._bps_prefix,
+            compression=self._bps_compression,
+            sparse_as_dense=self._bps_sparse_as_dense, op=self._bps_op,
+            priority_fn=self._bps_priority_fn, postscale_factor=postscale_factor)
+
+    def apply(self, grads, trainable_variables=None):
+        if self._bps_should_reduce() and not self._bps_accumulating() and len(grads):
+            variables = (self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
+            grads = self._bps_reduce(grads, variables)
+        return super().apply(grads, trainable_variables)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Reached once per update; with accumulation that is once every
+        # gradient_accumulation_steps batches, on the averaged local passes.
+        if self._bps_should_reduce() and self._bps_accumulating():
+            grads = self._bps_reduce(grads, trainable_variables,
+                                     postscale_factor=self._bps_accum_scale)
+        return super()._backend_update_step(grads, trainable_variables, learning_rate)
+
+
+def distributed_class(base, name=None, compression=api.Compression.none,
+                      sparse_as_dense=False, op=api.Average, priority_fn=None,
+                      accum_scale=1.0):
+    """A subclass of ``base`` that reduces gradients before applying them."""
+    settings = dict(
+        _bps_prefix=name or "DistributedOptimizer",
+        _bps_compression=compression,
+        _bps_sparse_as_dense=bool(sparse_as_dense),
+        _bps_op=api._resolve_op(None, op),
+        _bps_priority_fn=staticmethod(priority_fn) if priority_fn else None,
+        _bps_accum_scale=float(accum_scale),
+        # Same name and module as the base: saved models name the plain class.
+        __module__=base.__module__,
+        __qualname__=base.__qualname__,
+    )
+    return type(base.__name__, (_DistributedMixin, base), settings)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=api.Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=api.Average,
+                         backward_passes_per_step=1,
+                         average_aggregated_gradients=False, priority_fn=None):
+    """Returns a copy of a Keras 3 ``optimizer`` (same class, same config)
+    that averages gradients across workers before applying them.
+
+    ``name`` prefixes the gradient names (default ``DistributedOptimizer``);
+    gradients are named after the variables' ``.path`` and prioritised by
+    their position. ``backward_passes_per_step=N`` accumulates N batches
+    locally (Keras 3 ``gradient_accumulation_steps``) and exchanges once;
+    the N passes are summed as in Horovod unless
+    ``average_aggregated_gradients=True``. ``device_dense``,
+    ``device_sparse`` are accepted for compatibility.
+    ``gradient_predivide_factor`` other than 1.0 is not supported.
+
+    XLA cannot compile the push_pull op: on a machine with a GPU, where
+    Keras' ``jit_compile="auto"`` turns XLA on, compile the model with
+    ``jit_compile=False`` (the op refuses XLA with a message saying so).
+    """
+    del device_dense, device_sparse
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer.")
+    if not _is_keras3_optimizer(optimizer):
+        raise TypeError("DistributedOptimizer wraps a Keras 3 optimizer "
+                        f"(keras.optimizers.*), got {type(optimizer).__name__}.")
+    if gradient_predivide_factor != 1.0:
+        raise NotImplementedError("gradient_predivide_factor is not supported; "
+                                  "use op=Sum with your own scaling.")
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ValueError("backward_passes_per_step must be >= 1.")
+    config = optimizer.get_config()
+    if passes > 1:
+        existing = config.get("gradient_accumulation_steps")
+        if existing not in (None, 1, passes):
+            raise ValueError(
+                f"the optimizer already accumulates {existing} steps; "
+                f"backward_passes_per_step={passes} would disagree.")
+        config["gradient_accumulation_steps"] = passes
+    accum_scale = passes if passes > 1 and not average_aggregated_gradients else 1.0
+    cls = distributed_class(type(optimizer), name=name, compression=compression,
+                            sparse_as_dense=sparse_as_dense, op=op,
+                            priority_fn=priority_fn, accum_scale=accum_scale)
+    return cls.from_config(config)
+
+
+def make_distributed_in_place(optimizer, **kwargs):
+    """Turns an existing optimizer (with its state, e.g. just loaded) into a
+    distributed one by switching its class; used by ``load_model``."""
+    if isinstance(optimizer, _DistributedMixin):
+        return optimizer
+    optimizer.__class__ = distributed_class(type(optimizer), **kwargs)
+    return optimizer
+
+
+def _is_keras3_optimizer(optimizer) -> bool:
+    import keras
+    return isinstance(optimizer, keras.optimizers.Optimizer)

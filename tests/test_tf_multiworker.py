@@ -1,0 +1,103 @@
+"""The TensorFlow API across real processes: one bpslaunch cluster (3 workers,
+2 servers) runs tests/workers/tf_checks.py; the tests below read what each
+worker recorded. One launch keeps the cost to about 30 s (each TensorFlow
+process takes seconds to start)."""
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_runner import ROOT, launch, results  # noqa: E402
+
+pytest.importorskip("tensorflow")
+
+WORKERS, SERVERS = 3, 2
+# Small partitions keep "3 partitions + 1 element" cheap; 1 MiB spans 16 of them.
+PARTITION_BYTES = 65536
+CHECKS = os.path.join(ROOT, "tests", "workers", "tf_checks.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tf_checks"))
+    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
+           "BYTEPS_OP_TIMEOUT": "30",          # a lost tensor fails instead of hanging
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=300)
+    log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+           f"--- stderr\n{proc.stderr[-5000:]}")
+    found = results(out)
+    assert sorted(found) == list(range(WORKERS)), "missing worker results\n" + log
+    return found, log
+
+
+def _check(ranks, name):
+    """The details each rank recorded for check `name`, after asserting it passed."""
+    found, log = ranks
+    for rank, data in sorted(found.items()):
+        assert data["size"] == WORKERS
+        result = data["checks"].get(name)
+        if result is None:   # a worker stopped at an earlier failure
+            failed = [(r, n, c["detail"]) for r, d in sorted(found.items())
+                      for n, c in d["checks"].items() if not c["ok"]]
+            pytest.fail(f"rank {rank} did not reach {name}; failures: {failed}\n{log}")
+        assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}"
+    return [data["checks"][name]["detail"] for _, data in sorted(found.items())]
+
+
+def test_all_checks_finished(ranks):
+    _check(ranks, "finished")
+
+
+def test_partition_size_reached_the_workers(ranks):
+    assert _check(ranks, "partition_bytes") == [str(PARTITION_BYTES)] * WORKERS
+
+
+def test_push_pull_every_dtype_and_size(ranks):
+    details = _check(ranks, "push_pull_dtypes")
+    # Every dtype ran every size, including one element past 3 partitions.
+    for dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+        item = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+                "int32": 4, "int64": 8}[dtype]
+        for label, n in (("0", 0), ("1", 1), ("7", 7), ("1MiB", (1 << 20) // item),
+                         ("3parts+1", 3 * PARTITION_BYTES // item + 1)):
+            assert f"{dtype}:{label}={n}" in details[0].split()
+
+
+def test_fifty_push_pulls_in_flight_in_one_function(ranks):
+    _check(ranks, "fifty_in_flight")
+
+
+def test_fp16_compression_and_unnamed_eager_calls(ranks):
+    _check(ranks, "fp16_and_unnamed")
+
+
+def test_broadcast_from_rank_1(ranks):
+    _check(ranks, "broadcast_from_rank1")
+
+
+def test_broadcast_variables_from_rank_1(ranks):
+    _check(ranks, "broadcast_variables_from_rank1")
+
+
+def test_allgather_with_different_row_counts(ranks):
+    _check(ranks, "allgather")
+
+
+def test_gradient_tape_training_equals_single_process(ranks):
+    for detail in _check(ranks, "tape_training"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
+def test_fit_with_distributed_optimizer_keeps_workers_identical(ranks):
+    for detail in _check(ranks, "fit_distributed_optimizer"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
+def test_shape_mismatch_error_names_tensor_and_both_shapes(ranks):
+    for message in _check(ranks, "shape_mismatch"):
+        assert "mismatch/w" in message, message
+        shapes = set(re.findall(r"float32\[(\d+)\]", message))
+        assert len(shapes) >= 2 and shapes <= {"2", "3", "4"}, message
