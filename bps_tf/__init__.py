@@ -31,7 +31,7 @@ _LAZY = {
     "broadcast": "bps_tf.api",
     "broadcast_variables": "bps_tf.api",
     "broadcast_object": "bps_tf.api",
-    "DistributedGradientTape": "bps_tf.api",
+    "DistributedGradientTape": "bps_tf.tape",
     "Compression": "bps_tf.api",
     "Average": "bps_tf.api",
     "Sum": "bps_tf.api",
