@@ -118,7 +118,10 @@ class BuildNative(build_ext):
         if _newer(op_lib, objs["op"] + [core_lib]):
             _run(base + ["-shared", "-o", op_lib] + objs["op"]
                  + ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"])
-        print("bps_tf: GPU kernel skipped (CUDA build support is not part of this build)")
+        sys.path.insert(0, os.path.join(HERE, "tools"))
+        from build_gpu import add_gpu_kernels_to_op_library  # one line saying why, if skipped
+        add_gpu_kernels_to_op_library(tf, base, tmp, op_lib, objs["op"], ["-L" + pkg, "-lbps_core",
+                                      "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"])
 
 
 setup(
