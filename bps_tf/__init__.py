@@ -42,6 +42,7 @@ _LAZY = {
     "Sum": "bps_tf.api",
     "DistributedOptimizer": "bps_tf.keras",
     "BytePSStrategy": "bps_tf.strategy",
+    "gather_predictions": "bps_tf.strategy",
 }
 
 

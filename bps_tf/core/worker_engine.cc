@@ -420,14 +420,22 @@ void WorkerEngine::SendReadyParts() {
   }
 }
 
-void WorkerEngine::HandleData(std::vector<Msg>& frames) {
+namespace {
+// A [header][payload] message from a peer; false (and counted) if malformed.
+bool ParseReply(std::vector<Msg>& frames, FrameHeader* h) {
   if (frames.size() != 2 ||
       !ValidateHeader(frames[0].data(), frames[0].size(), frames[1].size()).empty()) {
     Stats::Get().frames_dropped++;
-    return;
+    return false;
   }
+  std::memcpy(h, frames[0].data(), sizeof(*h));
+  return true;
+}
+}  // namespace
+
+void WorkerEngine::HandleData(std::vector<Msg>& frames) {
   FrameHeader h;
-  std::memcpy(&h, frames[0].data(), sizeof(h));
+  if (!ParseReply(frames, &h)) return;
   auto it = in_flight_.find(h.key);
   if (it == in_flight_.end() || it->second.task->round != h.round) {
     Stats::Get().frames_dropped++;
@@ -510,13 +518,8 @@ void WorkerEngine::OnDeclared(uint64_t request_id, const Config& kv) {
 }
 
 void WorkerEngine::HandleControl(std::vector<Msg>& frames) {
-  if (frames.size() != 2 ||
-      !ValidateHeader(frames[0].data(), frames[0].size(), frames[1].size()).empty()) {
-    Stats::Get().frames_dropped++;
-    return;
-  }
   FrameHeader h;
-  std::memcpy(&h, frames[0].data(), sizeof(h));
+  if (!ParseReply(frames, &h)) return;
   last_heard_ = Clock::now();
   switch (static_cast<MsgType>(h.type)) {
     case MsgType::kWelcome:

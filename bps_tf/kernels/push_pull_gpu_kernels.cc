@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "dtype_map.h"
 #include "gpu_reduce.h"
 #include "reduce.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -47,18 +48,6 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using DoneCallback = AsyncOpKernel::DoneCallback;
-
-int CoreDType(tensorflow::DataType dt) {
-  switch (dt) {
-    case tensorflow::DT_HALF: return BPS_FLOAT16;
-    case tensorflow::DT_BFLOAT16: return BPS_BFLOAT16;
-    case tensorflow::DT_FLOAT: return BPS_FLOAT32;
-    case tensorflow::DT_DOUBLE: return BPS_FLOAT64;
-    case tensorflow::DT_INT32: return BPS_INT32;
-    case tensorflow::DT_INT64: return BPS_INT64;
-    default: return -1;
-  }
-}
 
 // The same mapping of engine errors to TF status codes as the CPU kernels.
 tensorflow::Status EngineStatus(const std::string& message) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "dtype_map.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -16,18 +17,6 @@ using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 
 namespace {
-
-int CoreDType(tensorflow::DataType dt) {
-  switch (dt) {
-    case tensorflow::DT_HALF: return BPS_FLOAT16;
-    case tensorflow::DT_BFLOAT16: return BPS_BFLOAT16;
-    case tensorflow::DT_FLOAT: return BPS_FLOAT32;
-    case tensorflow::DT_DOUBLE: return BPS_FLOAT64;
-    case tensorflow::DT_INT32: return BPS_INT32;
-    case tensorflow::DT_INT64: return BPS_INT64;
-    default: return -1;
-  }
-}
 
 // Everything one asynchronous call needs until the core calls back; holding
 // the tensors keeps their buffers alive while the core reads and writes them.

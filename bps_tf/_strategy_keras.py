@@ -1,0 +1,200 @@
+"""Keras 3 behaviour that BytePSStrategy adjusts: XLA and checkpoint callbacks.
+
+Keras 3 knows nothing of multi-worker jobs outside TensorFlow's own
+MultiWorkerMirroredStrategy, so under BytePSStrategy with several workers:
+
+* ``ModelCheckpoint`` and ``BackupAndRestore`` would have every worker write
+  the same files at once (HDF5 refuses the second writer; on a shared file
+  system files get torn). Rank 0 writes the real files; the other workers
+  save into a private temporary directory that is deleted right away --
+  they still run the save, so any reduction a save might trigger happens on
+  every worker, and no worker blocks waiting for another;
+* ``BackupAndRestore`` restores on rank 0 and sends the restored weights,
+  optimizer state and epoch to the others, so a worker that cannot see the
+  backup directory resumes too;
+* ``jit_compile`` reads False: the push_pull op has no XLA kernel.
+
+``install()`` wraps these methods once (BytePSStrategy calls it). Each wrapper
+calls the original unchanged unless the model's strategy is a BytePSStrategy
+with more than one worker.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+
+import tensorflow as tf
+
+_installed = False
+_lock = threading.Lock()
+
+
+def _bps_strategy(model):
+    """The model's BytePSStrategy, or None."""
+    from bps_tf.strategy import BytePSStrategy   # strategy.py imports this module
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy if isinstance(strategy, BytePSStrategy) else None
+
+
+def _multi_worker(model):
+    strategy = _bps_strategy(model)
+    return strategy if strategy is not None and strategy.num_workers > 1 else None
+
+
+# --------------------------------------------------------------------------
+# jit_compile
+# --------------------------------------------------------------------------
+def _patch_jit_compile(trainer_cls):
+    original = trainer_cls.jit_compile
+
+    def jit_compile(self):
+        value = original.fget(self)
+        if value and _bps_strategy(self) is not None:
+            warnings.warn("BytePSStrategy: jit_compile=True is turned off (the push_pull op "
+                          "cannot be compiled by XLA).", stacklevel=2)
+            self._jit_compile = False  # pylint: disable=protected-access
+            return False
+        return value
+
+    trainer_cls.jit_compile = property(jit_compile, original.fset, original.fdel,
+                                       original.__doc__)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint callbacks
+# --------------------------------------------------------------------------
+class _PrivateDir:
+    """Points some attributes of a callback into a temporary directory for
+    the duration of a save, then restores them and deletes the directory."""
+
+    def __init__(self, callback, rank: int, redirect):
+        self._callback = callback
+        self._dir = tempfile.mkdtemp(prefix=f"bps_tf_rank{rank}_")
+        self._saved = {}
+        self._redirect = redirect
+
+    def __enter__(self):
+        for attr, value in self._redirect(self._callback, self._dir).items():
+            self._saved[attr] = getattr(self._callback, attr)
+            setattr(self._callback, attr, value)
+        return self._dir
+
+    def __exit__(self, *exc):
+        for attr, value in self._saved.items():
+            setattr(self._callback, attr, value)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return False
+
+
+def _backup_paths(callback, directory):
+    paths = {"backup_dir": directory}
+    for attr in ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                 "_prev_training_metadata_path"):
+        if hasattr(callback, attr):
+            paths[attr] = os.path.join(directory, os.path.basename(getattr(callback, attr)))
+    return paths
+
+
+def _checkpoint_paths(callback, directory):
+    return {"filepath": os.path.join(directory, os.path.basename(callback.filepath))}
+
+
+def _save_on_rank0(original, redirect):
+    @functools.wraps(original)
+    def save(self, *args, **kwargs):
+        strategy = _multi_worker(self.model)
+        if strategy is None or strategy.rank == 0:
+            return original(self, *args, **kwargs)
+        with _PrivateDir(self, strategy.rank, redirect):
+            return original(self, *args, **kwargs)
+    return save
+
+
+def _restore_from_rank0(original):
+    @functools.wraps(original)
+    def on_train_begin(self, logs=None):
+        strategy = _multi_worker(self.model)
+        if strategy is None:
+            return original(self, logs)
+        from bps_tf import api
+        from keras.src.utils import file_utils
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        # Creating variables is collective (their initial values come from
+        # rank 0): build the optimizer on every worker, not only where the
+        # backup is loaded.
+        if model.built and optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        state = {"error": None, "restored": False, "epoch": None}
+        if strategy.rank == 0:
+            try:
+                original(self, logs)
+                # After the original: it may have fallen back to the .bkp copy.
+                state["restored"] = bool(file_utils.exists(self._weights_path))
+                state["epoch"] = getattr(model, "_initial_epoch", None)
+            except Exception as exc:  # pylint: disable=broad-except
+                state["error"] = f"{type(exc).__name__}: {exc}"
+        state = api.broadcast_object(state, root_rank=0, name="bps.strategy/backup/state")
+        if state["error"]:
+            raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")
+        if state["restored"]:
+            broadcast_model_state(model)
+        model._initial_epoch = state["epoch"]  # pylint: disable=protected-access
+    return on_train_begin
+
+
+def _cleanup_on_rank0(original):
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        strategy = _multi_worker(self.model)
+        if strategy is None or strategy.rank == 0:
+            return original(self, logs)
+        return None
+    return on_train_end
+
+
+def broadcast_model_state(model, root_rank: int = 0) -> None:
+    """Gives every worker ``root_rank``'s model and optimizer variables.
+
+    Variables are matched by position (every worker built the same model),
+    not by name: Keras numbers layer names per process. Metric variables
+    (per-replica partial sums) are left alone.
+    """
+    from bps_tf._strategy_ops import broadcast_from_root
+    variables, seen = [], set()
+    optimizer = getattr(model, "optimizer", None)
+    for v in list(model.variables) + list(getattr(optimizer, "variables", []) or []):
+        if id(v) in seen or getattr(v, "synchronization", None) == "on_read":
+            continue
+        seen.add(id(v))
+        variables.append(v)
+
+    @tf.function(autograph=False)
+    def assign_all():
+        for i, v in enumerate(variables):
+            v.assign(broadcast_from_root(tf.convert_to_tensor(v),
+                                         f"bps.strategy/state/{i}", root_rank))
+    if variables:
+        assign_all()
+
+
+def install() -> None:
+    """Wraps the Keras methods above (once per process)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import keras
+        from keras.src.trainers import trainer as trainer_module
+        _patch_jit_compile(trainer_module.Trainer)
+        backup = keras.callbacks.BackupAndRestore
+        backup.on_train_begin = _restore_from_rank0(backup.on_train_begin)
+        backup._save_model = _save_on_rank0(backup._save_model, _backup_paths)  # pylint: disable=protected-access
+        backup.on_train_end = _cleanup_on_rank0(backup.on_train_end)
+        checkpoint = keras.callbacks.ModelCheckpoint
+        checkpoint._save_model = _save_on_rank0(checkpoint._save_model, _checkpoint_paths)  # pylint: disable=protected-access
+        _installed = True

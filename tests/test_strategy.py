@@ -1,0 +1,288 @@
+"""BytePSStrategy with Keras 3: multi-worker fit, priorities, BackupAndRestore.
+
+Three kinds of runs, each paid for once:
+
+* one 2-worker x 2-logical-device cluster (2 servers) running
+  tests/workers/strategy_checks.py: SGD, Adam and Dropout scenarios (Embedding,
+  synchronized BatchNormalization, validation data, steps_per_execution=2),
+  compared across workers and with a single-process reference;
+* one single process (tests/workers/strategy_single.py): gradient priorities
+  in a traced Keras train step, XLA turned off;
+* two 2-worker launches of tests/workers/strategy_backup.py: a crash in the
+  second epoch, then a relaunch that resumes from the backup;
+* examples/keras_digits.py as a 3-task TF_CONFIG job (ps, chief, worker).
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = REPO / "tests" / "workers"
+LAUNCH_TIMEOUT_S = 420
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    for name in ("TF_CONFIG", "DMLC_ROLE"):   # a stray cluster must not leak in
+        env.pop(name, None)
+    return env
+
+
+def _launch(script, args, workers=2, servers=2):
+    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(workers), "--servers", str(servers),
+           sys.executable, str(WORKERS / script), *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+
+
+def _tail(proc):
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+# --------------------------------------------------------------------------
+# The multi-worker run
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    out = tmp_path_factory.mktemp("strategy_checks")
+    proc = _launch("strategy_checks.py", [out])
+    reports = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else None)
+    return proc, out, reports
+
+
+def _scenario(cluster, name):
+    proc, out, reports = cluster
+    assert all(reports), _tail(proc)
+    entries = [r["scenarios"].get(name, {}) for r in reports]
+    for rank, entry in enumerate(entries):
+        assert entry.get("ok"), f"rank {rank}: {entry.get('error')}\n{_tail(proc)}"
+    arrays = [np.load(out / f"{name}.rank{rank}.npz") for rank in range(2)]
+    return entries, arrays
+
+
+def _weights(arrays, prefix="w"):
+    return [arrays[k] for k in sorted((k for k in arrays.files if k.startswith(prefix)
+                                       and k[len(prefix):].isdigit()),
+                                      key=lambda k: int(k[len(prefix):]))]
+
+
+def test_cluster_runs_every_scenario(cluster):
+    proc, _, reports = cluster
+    assert proc.returncode == 0, _tail(proc)
+    for rank, report in enumerate(reports):
+        assert report is not None and report.get("done"), _tail(proc)
+        assert report["rank"] == rank and report["size"] == 2
+        # 2 workers x 2 local devices: Keras scales the loss by this
+        assert report["replicas"] == 4
+        assert report["should_checkpoint"] == (rank == 0)
+
+
+def test_reductions_go_across_workers(cluster):
+    proc, _, reports = cluster
+    for rank, report in enumerate(reports):
+        p = report["primitives"]
+        assert "error" not in p, p.get("error")
+        assert p["host_sum"] == 1 + 2                       # one value per worker
+        assert p["replica_ids"] == [2.0 * rank, 2.0 * rank + 1]   # global replica ids
+        assert p["nested_mean"] == [1.5, 1.5]               # mean of ids 0..3
+        assert p["gather"] == [0.0, 1.0, 2.0, 3.0]
+        assert p["int32_sum"] == 4                          # int32 is not left local
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "dropout"])
+def test_workers_end_with_identical_weights(cluster, name):
+    entries, arrays = _scenario(cluster, name)
+    init0, init1 = _weights(arrays[0], "init_w"), _weights(arrays[1], "init_w")
+    final0, final1 = _weights(arrays[0]), _weights(arrays[1])
+    assert len(final0) == len(final1) > 0
+    for a, b in zip(init0, init1):    # rank 0's initial values reached rank 1
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(final0, final1):
+        np.testing.assert_array_equal(a, b)
+    # training happened
+    assert max(float(np.abs(a - b).max()) for a, b in zip(final0, init0)) > 1e-3
+    assert entries[0]["history"] == entries[1]["history"]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_fit_matches_one_process_on_the_global_batches(cluster, name):
+    _, out, _ = cluster
+    _, arrays = _scenario(cluster, name)
+    ref_report = json.loads((out / f"{name}.reference.json").read_text())
+    assert "error" not in ref_report, ref_report["error"]
+    reference = np.load(out / f"{name}.reference.npz")
+    for i, (got, want) in enumerate(zip(_weights(arrays[0]), _weights(reference))):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"weight {i}")
+    assert len(_weights(arrays[0])) == len(_weights(reference))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_metrics_and_evaluate_are_global(cluster, name):
+    _, out, _ = cluster
+    entries, _ = _scenario(cluster, name)
+    reference = json.loads((out / f"{name}.reference.json").read_text())
+    assert entries[0]["evaluate"] == entries[1]["evaluate"]
+    # global: the same as one process evaluating the whole validation set
+    np.testing.assert_allclose(entries[0]["evaluate"], reference["evaluate"], atol=1e-4)
+    for key in ("loss", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(entries[0]["history"][key], reference["history"][key],
+                                   atol=1e-4, err_msg=key)
+
+
+def test_gather_predictions_returns_every_row_in_order(cluster):
+    _, out, _ = cluster
+    _, arrays = _scenario(cluster, "sgd")
+    reference = np.load(out / "sgd.reference.npz")
+    np.testing.assert_array_equal(arrays[0]["preds"], arrays[1]["preds"])
+    assert arrays[0]["preds"].shape == reference["preds"].shape == (44, 3)
+    np.testing.assert_allclose(arrays[0]["preds"], reference["preds"], atol=1e-4)
+
+
+def test_model_checkpoint_writes_on_rank0_only(cluster):
+    _, out, _ = cluster
+    entries, _ = _scenario(cluster, "sgd")
+    target = str(out / "ckpt.weights.h5")
+    assert entries[0]["saves"] == [target] * 3             # one save per epoch
+    assert len(entries[1]["saves"]) == 3                   # rank 1 saved too ...
+    for path in entries[1]["saves"]:                       # ... into a private temp dir
+        assert path != target and not os.path.exists(path)
+    assert os.path.exists(target)
+
+
+def test_push_pull_names_and_priorities_agree_across_workers(cluster):
+    entries, _ = _scenario(cluster, "adam")
+    ranks = [sorted(map(tuple, e["priorities"])) for e in entries]
+    assert ranks[0] == ranks[1] and ranks[0]
+    names = [tensor_name for _, tensor_name, _ in ranks[0]]
+    assert len(names) == len(set(names))                   # one push_pull per name
+    per_variable = {}
+    for variable, _, priority in ranks[0]:
+        per_variable.setdefault(variable, set()).add(priority)
+    # 7 trainable variables; each worker sends one push_pull per dense
+    # gradient (its 2 replicas are summed first), and 4 for the sparse one
+    # (row counts and rows, of values and of indices).
+    assert len(per_variable) == 7
+    counts = sorted(sum(1 for v, _, _ in ranks[0] if v == name) for name in per_variable)
+    assert counts == [1, 1, 1, 1, 1, 1, 4]
+    assert sorted(p for ps in per_variable.values() for p in ps) == list(range(-6, 1))
+    # The embedding is read first in the forward pass: highest priority.
+    top = max(ranks[0], key=lambda r: r[2])
+    assert "embedding" in top[0] and top[2] == 0
+
+
+# --------------------------------------------------------------------------
+# Single process: priorities from the traced train step
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single():
+    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _tail(proc)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_priorities_follow_the_forward_pass(single):
+    priorities = single["priorities"]
+    # one push_pull per dense gradient (the embedding's is sparse, and sparse
+    # gradients need no push_pull in a one-worker job)
+    got = {k.split("/", 1)[1]: v for k, v in priorities.items()}
+    assert all(len(v) == 1 for v in got.values())
+    expected = [name for name in single["forward_order"] if name in got]
+    assert len(expected) == 6
+    by_priority = sorted(got, key=lambda k: -got[k][0])
+    assert by_priority == expected
+    assert [got[k][0] for k in expected] == [0, -1, -2, -3, -4, -5]
+    # ... which is not the order the layers were declared in
+    declared = [p.split("/", 1)[1] for p in single["declared_order"] if p.split("/", 1)[1] in got]
+    assert declared != expected
+
+
+def test_single_process_strategy(single):
+    assert single["replicas"] == 2 and single["should_checkpoint"] and single["trained"]
+    assert single["jit_compile"] is False      # compiled with jit_compile=True
+
+
+# --------------------------------------------------------------------------
+# BackupAndRestore across a crash
+# --------------------------------------------------------------------------
+def test_backup_and_restore_resumes_after_a_crash(tmp_path):
+    out, backup = tmp_path / "out", tmp_path / "backup"
+    out.mkdir()
+    crash = _launch("strategy_backup.py", [out, backup, "crash"], servers=1)
+    assert crash.returncode != 0, _tail(crash)
+    crashed = [json.loads((out / f"crash.rank{r}.json").read_text()) for r in range(2)]
+    assert crashed[1].get("crashed_at") == [1, 2], _tail(crash)
+    assert not crashed[0].get("done") and crashed[0]["epochs"] == [0, 1]
+    assert (backup / "latest.weights.h5").exists()
+    saved = crashed[0]["after_first_epoch"]
+
+    resume = _launch("strategy_backup.py", [out, backup, "resume"], servers=1)
+    assert resume.returncode == 0, _tail(resume)
+    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(2)]
+    for report in resumed:
+        assert report.get("done")
+        assert report["epochs"] == [1, 2, 3]               # starts at the second epoch
+        np.testing.assert_allclose(report["after_restore"], saved, rtol=1e-6)
+    assert resumed[0]["final"] == resumed[1]["final"]
+    assert resumed[0]["final"] != saved
+    assert not backup.exists()                             # deleted at the end by rank 0
+
+
+# --------------------------------------------------------------------------
+# TF_CONFIG (as a Kubeflow TFJob writes it) and the example
+# --------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_example_trains_under_tf_config(tmp_path):
+    """Every task runs the same command with only TF_CONFIG set, as in a
+    TFJob: the ps task serves (inside BytePSStrategy()), chief and worker
+    train; the chief prints the test accuracy."""
+    cluster = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": [f"127.0.0.1:{_free_port()}"],
+               "ps": [f"127.0.0.1:{_free_port()}"]}
+    tasks = [("ps", 0), ("chief", 0), ("worker", 0)]
+    procs = []
+    try:
+        for kind, index in tasks:
+            env = _env()
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index},
+                                           "environment": "cloud"})
+            log = open(tmp_path / f"{kind}{index}.log", "w+")
+            procs.append((kind, log, subprocess.Popen(
+                [sys.executable, str(REPO / "examples" / "keras_digits.py"), "--epochs", "10"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        deadline = time.time() + LAUNCH_TIMEOUT_S
+        for kind, log, proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for _, _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = {}
+    for kind, log, proc in procs:
+        log.seek(0)
+        outputs[kind] = log.read()
+        log.close()
+    for kind, _, proc in procs:
+        assert proc.returncode == 0, f"{kind} exited {proc.returncode}:\n{outputs[kind][-4000:]}"
+    match = re.search(r"test accuracy: ([0-9.]+).*\(2 workers, 2 replicas\)", outputs["chief"])
+    assert match, outputs["chief"][-4000:]
+    assert float(match.group(1)) >= 0.9
+    assert "test accuracy" not in outputs["worker"]     # only rank 0 prints

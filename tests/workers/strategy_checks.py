@@ -1,0 +1,211 @@
+"""Worker script for test_strategy.py: BytePSStrategy with Keras 3 model.fit.
+
+    bpslaunch -np 2 --servers 2 python tests/workers/strategy_checks.py OUT_DIR
+
+Every worker has 2 logical CPU devices (4 replicas in all) and runs the same
+scenarios in the same order. For each scenario it writes
+OUT_DIR/<scenario>.rank<r>.npz (initial and final weights) and a line in
+OUT_DIR/rank<r>.json (history, evaluate() results, ...). The test compares
+the workers with each other and with a single-process reference.
+
+The reference: after all distributed work (so that nothing it creates can
+shift a collective), one worker per scenario trains a plain model -- no strategy, one device
+-- from the same initial weights on the same global batches (shuffle=False:
+global batch k is rows [16k, 16k+16) and the workers' shards of batch k are
+exactly those rows). It writes OUT_DIR/<scenario>.reference.npz and
+OUT_DIR/<scenario>.reference.json.
+
+Dropout: the "dropout" scenario uses rate 0.5 and is only compared across
+workers (and, to save time, runs without validation data) (the seed-generator state is a mirrored variable, so every worker
+draws the same masks); a single process drawing one mask for the global
+batch cannot match it. The scenarios compared with the reference use
+Dropout(rate=0.0), which keeps the layer in the graph but draws nothing.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import bps_tf  # noqa: E402
+from bps_tf.strategy import BytePSStrategy, gather_predictions  # noqa: E402
+
+EPOCHS = 3
+GLOBAL_BATCH = 16
+N_TRAIN, N_VAL = 96, 44          # 6 full training batches; a partial validation batch
+VOCAB, TOKENS, FEATURES, CLASSES = 20, 5, 8, 3
+
+
+def make_data():
+    rng = np.random.RandomState(1234)
+    feats = rng.randn(N_TRAIN + N_VAL, FEATURES).astype("float32")
+    tokens = rng.randint(0, VOCAB, size=(N_TRAIN + N_VAL, TOKENS)).astype("int32")
+    labels = (np.argmax(feats[:, :CLASSES], axis=1) + tokens[:, 0]) % CLASSES
+    split = lambda a: (a[:N_TRAIN], a[N_TRAIN:])  # noqa: E731
+    (ft, fv), (tt, tv), (yt, yv) = split(feats), split(tokens), split(labels)
+    return ({"feats": ft, "tokens": tt}, yt), ({"feats": fv, "tokens": tv}, yv)
+
+
+def make_model(dropout):
+    feats = keras.Input((FEATURES,), name="feats")
+    tokens = keras.Input((TOKENS,), name="tokens", dtype="int32")
+    embedded = keras.layers.Embedding(VOCAB, 4)(tokens)           # sparse gradient
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    h = keras.layers.Concatenate()([feats, pooled])
+    h = keras.layers.Dense(16, activation="relu")(h)
+    h = keras.layers.BatchNormalization(synchronized=True)(h)
+    h = keras.layers.Dropout(dropout, seed=7)(h)
+    out = keras.layers.Dense(CLASSES)(h)
+    return keras.Model({"feats": feats, "tokens": tokens}, out)
+
+
+def make_optimizer(name):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def compile_model(model, optimizer):
+    model.compile(optimizer=make_optimizer(optimizer),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], steps_per_execution=2)
+
+
+# (name, optimizer, dropout rate, compared with the reference)
+SCENARIOS = [("sgd", "sgd", 0.0, True), ("adam", "adam", 0.0, True),
+             ("dropout", "sgd", 0.5, False)]
+
+
+class Recorder(keras.callbacks.Callback):
+    """Writes where every save went, to check that only rank 0 wrote."""
+
+    def __init__(self, saves):
+        super().__init__()
+        self.saves = saves
+
+    def on_train_begin(self, logs=None):
+        original = self.model.save_weights
+        saves = self.saves
+
+        def save_weights(filepath, *args, **kwargs):
+            saves.append(str(filepath))
+            return original(filepath, *args, **kwargs)
+        self.model.save_weights = save_weights
+
+
+def primitives(strategy, rank):
+    """tf.distribute calls Keras and input_lib make, checked with known values."""
+    out = {}
+    # A host int64 tensor, one per worker (input_lib's end-of-data count).
+    out["host_sum"] = int(strategy.reduce("SUM", tf.constant(rank + 1, tf.int64), axis=None))
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant([float(ctx.replica_id_in_sync_group)]))
+    out["replica_ids"] = [float(v.numpy()[0]) for v in strategy.experimental_local_results(ids)]
+    # Nested structures (Keras reduces its first batch this way).
+    nested = strategy.reduce("MEAN", {"a": ids, "b": (ids, ids)}, axis=None)
+    out["nested_mean"] = [float(nested["a"].numpy()[0]), float(nested["b"][1].numpy()[0])]
+    out["gather"] = [float(v) for v in strategy.gather(ids, axis=0).numpy()]
+    ones = strategy.run(lambda: tf.constant(1, tf.int32))
+    out["int32_sum"] = int(strategy.reduce("SUM", ones, axis=None))
+    return out
+
+
+def weights_of(model):
+    return {f"w{i}": np.asarray(v) for i, v in enumerate(model.get_weights())}
+
+
+def new_strategy():
+    return BytePSStrategy(devices=["/cpu:0", "/cpu:1"])
+
+
+def main(out_dir):
+    keras.utils.set_random_seed(0)
+    strategy = new_strategy()
+    rank, size = bps_tf.rank(), bps_tf.size()
+    report = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync,
+              "should_checkpoint": strategy.extended.should_checkpoint,
+              "scenarios": {}}
+    (x, y), (xv, yv) = make_data()
+    try:
+        report["primitives"] = primitives(strategy, rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["primitives"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
+
+    def write():
+        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+            json.dump(report, f)
+        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"),
+                   os.path.join(out_dir, f"rank{rank}.json"))
+
+    for name, optimizer, dropout, compared in SCENARIOS:
+        entry = report["scenarios"].setdefault(name, {})
+        started = time.time()
+        try:
+            # A strategy per scenario: its gradient priorities are this
+            # scenario's alone (and several strategies in one process work).
+            strategy = new_strategy()
+            with strategy.scope():
+                model = make_model(dropout)
+                compile_model(model, optimizer)
+            initial = weights_of(model)
+            saves = []
+            callbacks = [Recorder(saves)]
+            if name == "sgd":
+                callbacks.append(keras.callbacks.ModelCheckpoint(
+                    os.path.join(out_dir, "ckpt.weights.h5"), save_weights_only=True))
+            validation = (xv, yv) if compared else None
+            history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                                validation_data=validation, callbacks=callbacks, verbose=0)
+            entry["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
+            if compared:
+                entry["evaluate"] = [float(v) for v in
+                                     model.evaluate(xv, yv, batch_size=GLOBAL_BATCH, verbose=0)]
+            entry["saves"] = saves
+            preds = gather_predictions(model, xv, batch_size=8) if compared else np.zeros(0)
+            np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"),
+                     preds=preds, **{f"init_{k}": v for k, v in initial.items()},
+                     **weights_of(model))
+            entry["priorities"] = strategy.extended._push_pull_ops.gradient_priorities()
+            entry["ok"] = True
+        except Exception as exc:  # recorded, asserted by the test
+            entry["ok"] = False
+            entry["error"] = f"{exc}\n{traceback.format_exc()[-4000:]}"
+        entry["seconds"] = time.time() - started
+        write()
+
+    # References, spread over the workers (they run side by side).
+    references = [s for s in SCENARIOS if s[3] and report["scenarios"][s[0]].get("ok")]
+    for name, optimizer, dropout, _ in references[rank::size]:
+        started = time.time()
+        result = {}
+        try:
+            start = np.load(os.path.join(out_dir, f"{name}.rank{rank}.npz"))
+            model = make_model(dropout)
+            compile_model(model, optimizer)
+            model.set_weights([start[f"init_w{i}"] for i in range(len(model.weights))])
+            history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                                validation_data=(xv, yv), verbose=0)
+            result["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
+            result["evaluate"] = [float(v) for v in model.evaluate(
+                xv, yv, batch_size=GLOBAL_BATCH, verbose=0)]
+            np.savez(os.path.join(out_dir, f"{name}.reference.npz"),
+                     preds=model.predict(xv, verbose=0), **weights_of(model))
+        except Exception as exc:  # recorded, asserted by the test
+            result["error"] = f"{exc}\n{traceback.format_exc()[-4000:]}"
+        result["seconds"] = time.time() - started
+        with open(os.path.join(out_dir, f"{name}.reference.json"), "w") as f:
+            json.dump(result, f)
+    report["done"] = True
+    write()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
