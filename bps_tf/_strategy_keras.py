@@ -65,6 +65,23 @@ def _patch_jit_compile(trainer_cls):
 
 
 # --------------------------------------------------------------------------
+# Progress bar
+# --------------------------------------------------------------------------
+def _patch_progress_bar(progbar_cls):
+    """Only rank 0 draws Keras' progress bar (N identical bars interleave)."""
+    original = progbar_cls.set_params
+
+    def set_params(self, params):
+        original(self, params)
+        from bps_tf import basics, config
+        if (basics.is_initialized() and basics.size() > 1 and basics.rank() != 0
+                and not config.value("BYTEPS_PROGRESS_ALL_RANKS")):
+            self.verbose = 0
+
+    progbar_cls.set_params = set_params
+
+
+# --------------------------------------------------------------------------
 # Checkpoint callbacks
 # --------------------------------------------------------------------------
 class _PrivateDir:
@@ -191,6 +208,7 @@ def install() -> None:
         import keras
         from keras.src.trainers import trainer as trainer_module
         _patch_jit_compile(trainer_module.Trainer)
+        _patch_progress_bar(keras.callbacks.ProgbarLogger)
         backup = keras.callbacks.BackupAndRestore
         backup.on_train_begin = _restore_from_rank0(backup.on_train_begin)
         backup._save_model = _save_on_rank0(backup._save_model, _backup_paths)  # pylint: disable=protected-access

@@ -16,6 +16,10 @@ from bps_tf.api import (Average, Compression, Sum, allgather, broadcast,
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
 from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
+from bps_tf import _strategy_keras
+
+# Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
+_strategy_keras.install()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
