@@ -240,6 +240,13 @@ def test_backup_and_restore_resumes_after_a_crash(tmp_path):
     assert resumed[0]["final"] != saved
     assert not backup.exists()                             # deleted at the end by rank 0
 
+    # The resumed job ends where an uninterrupted run of the same seed ends.
+    straight = _launch("strategy_backup.py", [out, tmp_path / "backup2", "straight"], servers=1)
+    assert straight.returncode == 0, _tail(straight)
+    reference = json.loads((out / "straight.rank0.json").read_text())
+    assert reference["epochs"] == [0, 1, 2, 3]
+    np.testing.assert_allclose(resumed[0]["final"], reference["final"], rtol=1e-6, atol=1e-7)
+
 
 # --------------------------------------------------------------------------
 # TF_CONFIG (as a Kubeflow TFJob writes it) and the example

@@ -4,10 +4,11 @@
     bpslaunch -np 2 --servers 1 python tests/workers/strategy_backup.py OUT BACKUP resume
 
 ``crash``: trains for EPOCHS epochs with keras.callbacks.BackupAndRestore
-(saved at every epoch end); rank 1 kills itself (os._exit) in the middle
+(saved at every epoch end); rank 1 kills itself (SIGKILL) in the middle
 of the second epoch, so the job fails after the first epoch's backup.
 ``resume``: the same script again; it must start at the second epoch from
 the backup and finish.
+``straight``: the same training without a crash, for comparison.
 
 Each rank writes OUT/<mode>.rank<r>.json: the epochs it began, and (resume)
 a digest of its weights right after the restore and at the end;
@@ -16,6 +17,7 @@ rank 0 of the crash run also records its weights at the first epoch's end
 """
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -68,7 +70,7 @@ class Record(keras.callbacks.Callback):
                 and batch == CRASH_BATCH):
             self.report["crashed_at"] = [self.epoch, batch]
             self.write()
-            os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_end(self, logs=None):
         self.report["final"] = digest(self.model)
