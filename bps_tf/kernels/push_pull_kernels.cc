@@ -66,7 +66,11 @@ class PushPullOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& input = ctx->input(0);
     Tensor* output = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input.shape(), &output), done);
+    // Sum in place when TensorFlow lets us reuse the input: a fresh output
+    // would be first-touched page by page, which costs as much as the
+    // transfer for large gradients. The core allows in == out.
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
     Enqueue(name_, priority_, p, input.tensor_data().data());
   }
@@ -95,7 +99,8 @@ class BroadcastOp : public AsyncOpKernel {
                         done);
     }
     Tensor* output = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input.shape(), &output), done);
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
     const void* src = input.tensor_data().data();
     // Broadcast is a sum in which every worker but the root adds zeros: exact
