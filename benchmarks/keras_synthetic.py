@@ -1,0 +1,198 @@
+"""Keras `model.fit` with BytePSStrategy on synthetic images: images/s of one
+worker and of N workers on bandwidth-limited namespace hosts, the scaling
+efficiency, and priority scheduling on vs off.
+
+    sudo python benchmarks/keras_synthetic.py [--quick] [--model small_cnn|resnet50]
+
+Runs, one after the other, each worker alone in a namespace host of its own
+(servers on further hosts), every process with the same TF thread budget:
+
+* single:      one worker, no cluster;
+* independent: N single workers at once, not talking to each other -- the
+               CPU contention of N workers on this machine, without any
+               communication (the machine has far fewer cores than a real
+               cluster has hosts);
+* bps_tf:      N workers + S servers, priorities from the traced graph;
+* bps_tf FIFO: the same with every gradient at one priority.
+
+Scaling efficiency = images/s of the N-worker job / (N x images/s of one
+worker). On a machine with fewer cores than workers that mixes communication
+with CPU sharing, so the efficiency against the `independent` run (same CPU
+sharing, no communication) is reported too, and against the independent
+workers' steps combined as if synchronous (the slowest of the N at each
+step): together they separate the communication from the CPU sharing and
+from the straggler cost of synchronous training on a contended machine.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
+from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
+
+SCRIPT = str(WORKERS_DIR / "keras_fit.py")
+
+
+def step_time(results) -> float:
+    """Median over steps of the slowest worker's step (training is synchronous)."""
+    steps = min(len(r["step_s"]) for r in results)
+    return median(max(r["step_s"][k] for r in results) for k in range(steps))
+
+
+def run_alone(spec, hosts, timeout):
+    """len(hosts) workers, each alone (no cluster), started together."""
+    with common.processes() as procs:
+        spec = dict(spec, out_dir=str(procs.log_dir))
+        path = common.write_spec(procs.log_dir, spec)
+        children = [procs.start(f"alone{i}", [PYTHON, SCRIPT, str(path)],
+                                common.child_env({"BENCH_RANK": str(i)}), h.prefix)
+                    for i, h in enumerate(hosts)]
+        procs.wait(children, timeout)
+        return common.read_results(procs.log_dir, len(hosts))
+
+
+def run_cluster(spec, worker_hosts, server_hosts, timeout):
+    with common.processes() as procs:
+        spec = dict(spec, out_dir=str(procs.log_dir))
+        path = common.write_spec(procs.log_dir, spec)
+        common.run_bps_job(procs, [PYTHON, SCRIPT, str(path)], num_workers=len(worker_hosts),
+                           num_servers=len(server_hosts), worker_hosts=worker_hosts,
+                           server_hosts=server_hosts, timeout=timeout)
+        return common.read_results(procs.log_dir, len(worker_hosts))
+
+
+def plot(rows, path: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    names = [r["run"] for r in rows]
+    ax.bar(names, [r["images_per_s"] for r in rows], color=["C0", "C7", "C2", "C1"][:len(rows)])
+    for i, r in enumerate(rows):
+        ax.text(i, r["images_per_s"], f"{r['images_per_s']:.0f}", ha="center", va="bottom")
+    ax.set_ylabel("images/s (all workers)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit", help="tc rate of every host link ('none': no cap)")
+    ap.add_argument("--model", default="small_cnn", choices=("small_cnn", "resnet50"))
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--batch-per-worker", type=int, default=32)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="TF intra-op threads per worker")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="repeat every run this many times, interleaved; report medians")
+    ap.add_argument("--quick", action="store_true", help="2 warm-up and 6 timed steps, 1 round")
+    ap.add_argument("--skip", default="", help="comma-separated runs to leave out: "
+                    "single,independent,fifo")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out-dir")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup_steps, args.steps, args.rounds = 2, 6, 1
+    skip = set(filter(None, args.skip.split(",")))
+
+    spec = {"model": args.model, "image_size": args.image_size,
+            "batch_per_worker": args.batch_per_worker, "warmup_steps": args.warmup_steps,
+            "steps": args.steps, "threads": args.threads, "priority": "on"}
+    n, batch = args.workers, args.batch_per_worker
+    measured = {}   # run name -> [(step seconds, images/s, first step s, raw steps)] per round
+    info = {}
+    try:
+        with common.stop_on_signals(), NetnsHosts(n + args.servers) as net:
+            net.set_rate(None if args.rate in ("none", "unlimited") else args.rate)
+            print(net.describe(), flush=True)
+            workers, servers = net.hosts[:n], net.hosts[n:]
+            plan = [("single", lambda: run_alone(spec, workers[:1], args.timeout)),
+                    ("independent", lambda: run_alone(spec, workers, args.timeout)),
+                    ("bps_tf", lambda: run_cluster(spec, workers, servers, args.timeout)),
+                    ("bps_tf FIFO", lambda: run_cluster(dict(spec, priority="off"), workers,
+                                                        servers, args.timeout))]
+            plan = [(name, run) for name, run in plan
+                    if name not in skip and not (name == "bps_tf FIFO" and "fifo" in skip)]
+            # Rounds interleave the runs, so a change in the machine's load
+            # (it is shared) hits every run alike rather than one of them.
+            for rnd in range(args.rounds):
+                for name, run in plan:
+                    print(f"[round {rnd + 1}/{args.rounds}] {name} ...", flush=True)
+                    results = run()
+                    info = {"params": results[0]["params"],
+                            "gradients": results[0]["gradients"]}
+                    if name in ("single", "independent"):
+                        # Each alone: the throughput is the sum of the processes'.
+                        t = median(median(r["step_s"]) for r in results)
+                        ips = sum(batch / median(r["step_s"]) for r in results)
+                    else:
+                        t = step_time(results)
+                        ips = len(results) * batch / t
+                    measured.setdefault(name, []).append(
+                        (t, ips, max(r["first_step_s"] for r in results),
+                         [r["step_s"] for r in results]))
+    except NetnsUnavailable as exc:
+        print(f"keras_synthetic: {exc}", file=sys.stderr)
+        return 2
+
+    rows = []
+    for name, rounds in measured.items():
+        rows.append({"run": name, "workers": 1 if name == "single" else n,
+                     "step_s": median(r[0] for r in rounds),
+                     "images_per_s": median(r[1] for r in rounds),
+                     "first_step_s": median(r[2] for r in rounds),
+                     "rounds_step_s": [r[0] for r in rounds],
+                     "rounds_images_per_s": [r[1] for r in rounds],
+                     "all_step_s": [r[3] for r in rounds]})
+    by = {r["run"]: r for r in rows}
+    summary = {}
+    if "bps_tf" in by and "single" in by:
+        summary["scaling_efficiency"] = by["bps_tf"]["images_per_s"] / (
+            n * by["single"]["images_per_s"])
+    if "bps_tf" in by and "independent" in by:
+        summary["efficiency_vs_independent"] = (by["bps_tf"]["images_per_s"] /
+                                                by["independent"]["images_per_s"])
+    if "bps_tf" in by and "independent" in by:
+        # The independent workers' steps combined as if they had been
+        # synchronous (the slowest of the N at each step): the straggler
+        # cost any synchronous job pays on a contended machine, without
+        # communication.
+        sync = median(step_time([{"step_s": s} for s in rnd])
+                      for rnd in by["independent"]["all_step_s"])
+        summary["independent_as_if_synchronous_step_s"] = sync
+        summary["efficiency_vs_independent_synchronous"] = sync / by["bps_tf"]["step_s"]
+    if "bps_tf" in by and "bps_tf FIFO" in by:
+        summary["priority_speedup"] = by["bps_tf FIFO"]["step_s"] / by["bps_tf"]["step_s"]
+    title = (f"{args.model} {args.image_size}x{args.image_size}, {batch}/worker, {n} workers + "
+             f"{args.servers} servers, {args.rate} links, {args.threads} thread(s)/worker")
+    common.print_table(title + f" (median of {args.rounds} round(s))",
+                       ["run", "workers", "step s", "images/s", "first step s",
+                        "step s per round"],
+                       [[r["run"], r["workers"], r["step_s"], r["images_per_s"],
+                         r["first_step_s"], " ".join(f"{t:.3f}" for t in r["rounds_step_s"])]
+                        for r in rows])
+    for key, value in summary.items():
+        print(f"  {key}: {value:.3f}")
+    out = common.write_json("keras_synthetic", {
+        "config": vars(args), "model_info": info, "rows": rows, "summary": summary,
+        "targets": {"scaling_efficiency": ">= 0.90"}}, args.out_dir)
+    plot(rows, out.with_suffix(".png"), title)
+    return 0
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,62 @@
+"""bps_tf worker through the TensorFlow op: times `push_pull_sum` of every
+tensor of a case from one tf.function (the ops overlap, as in a train step).
+
+Usage: bps_tf_op.py SPEC.json; same spec and output as bps_numpy.py.
+"""
+import json
+import os
+import sys
+import time
+
+import tensorflow as tf
+
+from bps_tf import basics
+from bps_tf import ops as bps_ops
+
+
+def make_step(label, names, priorities):
+    @tf.function
+    def step(tensors):
+        outs = [bps_ops.push_pull_sum(t, tensor_name=f"{label}/{n}", priority=p)
+                for t, n, p in zip(tensors, names, priorities)]
+        # One element of each result keeps every op live without copying out.
+        return tf.add_n([tf.reshape(o, [-1])[0] for o in outs])
+    return step
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    basics.init()
+    rank, size = basics.rank(), basics.size()
+    results = []
+    for case in spec["cases"]:
+        names = [n for n, _, _ in case["tensors"]]
+        priorities = [int(p) for _, _, p in case["tensors"]]
+        with tf.device("/cpu:0"):
+            tensors = [tf.fill(shape, float(rank + 1)) for _, shape, _ in case["tensors"]]
+        step = make_step(case["label"], names, priorities)
+        starts, ends = [], []
+        value = None
+        for k in range(case["warmup"] + case["reps"]):
+            t0 = time.perf_counter()
+            value = float(step(tensors))
+            t1 = time.perf_counter()
+            if k + 1 == case["warmup"] and case.get("warm_file"):
+                # A profiler may start now (benchmarks/profile_push_pull.py).
+                open(case["warm_file"].format(rank=rank), "w").close()
+            if k >= case["warmup"]:
+                starts.append(t0)
+                ends.append(t1)
+        expect = len(tensors) * size * (size + 1) / 2
+        results.append({"label": case["label"], "starts": starts, "ends": ends,
+                        "correct": abs(value - expect) < 1e-3 * expect,
+                        "bytes": int(sum(t.shape.num_elements() * 4 for t in tensors))})
+    out = os.path.join(spec["out_dir"], f"worker{rank}.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump({"rank": rank, "size": size, "cases": results}, f)
+    os.replace(out + ".tmp", out)
+    basics.shutdown()
+
+
+if __name__ == "__main__":
+    main()

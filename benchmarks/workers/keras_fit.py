@@ -1,0 +1,115 @@
+"""One worker of the Keras benchmark: `model.fit` on synthetic images under
+BytePSStrategy, timing every training step.
+
+Usage: keras_fit.py SPEC.json. With DMLC_* set it joins a bps_tf cluster;
+without, it trains alone (BytePSStrategy of one worker, no servers), which
+is also how the single-worker and the independent baselines run. Writes
+OUT_DIR/worker<rank>.json (rank from BENCH_RANK when alone).
+
+spec: model ("resnet50" | "small_cnn"), image_size, batch_per_worker,
+warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off").
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+
+def configure_threads(threads: int) -> None:
+    # Every worker gets the same CPU share, alone or not, so that only the
+    # communication differs between the single-worker run and the cluster.
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+
+
+def turn_priorities_off() -> None:
+    """FIFO instead of priority scheduling: BytePSStrategy ranks gradient
+    push_pulls by setting their priority attribute through
+    bps_tf.rewriter.set_priority after tracing; skipping that leaves every
+    gradient at the same priority, so the engine sends them in the order
+    they were enqueued."""
+    from bps_tf import rewriter
+    rewriter.set_priority = lambda op, priority: None
+
+
+def build_model(keras, name: str, size: int):
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
+                                           classes=1000, classifier_activation=None)
+    # A small CNN: compute-bound, few parameters (the easy case for scaling).
+    layers = keras.layers
+    inputs = keras.Input((size, size, 3))
+    x = inputs
+    for filters in (32, 64, 128):
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(1000)(x)
+    return keras.Model(inputs, outputs)
+
+
+class StepTimer:
+    """Wall-clock time at the end of every training batch."""
+
+    def __init__(self, keras):
+        class _Timer(keras.callbacks.Callback):
+            def __init__(inner):
+                super().__init__()
+                inner.times = []
+
+            def on_train_begin(inner, logs=None):
+                inner.times.append(time.perf_counter())
+
+            def on_train_batch_end(inner, batch, logs=None):
+                inner.times.append(time.perf_counter())
+        self.callback = _Timer()
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    configure_threads(spec["threads"])
+    if spec.get("priority", "on") == "off":
+        turn_priorities_off()
+    import keras
+    import bps_tf
+
+    strategy = bps_tf.BytePSStrategy()
+    rank = bps_tf.rank() if bps_tf.size() > 1 else int(os.environ.get("BENCH_RANK", "0"))
+    workers = bps_tf.size()
+    keras.utils.set_random_seed(0)
+    size, per_worker = spec["image_size"], spec["batch_per_worker"]
+    global_batch = per_worker * workers
+    steps = spec["warmup_steps"] + spec["steps"]
+    rng = np.random.default_rng(0)
+    # Enough distinct images for every step of the epoch: no repeat, no
+    # input-pipeline surprises; each worker reads its shard of every batch.
+    x = rng.standard_normal((global_batch * steps, size, size, 3), dtype=np.float32)
+    y = rng.integers(0, 1000, size=(global_batch * steps,)).astype(np.int64)
+
+    with strategy.scope():
+        model = build_model(keras, spec["model"], size)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+    timer = StepTimer(keras).callback
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[timer])
+    times = timer.times
+    timed = times[1 + spec["warmup_steps"]:]
+    step_s = np.diff(timed).tolist()
+    result = {"rank": rank, "workers": workers, "batch_per_worker": per_worker,
+              "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+              "gradients": len(model.trainable_variables), "step_s": step_s,
+              "first_step_s": times[1] - times[0]}
+    out = os.path.join(spec["out_dir"], f"worker{rank}.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
+
+
+if __name__ == "__main__":
+    main()
