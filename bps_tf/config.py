@@ -77,6 +77,9 @@ SETTINGS = (
             "Last step recorded (-1: no limit; memory grows with the steps)."),
     Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
+    Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,
+            "Rank gradient push_pulls by the forward pass's topological order "
+            "(earliest layer first); 0 sends them first come, first served."),
     Setting("BYTEPS_PROGRESS_ALL_RANKS", "", "0", _bool,
             "Draw Keras' progress bar on every worker, not only on rank 0."),
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,

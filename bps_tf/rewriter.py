@@ -250,7 +250,14 @@ def variable_label(var) -> str:
 
 
 def set_priority(op, priority: int) -> None:
-    """Sets the ``priority`` attr of a push_pull op already in a graph."""
+    """Sets the ``priority`` attr of a push_pull op already in a graph.
+
+    With BYTEPS_PRIORITY_SCHEDULING=0 gradients keep one priority, so the
+    engine sends them in the order they are enqueued (FIFO), for comparison.
+    """
+    from bps_tf import config
+    if not config.value("BYTEPS_PRIORITY_SCHEDULING"):
+        return
     op._set_attr("priority", attr_value_pb2.AttrValue(i=int(priority)))  # pylint: disable=protected-access
 
 

@@ -210,6 +210,16 @@ def test_priorities_follow_the_forward_pass(single):
     assert declared != expected
 
 
+def test_priority_scheduling_can_be_turned_off():
+    env = dict(_env(), BYTEPS_PRIORITY_SCHEDULING="0")
+    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _tail(proc)
+    priorities = json.loads(proc.stdout.strip().splitlines()[-1])["priorities"]
+    values = {v for pr in priorities.values() for v in pr}
+    assert len(priorities) == 6 and len(values) == 1, priorities  # FIFO: one priority
+
+
 def test_single_process_strategy(single):
     assert single["replicas"] == 2 and single["should_checkpoint"] and single["trained"]
     assert single["jit_compile"] is False      # compiled with jit_compile=True

@@ -26,13 +26,8 @@ def configure_threads(threads: int) -> None:
 
 
 def turn_priorities_off() -> None:
-    """FIFO instead of priority scheduling: BytePSStrategy ranks gradient
-    push_pulls by setting their priority attribute through
-    bps_tf.rewriter.set_priority after tracing; skipping that leaves every
-    gradient at the same priority, so the engine sends them in the order
-    they were enqueued."""
-    from bps_tf import rewriter
-    rewriter.set_priority = lambda op, priority: None
+    """FIFO instead of priority scheduling (the supported switch)."""
+    os.environ["BYTEPS_PRIORITY_SCHEDULING"] = "0"
 
 
 def build_model(keras, name: str, size: int):

@@ -31,6 +31,7 @@ struct WorkerEngine::Task {
   void* ctx = nullptr;
   std::shared_ptr<TensorInfo> info;
   uint64_t round = 0;
+  uint32_t first_part = 0;  // where this worker starts among the partitions
   // Two counts per partition: its reply (or abandonment) and libzmq
   // releasing the zero-copy input buffer. done() runs when both are in.
   std::atomic<int> remaining{0};
@@ -49,10 +50,11 @@ struct WorkerEngine::Task {
 
 bool WorkerEngine::Order::operator()(const PartRef& a, const PartRef& b) const {
   // std::priority_queue pops the largest: higher priority, then older task,
-  // then lower part index.
+  // then the partition order of this worker (which starts at first_part).
   if (a.task->priority != b.task->priority) return a.task->priority < b.task->priority;
   if (a.task->seq != b.task->seq) return a.task->seq > b.task->seq;
-  return a.part > b.part;
+  size_t n = a.task->info->servers.size();
+  return (a.part + n - a.task->first_part) % n > (b.part + n - b.task->first_part) % n;
 }
 
 WorkerEngine& WorkerEngine::Get() {
@@ -281,6 +283,10 @@ bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>&
   task->round = info->next_round++;
   task->scheduled = Clock::now();
   size_t parts = info->servers.size();
+  // Workers start a large tensor at different partitions, so they do not all
+  // feed the same server's link at the same moment.
+  task->first_part = static_cast<uint32_t>(parts * static_cast<size_t>(rank_) /
+                                           static_cast<size_t>(std::max(size_, 1)));
   if (Trace::Get().Wants(task->round)) task->times.resize(parts);
   task->remaining = static_cast<int>(2 * parts);
   for (uint32_t p = 0; p < parts; ++p) ready_.push(PartRef{task, p});
