@@ -46,6 +46,8 @@ def init(environ=None) -> None:
     values.update(spec.core_values())
     c.worker_init(config.to_core_text(values))
     _configure_logging(values.get("log_level", "WARNING"), c.rank())
+    log.info("initialized: rank %d of %d, local rank %d of %d", c.rank(), c.size(),
+             c.local_rank(), c.local_size())
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
