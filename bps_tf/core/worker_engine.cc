@@ -83,6 +83,13 @@ void WorkerEngine::Init(const Config& cfg) {
   local_rank_ = 0;
   local_size_ = 1;
   SetLogIdentity("worker " + std::to_string(rank_));
+  // A new cluster after shutdown(): nothing learned from the old one holds.
+  tensors_.clear();
+  declaring_.clear();
+  request_sig_.clear();
+  names_in_flight_.clear();
+  peer_left_.clear();
+  sends_paused_ = false;
   SetJobToken(cfg.Get("job_token"));
   Trace::Get().Configure(cfg.GetInt("trace_on", 0) != 0, cfg.Get("trace_dir", "."), rank_,
                          cfg.GetInt("trace_start_step", 0), cfg.GetInt("trace_end_step", 20));
