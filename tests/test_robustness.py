@@ -163,15 +163,28 @@ def test_a_taken_port_is_a_clear_error(tmp_path):
     assert "port already taken" in proc.stderr and str(port) in proc.stderr, proc.stderr
 
 
+def _wait_for(path, procs, timeout):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), path
+        time.sleep(0.05)
+
+
 def test_soak_short_exact_and_memory_flat(tmp_path):
     env = {"BYTEPS_PARTITION_BYTES": str(PART)}
-    with ManualCluster(4, 2, [WORKER, "exact", str(tmp_path), "1000"], env=env) as c:
+    with ManualCluster(4, 2, [WORKER, "exact", str(tmp_path), "1500"], env=env) as c:
+        _wait_for(tmp_path / "warm0", c.servers + c.workers, 120)
+        servers_warm = [rss_mb(s.pid) for s in c.servers]
+        _wait_for(tmp_path / "rank0.json", c.servers, 240)
+        servers_end = [rss_mb(s.pid) for s in c.servers]
         assert c.wait_all(c.workers, timeout=240)
         assert [w.returncode for w in c.workers] == [0, 0, 0, 0]
         for r in range(4):
             with open(tmp_path / f"rank{r}.json") as f:
                 res = json.load(f)
             assert res["bad"] == []
-            assert res["rss"]["end"] - res["rss"]["warm"] < 30, res["rss"]
+            assert res["rss"]["end"] - res["rss"]["warm"] < 10, res["rss"]
+        for warm, end in zip(servers_warm, servers_end):
+            assert end - warm < 10, (servers_warm, servers_end)
         assert c.wait_all(c.servers, timeout=20)
         assert [s.returncode for s in c.servers] == [0, 0]

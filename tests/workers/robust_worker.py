@@ -71,12 +71,18 @@ if MODE == "idle":
 if MODE == "exact":
     part = int(os.environ["BYTEPS_PARTITION_BYTES"])
     rng = random.Random(1234)  # same sequence on every worker
+    # A fixed menu of random sizes (0 bytes to 3 partitions) per dtype, as a
+    # training job has a fixed set of tensors: after warm-up no new keys
+    # appear, so memory must stay flat.
+    menu = {d: [0] + [rng.randint(1, (3 * part) // np.dtype(d).itemsize) for _ in range(15)]
+            for d in DTYPES}
     bad, rss = [], {}
     for i in range(N):
         dname = rng.choice(DTYPES)
         dt = np.dtype(dname)
-        count = rng.randint(0, (3 * part) // dt.itemsize)
-        name = f"soak/{i % 40}/{dname}/{count}"
+        slot = rng.randrange(len(menu[dname]))
+        count = menu[dname][slot]
+        name = f"soak/{dname}/{slot}"
         base = (np.arange(count) % 5).astype(dt)
         a = base + dt.type(rank + 1)
         out = np.empty_like(a)
@@ -86,7 +92,12 @@ if MODE == "exact":
             bad.append(i)
         if i == N // 5:
             rss["warm"] = rss_mb()
+            open(os.path.join(OUT, f"warm{rank}"), "w").close()
     rss["end"] = rss_mb()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump({"bad": bad, "rss": rss, "stats": basics.stats()}, f)
+    # Hold on until every worker is done, so the servers are measured with
+    # all of the job's state still alive.
+    a = np.zeros(1, np.float32)
+    core.push_pull_async("soak/done", a, np.empty_like(a), 0, "").wait(120)
     basics.shutdown()
