@@ -45,7 +45,9 @@ def main():
     for r, v in results.items():
         print(f"{r:4d}  {v['rss']['warm']:20.1f}  {v['rss']['end']:13.1f}")
     if server_rss:
-        print("server rss MB: first", server_rss[0], "last", server_rss[-1])
+        warm = server_rss[len(server_rss) // 5]
+        print("server rss MB after warm-up:", [round(x, 1) for x in warm],
+              "at end:", [round(x, 1) for x in server_rss[-1]])
     return 0 if ok and bad == 0 else 1
 
 
