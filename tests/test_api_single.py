@@ -7,6 +7,7 @@ test_tf_multiworker.py.
 """
 import os
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -176,9 +177,11 @@ def test_calls_before_init_fail_clearly():
             "    api.push_pull(tf.ones([2]))\n"
             "except RuntimeError as e:\n"
             "    print('ERR', e)\n")
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("DMLC_ROLE", None)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+    # A neutral directory: `-c` puts it on sys.path, and the source tree must
+    # not shadow the installed package.
+    out = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env,
                          capture_output=True, text=True, timeout=120)
     assert "ERR" in out.stdout, out.stdout + out.stderr
     assert "bps_tf.init()" in out.stdout

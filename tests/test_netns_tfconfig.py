@@ -155,8 +155,7 @@ def test_tf_config_job_across_namespace_hosts(tmp_path):
     out_dir.mkdir()
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("TF_CONFIG", "BYTEPS_BIND_HOST") and not k.startswith("DMLC_")}
-    base_env.update(PYTHONPATH=ROOT + os.pathsep + base_env.get("PYTHONPATH", ""),
-                    BYTEPS_PARTITION_BYTES=str(PARTITION_BYTES),
+    base_env.update(BYTEPS_PARTITION_BYTES=str(PARTITION_BYTES),
                     BYTEPS_RENDEZVOUS_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2",
                     # One token for the job, as a TFJob's Secret gives every pod.
                     BYTEPS_JOB_TOKEN=uuid.uuid4().hex)

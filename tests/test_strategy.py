@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +28,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
 LAUNCH_TIMEOUT_S = 420
+NEUTRAL_DIR = tempfile.gettempdir()  # `python -m` must not see the source tree
 
 
 def _env():
+    # The caller's PYTHONPATH passes through; the repository is not added,
+    # because in a fresh clone it has no native libraries and would shadow
+    # the installed package.
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     for name in ("TF_CONFIG", "DMLC_ROLE"):   # a stray cluster must not leak in
         env.pop(name, None)
@@ -41,7 +45,7 @@ def _env():
 def _launch(script, args, workers=2, servers=2):
     cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(workers), "--servers", str(servers),
            sys.executable, str(WORKERS / script), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=NEUTRAL_DIR, env=_env(), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
 
 
@@ -188,7 +192,7 @@ def test_push_pull_names_and_priorities_agree_across_workers(cluster):
 # --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def single():
-    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=NEUTRAL_DIR,
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _tail(proc)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -212,7 +216,7 @@ def test_priorities_follow_the_forward_pass(single):
 
 def test_priority_scheduling_can_be_turned_off():
     env = dict(_env(), BYTEPS_PRIORITY_SCHEDULING="0")
-    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_single.py")], cwd=NEUTRAL_DIR,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _tail(proc)
     priorities = json.loads(proc.stdout.strip().splitlines()[-1])["priorities"]
@@ -283,7 +287,7 @@ def test_example_trains_under_tf_config(tmp_path):
             log = open(tmp_path / f"{kind}{index}.log", "w+")
             procs.append((kind, log, subprocess.Popen(
                 [sys.executable, str(REPO / "examples" / "keras_digits.py"), "--epochs", "10"],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+                cwd=NEUTRAL_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)))
         deadline = time.time() + LAUNCH_TIMEOUT_S
         for kind, log, proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.time()))

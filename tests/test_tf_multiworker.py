@@ -23,8 +23,7 @@ CHECKS = os.path.join(ROOT, "tests", "workers", "tf_checks.py")
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tf_checks"))
     env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
-           "BYTEPS_OP_TIMEOUT": "30",          # a lost tensor fails instead of hanging
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "BYTEPS_OP_TIMEOUT": "30"}          # a lost tensor fails instead of hanging
     proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=300)
     log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
            f"--- stderr\n{proc.stderr[-5000:]}")
