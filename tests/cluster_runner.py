@@ -31,5 +31,6 @@ def results(out_dir):
     found = {}
     for path in glob.glob(os.path.join(out_dir, "rank*.json")):
         with open(path) as f:
-            found[int(os.path.basename(path)[4:-5])] = json.load(f)
+            who = os.path.basename(path)[4:-5]
+            found[int(who) if who.isdigit() else who] = json.load(f)
     return found

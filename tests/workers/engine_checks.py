@@ -24,8 +24,11 @@ result = {}
 try:
     basics.init()
 except Exception as exc:  # the test asserts on the message
+    print(f"bps_tf.init() failed: {exc}", file=sys.stderr, flush=True)
     result["init_error"] = str(exc)
-    with open(os.path.join(OUT, f"rank{os.environ['DMLC_WORKER_ID']}.json"), "w") as f:
+    # Under TF_CONFIG there is no DMLC_WORKER_ID; the pid keeps names apart.
+    who = os.environ.get("DMLC_WORKER_ID", f"pid{os.getpid()}")
+    with open(os.path.join(OUT, f"rank{who}.json"), "w") as f:
         json.dump(result, f)
     sys.exit(0)
 
