@@ -178,8 +178,12 @@ class _Job:
         self._parent_pid = os.getpid()
 
     def start(self, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str]) -> _Child:
+        # Servers need no working directory. Starting them in a neutral one
+        # keeps a source checkout in the current directory from shadowing the
+        # installed bps_tf (`python -m` puts the working directory first).
+        cwd = tempfile.gettempdir() if kind == "server" else None
         try:
-            popen = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+            popen = subprocess.Popen(list(argv), env=dict(env), start_new_session=True, cwd=cwd,
                                      preexec_fn=_die_with_parent(self._parent_pid))
         except OSError as exc:
             _say(f"cannot start {name} ({' '.join(argv)}): {exc}; stopping the other processes")

@@ -37,3 +37,23 @@ def test_server_serves_a_tensorflow_worker_without_importing_tensorflow():
     assert code == 0, text
     assert "TENSORFLOW_IMPORTED=False" in text, text
     assert "TENSORFLOW_IMPORTED=True" not in text
+
+
+def test_servers_ignore_a_bps_tf_checkout_in_the_working_directory(tmp_path, monkeypatch):
+    """bpslaunch is often run from a source checkout whose bps_tf has no built
+    libraries; the servers it starts must still import the installed one."""
+    from bps_tf import launcher
+    decoy = tmp_path / "bps_tf"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")
+    worker = [sys.executable, os.path.join(ROOT, "tests", "workers", "robust_worker.py"),
+              "exact", str(tmp_path), "20"]
+    monkeypatch.setenv("BYTEPS_PARTITION_BYTES", "65536")
+    old_cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = launcher.run_local(2, 1, worker)
+    finally:
+        os.chdir(old_cwd)
+    assert code == 0
+    assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
