@@ -115,13 +115,12 @@ class BuildNative(build_ext):
             _run(base + ["-shared", "-o", py_mod] + objs["py"]
                  + ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN"])
         op_lib = os.path.join(pkg, "ops", "libbps_tf_ops.so")
+        op_link = ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"]
         if _newer(op_lib, objs["op"] + [core_lib]):
-            _run(base + ["-shared", "-o", op_lib] + objs["op"]
-                 + ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"])
+            _run(base + ["-shared", "-o", op_lib] + objs["op"] + op_link)
         sys.path.insert(0, os.path.join(HERE, "tools"))
         from build_gpu import add_gpu_kernels_to_op_library  # one line saying why, if skipped
-        add_gpu_kernels_to_op_library(tf, base, tmp, op_lib, objs["op"], ["-L" + pkg, "-lbps_core",
-                                      "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"])
+        add_gpu_kernels_to_op_library(tf, base, tmp, op_lib, objs["op"], op_link)
 
 
 setup(

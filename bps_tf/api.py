@@ -43,6 +43,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from bps_tf import basics
+from bps_tf.rewriter import unique_name
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -157,13 +158,7 @@ def _next_eager_index() -> int:
 
 def _unique_in_graph(name: str) -> str:
     graph = tf.compat.v1.get_default_graph()
-    used = _graph_names.setdefault(graph, set())
-    candidate, n = name, 0
-    while candidate in used:
-        n += 1
-        candidate = f"{name}_{n}"
-    used.add(candidate)
-    return candidate
+    return unique_name(name, _graph_names.setdefault(graph, set()))
 
 
 def _tensor_op_name(tensor) -> Optional[str]:

@@ -317,7 +317,8 @@ def _variable_of(graph_def_nodes: Mapping[str, node_def_pb2.NodeDef], name: str,
     return name if types.get(name) in _VARIABLE_OPS else None
 
 
-def _unique_name(base: str, taken: set) -> str:
+def unique_name(base: str, taken: set) -> str:
+    """`base`, or `base_1`, `base_2`, ... : the first not in `taken` (then added)."""
     name, n = base, 0
     while name in taken:
         n += 1
@@ -377,7 +378,7 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
         grad = apply_node.input[index]
         dtype = apply_node.attr["T"].type
         pp = node_def_pb2.NodeDef(
-            name=_unique_name(f"{_input_node(grad)}/BytepsPushPull", taken),
+            name=unique_name(f"{_input_node(grad)}/BytepsPushPull", taken),
             op=PUSH_PULL_OP, input=[grad])
         pp.attr["T"].type = dtype
         pp.attr["tensor_name"].s = f"{name_prefix}/{var}".encode()
@@ -385,11 +386,11 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
         new_nodes.append(pp)
         result = pp.name
         if average and num_workers > 1:
-            scale = node_def_pb2.NodeDef(name=_unique_name(f"{pp.name}/scale", taken), op="Const")
+            scale = node_def_pb2.NodeDef(name=unique_name(f"{pp.name}/scale", taken), op="Const")
             scale.attr["dtype"].type = dtype
             scale.attr["value"].tensor.CopyFrom(
                 tf.make_tensor_proto(1.0 / num_workers, dtype=tf.as_dtype(dtype), shape=[]))
-            mean = node_def_pb2.NodeDef(name=_unique_name(f"{pp.name}/average", taken),
+            mean = node_def_pb2.NodeDef(name=unique_name(f"{pp.name}/average", taken),
                                         op="Mul", input=[pp.name, scale.name])
             mean.attr["T"].type = dtype
             new_nodes += [scale, mean]

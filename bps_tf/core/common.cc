@@ -143,6 +143,23 @@ std::string ShapeString(int dtype, const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
 uint64_t Fnv1a64(const std::string& text) {
   uint64_t h = 1469598103934665603ULL;
   for (unsigned char c : text) {

@@ -59,6 +59,7 @@ bool ValidDType(int dtype);
 
 std::string ShapeString(int dtype, const std::vector<int64_t>& shape);
 uint64_t Fnv1a64(const std::string& text);
+std::string JsonString(const std::string& text);  // quoted and escaped
 
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {

@@ -61,6 +61,11 @@ std::string ValidateHeader(const void* data, size_t size, size_t payload_size);
 const char* MsgTypeName(uint16_t type);
 const char* RoleName(Role role);
 
+// Settings every node must agree on; sent in each HELLO and compared by the
+// scheduler.
+constexpr const char* kSharedSettings[] = {"num_workers", "num_servers", "partition_bytes",
+                                           "async"};
+
 // Partition keys: the tensor key's low 16 bits hold the part index.
 constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;

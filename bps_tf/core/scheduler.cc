@@ -125,8 +125,7 @@ void Scheduler::OnHello(const std::string& identity, const FrameHeader& h, const
 
   // Every node must agree with the scheduler on the settings that shape the
   // data: a disagreement names the setting and both values.
-  const char* kShared[] = {"num_workers", "num_servers", "partition_bytes", "async"};
-  for (const char* key : kShared) {
+  for (const char* key : kSharedSettings) {
     std::string mine = cfg_.Get(key, "");
     std::string theirs = kv.Get(key, "");
     if (mine != theirs) {

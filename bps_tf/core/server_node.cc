@@ -56,10 +56,6 @@ int PortOf(const std::string& endpoint) {
   return colon == std::string::npos ? 0 : std::atoi(endpoint.c_str() + colon + 1);
 }
 
-std::string Endpoint(const std::string& host, int64_t port) {
-  bool v6 = host.find(':') != std::string::npos && host.front() != '[';
-  return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
 
 class ServerNode {
  public:
@@ -261,7 +257,7 @@ int ServerNode::Run(std::string* error) {
     control_.reset(new Socket(ctx_, zmqc::kDealer, id));
     control_->Connect(Endpoint(scheduler_host, scheduler_port));
     Config hello;
-    for (const char* key : {"num_workers", "num_servers", "partition_bytes", "async"}) {
+    for (const char* key : kSharedSettings) {
       hello.Set(key, cfg_.Get(key));
     }
     hello.Set("hostname", cfg_.Get("hostname"));

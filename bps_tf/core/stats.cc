@@ -1,5 +1,7 @@
 #include "stats.h"
 
+#include "common.h"
+
 #include <cstdio>
 #include <sstream>
 
@@ -20,24 +22,6 @@ void Stats::ClearSendLog() {
   send_log_.clear();
 }
 
-namespace {
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-}  // namespace
 
 std::string Stats::Json() {
   std::ostringstream o;

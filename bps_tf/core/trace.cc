@@ -5,18 +5,6 @@
 
 namespace bps {
 
-namespace {
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    out += c;
-  }
-  return out + "\"";
-}
-}  // namespace
-
 Trace& Trace::Get() {
   static Trace* trace = new Trace();
   return *trace;
@@ -96,13 +84,13 @@ std::string Trace::Flush() {
                rank_, rank_);
   for (const auto& r : rows_) {
     std::fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":%s}}",
-                 rank_, r.second, Quote(r.first).c_str());
+                 rank_, r.second, JsonString(r.first).c_str());
   }
   for (const auto& e : events_) {
     std::fprintf(f,
                  ",\n{\"name\":%s,\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%lld,\"dur\":%lld,\"pid\":%d,"
                  "\"tid\":%d,\"args\":%s}",
-                 Quote(e.name).c_str(), e.cat.c_str(), static_cast<long long>(e.ts),
+                 JsonString(e.name).c_str(), e.cat.c_str(), static_cast<long long>(e.ts),
                  static_cast<long long>(e.dur), rank_, e.tid, e.args.c_str());
   }
   std::fprintf(f, "\n]}\n");

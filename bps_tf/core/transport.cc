@@ -41,6 +41,11 @@ Msg Msg::Share() {
   return copy;
 }
 
+std::string Endpoint(const std::string& host, int64_t port) {
+  bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 std::string ZmqError(const std::string& what) {
   int e = zmq_errno();
   return what + ": " + zmq_strerror(e);

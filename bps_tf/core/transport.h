@@ -38,6 +38,9 @@ class Msg {
 
 std::string ZmqError(const std::string& what);
 
+// "tcp://host:port", bracketing IPv6 literals.
+std::string Endpoint(const std::string& host, int64_t port);
+
 class Context {
  public:
   explicit Context(int io_threads);

@@ -62,13 +62,6 @@ WorkerEngine& WorkerEngine::Get() {
   return *engine;
 }
 
-namespace {
-std::string Endpoint(const std::string& host, int64_t port) {
-  bool v6 = host.find(':') != std::string::npos && host.front() != '[';
-  return "tcp://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-}  // namespace
-
 void WorkerEngine::Init(const Config& cfg) {
   if (initialized_) return;
   std::unique_lock<std::mutex> lock(mu_);
@@ -128,7 +121,7 @@ void WorkerEngine::Init(const Config& cfg) {
                             "ctl-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid())));
   control_->Connect(scheduler_endpoint_);
   Config hello;
-  for (const char* key : {"num_workers", "num_servers", "partition_bytes", "async"}) {
+  for (const char* key : kSharedSettings) {
     hello.Set(key, cfg.Get(key));
   }
   hello.Set("hostname", cfg.Get("hostname"));
