@@ -1,12 +1,15 @@
 """Builds bps_tf: the C++ core, its pybind11 module and the TensorFlow op library.
 
-The op library must be compiled against the exact TensorFlow that will load
-it (its C++ ABI changes every release), so install with
-`pip install --no-build-isolation .` into an environment that already has
-TensorFlow: an isolated build would compile against whatever TensorFlow the
-build environment happened to fetch.
+`pip install .` works with pip's default build isolation: the core and the
+pybind11 module need no TensorFlow (pyproject.toml declares their build
+requirements). The op library must be compiled against the exact TensorFlow
+that loads it (its C++ ABI changes every release), so it is built here only
+when the building Python can import TensorFlow (`pip install
+--no-build-isolation .`), and stamped with that TensorFlow's key; otherwise,
+or after a TensorFlow upgrade, bps_tf compiles it at first import into a
+per-user cache (bps_tf/op_build.py). A stale build is never loaded.
 """
-import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,25 +24,31 @@ MIN_TF = (2, 16)
 CORE_SOURCES = ["api.cc", "auth.cc", "common.cc", "protocol.cc", "reduce.cc", "scheduler.cc",
                 "server_node.cc", "stats.cc", "sum_engine.cc", "trace.cc", "transport.cc",
                 "worker_engine.cc"]
-OP_SOURCES = ["bps_tf/ops/push_pull_ops.cc", "bps_tf/kernels/push_pull_kernels.cc"]
 WARNINGS = ["-Wall", "-Wno-sign-compare"]
 
 
+def _load_op_build():
+    # By path: importing the bps_tf package here would need its native parts.
+    spec = importlib.util.spec_from_file_location(
+        "bps_tf_op_build", os.path.join(HERE, "bps_tf", "op_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+op_build = _load_op_build()
+OP_SOURCES = ["bps_tf/" + s for s in op_build.OP_SOURCES]
+
+
 def _tensorflow_flags():
-    probe = (
-        "import json, tensorflow as tf\n"
-        "print(json.dumps({'version': tf.__version__,"
-        " 'cflags': tf.sysconfig.get_compile_flags(),"
-        " 'lflags': tf.sysconfig.get_link_flags()}))\n")
+    """TensorFlow's build flags, or None when this Python has no TensorFlow."""
     try:
-        out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                             text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout
-    except subprocess.CalledProcessError as exc:
-        sys.exit(
-            "bps_tf build error: TensorFlow cannot be imported by " + sys.executable + ".\n"
-            "Install it first (e.g. `pip install tensorflow-cpu`), then build without isolation:"
-            " `pip install --no-build-isolation .`\n" + exc.stderr[-2000:])
-    info = json.loads(out.strip().splitlines()[-1])
+        info = op_build.tensorflow_info_of(sys.executable)
+    except subprocess.CalledProcessError:
+        print("bps_tf: TensorFlow is not importable in the build environment: the op library "
+              "will be compiled at first import, against the TensorFlow that loads it.",
+              flush=True)
+        return None
     version = tuple(int(x) for x in info["version"].split(".")[:2])
     if version < MIN_TF:
         sys.exit(f"bps_tf build error: TensorFlow {info['version']} is too old; "
@@ -63,7 +72,12 @@ class BuildNative(build_ext):
     """Compiles with g++ directly: three targets, no distutils compiler model."""
 
     def run(self):
-        import pybind11
+        try:
+            import pybind11
+        except ImportError:
+            sys.exit("bps_tf build error: pybind11 is missing. `pip install .` installs it in "
+                     "its isolated build environment; with --no-build-isolation run "
+                     "`pip install pybind11` first.")
 
         out_root = HERE if self.inplace else os.path.abspath(self.build_lib)
         tmp = os.path.abspath(self.build_temp)
@@ -72,10 +86,8 @@ class BuildNative(build_ext):
         os.makedirs(os.path.join(pkg, "ops"), exist_ok=True)
         core_dir = os.path.join(HERE, "bps_tf", "core")
         headers = [os.path.join(core_dir, f) for f in os.listdir(core_dir) if f.endswith(".h")]
-        cxx = os.environ.get("CXX", "g++")
+        cxx = op_build.compiler()
         base = [cxx, "-std=c++17", "-O3", "-fPIC", "-pthread", "-DNDEBUG"] + WARNINGS
-        tf = _tensorflow_flags()
-        tf_cflags = [f for f in tf["cflags"] if not f.startswith("--std")]
 
         def compile_obj(src, obj, extra):
             if _newer(obj, [src] + headers):
@@ -84,13 +96,6 @@ class BuildNative(build_ext):
 
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            # Op library objects first: they take the longest (TF headers).
-            for src in OP_SOURCES:
-                obj = os.path.join(tmp, os.path.basename(src) + ".o")
-                jobs.append(("op", pool.submit(compile_obj, os.path.join(HERE, src), obj,
-                                               tf_cflags + ["-I" + core_dir,
-                                                            "-Wno-deprecated-declarations",
-                                                            "-Wno-interference-size"])))
             for src in CORE_SOURCES:
                 obj = os.path.join(tmp, "core_" + src + ".o")
                 jobs.append(("core", pool.submit(compile_obj, os.path.join(core_dir, src),
@@ -100,7 +105,7 @@ class BuildNative(build_ext):
                 compile_obj, os.path.join(core_dir, "pybind_module.cc"), pyb,
                 ["-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
                  "-fvisibility=hidden"])))
-            objs = {"op": [], "core": [], "py": []}
+            objs = {"core": [], "py": []}
             for kind, fut in jobs:
                 objs[kind].append(fut.result())
 
@@ -114,13 +119,37 @@ class BuildNative(build_ext):
         if _newer(py_mod, objs["py"] + [core_lib]):
             _run(base + ["-shared", "-o", py_mod] + objs["py"]
                  + ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN"])
-        op_lib = os.path.join(pkg, "ops", "libbps_tf_ops.so")
-        op_link = ["-L" + pkg, "-lbps_core", "-Wl,-rpath,$ORIGIN/.."] + tf["lflags"]
-        if _newer(op_lib, objs["op"] + [core_lib]):
-            _run(base + ["-shared", "-o", op_lib] + objs["op"] + op_link)
+        tf = _tensorflow_flags()
+        if tf is not None:
+            self._build_op_library(tf, pkg, tmp, base)
+        else:
+            # A library left in build/ by an earlier build was made for some
+            # other TensorFlow: never ship it.
+            for leftover in (op_build.LIBRARY_NAME, op_build.LIBRARY_NAME + op_build.STAMP_SUFFIX):
+                path = os.path.join(pkg, "ops", leftover)
+                if os.path.exists(path):
+                    os.remove(path)
+
+    def _build_op_library(self, tf, pkg, tmp, base):
+        src_pkg = os.path.join(HERE, "bps_tf")
+        key = op_build.build_key(tf, src_pkg)
+        op_lib = os.path.join(pkg, "ops", op_build.LIBRARY_NAME)
+        if op_build.read_stamp(op_lib).get("key") == key and os.path.exists(op_lib):
+            return
+        # Objects live under the key: a TensorFlow upgrade never reuses them.
+        obj_dir = os.path.join(tmp, "ops-" + key)
+        os.makedirs(obj_dir, exist_ok=True)
+        cmds = op_build.compile_commands(tf, src_pkg, obj_dir, op_lib, pkg)
+        # The installed op library finds the core beside it, wherever it lands.
+        cmds[-1] = [a.replace("-Wl,-rpath," + pkg, "-Wl,-rpath,$ORIGIN/..") for a in cmds[-1]]
+        op_build.run_commands(cmds, echo=lambda line: print(line, flush=True))
         sys.path.insert(0, os.path.join(HERE, "tools"))
         from build_gpu import add_gpu_kernels_to_op_library  # one line saying why, if skipped
-        add_gpu_kernels_to_op_library(tf, base, tmp, op_lib, objs["op"], op_link)
+        op_objs = [c[c.index("-o") + 1] for c in cmds[:-1]]
+        link = op_build.link_flags(tf, pkg)
+        link = [a.replace("-Wl,-rpath," + pkg, "-Wl,-rpath,$ORIGIN/..") for a in link]
+        add_gpu_kernels_to_op_library(tf, base, obj_dir, op_lib, op_objs, link)
+        op_build.write_stamp(op_lib, key, tf["version"])
 
 
 setup(
@@ -128,6 +157,9 @@ setup(
     version="0.1.0",
     description="BytePS-style distributed training for TensorFlow and Keras",
     packages=find_packages(include=["bps_tf", "bps_tf.*"]),
+    # The op library's sources ship with the package: it is compiled where it
+    # is used when the installed build does not match the TensorFlow there.
+    package_data={"bps_tf": ["core/*.h", "ops/*.cc", "kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.9",
     install_requires=["numpy", "pyzmq>=22"],
     ext_modules=[Extension("bps_tf._core", sources=[])],  # built by BuildNative

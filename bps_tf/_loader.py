@@ -53,5 +53,5 @@ def load_core():
     except ImportError as exc:
         raise ImportError(
             f"bps_tf's native core is not built ({exc}). Install bps_tf with "
-            "`pip install --no-build-isolation .` or build in place with "
+            "`pip install .` or build in place with "
             "`python setup.py build_ext --inplace`.") from exc

@@ -11,6 +11,7 @@ a rerun only recompiles what changed.
 Each check runs in a subprocess: the Bazel-built libraries must not meet the
 pip-built ones already loaded into the test process.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +25,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT_ROOT = os.path.join(tempfile.gettempdir(), f"bps_tf-bazel-{os.getuid()}")
-LINKS = os.path.join(OUTPUT_ROOT, "links")
+# Bazel keys its output base by the workspace path; the convenience links
+# must be per clone too, or two clones tested at once overwrite each other's.
+LINKS = os.path.join(OUTPUT_ROOT, "links", hashlib.sha256(ROOT.encode()).hexdigest()[:16])
 DEBIAN_PACKAGES = {"bazel-bootstrap": "bazel", "bazel-rules-java": "/usr/share/bazel/rules/java"}
 APT_TIMEOUT_S = 300
 BUILD_TIMEOUT_S = 600
@@ -143,20 +146,36 @@ def test_bazel_outputs_work_as_the_package(bazel_bin, tmp_path):
     # of the Python sources plus them is a complete bps_tf.
     stage = tmp_path / "stage"
     shutil.copytree(os.path.join(ROOT, "bps_tf"), stage / "bps_tf",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.cc", "*.h", "*.cu"))
+                    ignore=shutil.ignore_patterns("*.so", "*.so.key", "__pycache__", "*.cu"))
     suffix = next(f for f in os.listdir(os.path.join(bazel_bin, "bps_tf"))
                   if f.startswith("_core") and f.endswith(".so"))
     for path in (CORE, OPS, "bps_tf/" + suffix):
         shutil.copy(os.path.join(bazel_bin, path), stage / path)
+    # Bazel built the op library against this TensorFlow: say so, as a
+    # packaging step would, or bps_tf rightly refuses to trust it.
+    stamp = subprocess.run([sys.executable, "-m", "bps_tf.op_build", "--stamp", str(stage / OPS)],
+                           cwd=str(tmp_path), capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
+                           env=dict(os.environ, PYTHONPATH=str(stage), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert stamp.returncode == 0, stamp.stderr
     seen = _python("""
-        import json
+        import json, os
         import tensorflow as tf
         import bps_tf
         from bps_tf import basics, ops
         bps_tf.init()
         out = ops.push_pull_sum(tf.constant([1.5, -2.0, 3.25]), "bazel_smoke")
         with open("/proc/self/maps") as f:
-            loaded = sorted({line.split()[-1] for line in f if "bps_" in line.split()[-1]})
+            # Match on the file name only: the clone's folder (and a venv in it)
+            # may itself be called bps_tf.
+            ours = ("libbps_core.so", "libbps_tf_ops.so")
+            # The path is everything after the fifth field (it may hold spaces).
+            fields = [line.rstrip("\\n").split(maxsplit=5) for line in f]
+            paths = {x[5] for x in fields if len(x) == 6 and x[5].startswith("/")}
+            def ours_(p):
+                name, parent = os.path.basename(p), os.path.basename(os.path.dirname(p))
+                return name in ours or (name.startswith("_core.") and name.endswith(".so")
+                                        and parent == "bps_tf")
+            loaded = sorted(p for p in paths if ours_(p))
         print(json.dumps({"size": bps_tf.size(), "sum": out.numpy().tolist(),
                           "package": bps_tf.__file__, "core": basics.core().__file__,
                           "loaded": loaded}))

@@ -111,12 +111,17 @@ def _hostile_frames(port, count, seed):
 
 
 def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path):
-    env = dict(FAST_FAILURE, BYTEPS_TIMEOUT="30", BYTEPS_LOG_LEVEL="WARNING")
+    release = tmp_path / "attack_done"
+    env = dict(FAST_FAILURE, BYTEPS_TIMEOUT="30", BYTEPS_LOG_LEVEL="WARNING",
+               ROBUST_WAIT_FOR_FILE=str(release))
     with ManualCluster(2, 1, [WORKER, "exact", str(tmp_path), "400"], env=env) as c:
         wait_joined(tmp_path, 2)
         rss_before = rss_mb(c.servers[0].pid)
+        # The workers finish their rounds and then wait for `release`, so the
+        # server is still listening for every frame below, however fast they are.
         _hostile_frames(c.port, 10000, seed=7)
         rss_after = rss_mb(c.servers[0].pid)
+        release.touch()
         assert c.wait_all(c.workers, timeout=120)
         assert [w.returncode for w in c.workers] == [0, 0]
         for r in range(2):
@@ -173,11 +178,11 @@ def _wait_for(path, procs, timeout):
 def test_soak_short_exact_and_memory_flat(tmp_path):
     env = {"BYTEPS_PARTITION_BYTES": str(PART)}
     with ManualCluster(4, 2, [WORKER, "exact", str(tmp_path), "1500"], env=env) as c:
-        _wait_for(tmp_path / "warm0", c.servers + c.workers, 120)
+        _wait_for(tmp_path / "warm0", c.servers + c.workers, 300)
         servers_warm = [rss_mb(s.pid) for s in c.servers]
-        _wait_for(tmp_path / "rank0.json", c.servers, 240)
+        _wait_for(tmp_path / "rank0.json", c.servers, 600)
         servers_end = [rss_mb(s.pid) for s in c.servers]
-        assert c.wait_all(c.workers, timeout=240)
+        assert c.wait_all(c.workers, timeout=300)
         assert [w.returncode for w in c.workers] == [0, 0, 0, 0]
         for r in range(4):
             with open(tmp_path / f"rank{r}.json") as f:
@@ -186,5 +191,6 @@ def test_soak_short_exact_and_memory_flat(tmp_path):
             assert res["rss"]["end"] - res["rss"]["warm"] < 10, res["rss"]
         for warm, end in zip(servers_warm, servers_end):
             assert end - warm < 10, (servers_warm, servers_end)
-        assert c.wait_all(c.servers, timeout=20)
+        # Bounds, not speed goals: generous enough for a machine under load.
+        assert c.wait_all(c.servers, timeout=120), "servers did not exit after the job"
         assert [s.returncode for s in c.servers] == [0, 0]

@@ -10,7 +10,7 @@ import os
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
 
-from bps_tf import basics
+from bps_tf import basics, op_build
 from bps_tf._loader import preload_libzmq
 
 OP_TYPES = ("BytepsPushPull", "BytepsBroadcast")
@@ -18,12 +18,10 @@ OP_TYPES = ("BytepsPushPull", "BytepsBroadcast")
 
 def _load():
     preload_libzmq()
-    basics.core()  # loads libbps_core.so once, shared with the op library
-    path = os.path.join(os.path.dirname(__file__), "libbps_tf_ops.so")
-    if not os.path.exists(path):
-        raise ImportError(
-            f"{path} is missing: build bps_tf with `pip install --no-build-isolation .` "
-            "or `python setup.py build_ext --inplace`")
+    core = basics.core()  # loads libbps_core.so once, shared with the op library
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = op_build.ensure_op_library(
+        package_dir, core_lib_dir=os.path.dirname(os.path.abspath(core.__file__)))
     return tf.load_op_library(path)
 
 

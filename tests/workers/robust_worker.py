@@ -96,6 +96,15 @@ if MODE == "exact":
     rss["end"] = rss_mb()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump({"bad": bad, "rss": rss, "stats": basics.stats()}, f)
+    # A test that attacks the servers while the job runs asks the workers to
+    # stay until it is done, so the servers cannot exit under its feet.
+    release = os.environ.get("ROBUST_WAIT_FOR_FILE")
+    if release:
+        deadline = time.time() + 600
+        while not os.path.exists(release):
+            if time.time() > deadline:
+                sys.exit(f"{release} never appeared")
+            time.sleep(0.05)
     # Hold on until every worker is done, so the servers are measured with
     # all of the job's state still alive.
     a = np.zeros(1, np.float32)
