@@ -46,6 +46,12 @@ _LAZY = {
 }
 
 
+# The documented API: `from bps_tf import *` gives all of it (the lazy names
+# import TensorFlow then; a plain `import bps_tf` still does not).
+__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
+           "local_rank", *_LAZY]
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:

@@ -14,7 +14,7 @@ batch: the data is sharded by worker, then split over each worker's devices.
 How it fits tf.distribute: a ``MirroredStrategy`` whose ``MirroredExtended``
 knows about the other workers (between-graph replication, like
 MultiWorkerMirroredStrategy, which Keras 3 cannot drive: see docs/strategy.md)
-and whose cross-device ops sum through push_pull (bps_tf._strategy_ops):
+and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
 
 * ``num_replicas_in_sync`` is global (Keras scales the loss by it);
 * datasets are sharded with ``InputContext(num_workers, rank)``, and every
@@ -25,10 +25,10 @@ and whose cross-device ops sum through push_pull (bps_tf._strategy_ops):
 * new variables start from rank 0's value (a broadcast inside the initial
   value), so no separate broadcast callback is needed;
 * gradients get push_pull priorities from the traced graph
-  (bps_tf.rewriter): the variable read first in the forward pass first;
+  (bps_tf.graph_priorities): the variable read first in the forward pass first;
 * rank 0 alone is ``should_checkpoint`` / ``should_save_summary``; Keras'
   ``ModelCheckpoint`` and ``BackupAndRestore`` write on rank 0 only
-  (bps_tf._strategy_keras);
+  (bps_tf.keras_patches);
 * XLA is kept off for models under the strategy (the op has no XLA kernel).
 
 Rules: create the model *and* the optimizer under ``scope()``; every worker
@@ -50,10 +50,8 @@ from tensorflow.python.distribute import input_util, mirrored_strategy, reduce_u
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
-from bps_tf import basics, cluster
-from bps_tf import _strategy_keras
-from bps_tf._strategy_ops import (PushPullCrossDeviceOps, allgather_rows,
-                                  broadcast_from_root, next_init_name)
+from bps_tf import basics, cluster, collectives, keras_patches, naming
+from bps_tf.cross_device_ops import PushPullCrossDeviceOps, allgather_rows
 
 __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather_predictions"]
 
@@ -182,7 +180,7 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
                 replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)
         initial_value = kwargs["initial_value"]
         dtype = kwargs.get("dtype")
-        name = next_init_name()   # claimed now, in creation order
+        key = naming.next_init_key()   # claimed now, in creation order
 
         def initial_value_fn():
             with tf.device(device):
@@ -192,7 +190,7 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if value.dtype in (tf.string, tf.resource, tf.variant):
                     return value
-                return broadcast_from_root(value, name)
+                return collectives.broadcast(value, key, root_rank=0)
         return initial_value_fn
 
 
@@ -223,7 +221,7 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices=None):
         extended = BytePSExtended(self, devices=devices)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
-        _strategy_keras.install()
+        keras_patches.install(_is_bps_strategy)
 
     @property
     def num_workers(self) -> int:
@@ -236,6 +234,10 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     def __repr__(self):
         return (f"BytePSStrategy(rank={self.rank}, workers={self.num_workers}, "
                 f"devices={list(self.extended.worker_devices)})")
+
+
+def _is_bps_strategy(strategy) -> bool:
+    return isinstance(strategy, BytePSStrategy)
 
 
 # --------------------------------------------------------------------------
@@ -269,10 +271,9 @@ def gather_predictions(model, x, batch_size: int = 256):
     local = [np.concatenate(parts, axis=0) for parts in zip(*outputs)]
     if size == 1:
         return tf.nest.pack_sequence_as(structure, local)
-    gathered = [allgather_rows(tf.convert_to_tensor(a), f"bps.strategy/predict/{i}",
+    gathered = [allgather_rows(tf.convert_to_tensor(a), naming.strategy_key("predict", i),
                                rank, size)[0].numpy() for i, a in enumerate(local)]
     return tf.nest.pack_sequence_as(structure, gathered)
-
 
 
 # model -> its prediction function. The function holds the model weakly, so

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.api import Average, Compression, _require_init, _resolve_op, reduce_gradients
+from bps_tf.api import Average, Compression, reduce_gradients, resolve_op
+from bps_tf.collectives import require_init
 
 
 class DistributedGradientTape(tf.GradientTape):
@@ -39,14 +40,14 @@ class DistributedGradientTape(tf.GradientTape):
         # No super().__init__: this object *is* the wrapped tape, state shared.
         object.__setattr__(self, "__dict__", gradtape.__dict__)
         self._bps = dict(compression=compression, sparse_as_dense=sparse_as_dense,
-                         op=_resolve_op(None, op), priority_fn=priority_fn,
+                         op=resolve_op(None, op), priority_fn=priority_fn,
                          device_dense=device_dense, device_sparse=device_sparse)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
-        _require_init()
+        require_init()
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         opts = self._bps

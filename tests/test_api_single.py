@@ -19,6 +19,7 @@ keras = pytest.importorskip("keras")
 import bps_tf.basics as basics  # noqa: E402
 import bps_tf.ops as bps_ops  # noqa: E402
 from bps_tf import api  # noqa: E402
+from bps_tf.tape import DistributedGradientTape  # noqa: E402
 import bps_tf.keras as bps_keras  # noqa: E402
 from bps_tf.keras import callbacks as bps_callbacks  # noqa: E402
 
@@ -264,7 +265,7 @@ def _plain_and_distributed_grads(run):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(model(x) ** 2)
         if distributed:
-            tape = api.DistributedGradientTape(tape)
+            tape = DistributedGradientTape(tape)
         return tape.gradient(loss, sources)
 
     return run(lambda: grads(False)), run(lambda: grads(True))
@@ -285,7 +286,7 @@ def test_tape_gradients_equal_plain_tape(mode, op_calls):
 def test_tape_averages_and_keeps_nested_structure(fake_size):
     fake_size(2)
     v = {"a": tf.Variable(2.0), "b": tf.Variable([1.0, 1.0])}
-    with api.DistributedGradientTape(tf.GradientTape()) as tape:
+    with DistributedGradientTape(tf.GradientTape()) as tape:
         loss = v["a"] * 3.0 + tf.reduce_sum(v["b"]) * 4.0
     grads = tape.gradient(loss, v)
     assert isinstance(tape, tf.GradientTape)
@@ -300,7 +301,7 @@ def test_tape_sparse_gradients_gathered_or_densified(op_calls):
     def grad(**kw):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(emb(ids))
-        return api.DistributedGradientTape(tape, **kw).gradient(loss, emb.trainable_variables)[0]
+        return DistributedGradientTape(tape, **kw).gradient(loss, emb.trainable_variables)[0]
 
     gathered = grad()
     assert isinstance(gathered, tf.IndexedSlices)

@@ -1,4 +1,5 @@
-"""bps_tf.rewriter: topological priorities and push_pull insertion into GraphDefs.
+"""bps_tf.graph_priorities (topological priorities) and bps_tf.tf1_rewriter
+(push_pull insertion into GraphDefs).
 
 Runs in the test process (one worker, no cluster: push_pull is a copy).
 Variables are always created in the reverse of the order the forward pass
@@ -9,7 +10,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from bps_tf import basics, rewriter  # noqa: E402
+from bps_tf import basics, graph_priorities, tf1_rewriter  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +24,7 @@ def initialized():
 def test_topological_order_respects_edges_and_keeps_ready_order():
     # d depends on c which is listed after it; a and b are independent.
     nodes = [("a", []), ("d", ["c"]), ("b", []), ("c", ["a"])]
-    order = rewriter.topological_order(nodes)
+    order = graph_priorities.topological_order(nodes)
     assert order["c"] < order["d"] and order["a"] < order["c"]
     assert sorted(order.values()) == [0, 1, 2, 3]
     assert order["a"] == 0 and order["b"] == 1      # ties: the list's order
@@ -32,12 +33,12 @@ def test_topological_order_respects_edges_and_keeps_ready_order():
 def test_loop_back_edges_do_not_stall_the_order():
     nodes = [("enter", []), ("merge", ["enter", "next"]), ("body", ["merge"]),
              ("next", ["body"])]
-    order = rewriter.topological_order(nodes, {"next": "NextIteration"})
+    order = graph_priorities.topological_order(nodes, {"next": "NextIteration"})
     assert order["enter"] < order["merge"] < order["body"] < order["next"]
 
 
 def test_rank_priorities_breaks_ties_by_name_and_puts_unread_last():
-    ranks = rewriter.rank_priorities(["c", "a", "b", "z"], {"c": 5, "a": 9, "b": 5})
+    ranks = graph_priorities.rank_priorities(["c", "a", "b", "z"], {"c": 5, "a": 9, "b": 5})
     assert ranks == {"b": 0, "c": -1, "a": -2, "z": -3}
 
 
@@ -51,9 +52,9 @@ def test_variable_priorities_in_a_tf_function():
         return tf.matmul(tf.matmul(tf.matmul(x, w1), w2), w3)
 
     graph = forward.get_concrete_function(tf.TensorSpec([None, 4])).graph
-    assert rewriter.variable_priorities(graph, [w3, w2, w1]) == [-2, -1, 0]
+    assert graph_priorities.variable_priorities(graph, [w3, w2, w1]) == [-2, -1, 0]
     unused = tf.Variable(1.0, name="unused")
-    assert rewriter.variable_priorities(graph, [unused, w1]) == [-1, 0]
+    assert graph_priorities.variable_priorities(graph, [unused, w1]) == [-1, 0]
 
 
 def test_variable_priorities_in_a_nested_branch():
@@ -72,7 +73,7 @@ def test_variable_priorities_in_a_nested_branch():
 
     outer.get_concrete_function(tf.TensorSpec([1, 2]))
     assert seen["graph"].outer_graph is not None
-    assert rewriter.variable_priorities(seen["graph"], [w2, w1]) == [-1, 0]
+    assert graph_priorities.variable_priorities(seen["graph"], [w2, w1]) == [-1, 0]
 
 
 def _v1_training_graph(optimizer_fn, use_resource):
@@ -109,14 +110,14 @@ def test_rewrite_inserts_one_push_pull_per_gradient(name, optimizer_fn, use_reso
                                                     apply_type):
     graph, _, _ = _v1_training_graph(optimizer_fn, use_resource)
     before = graph.as_graph_def()
-    after = rewriter.rewrite_graph_def(before, num_workers=1)
+    after = tf1_rewriter.rewrite_graph_def(before, num_workers=1)
     applies = [n for n in after.node if n.op == apply_type]
     assert len(applies) == 3
-    pushes = {n.name: n for n in rewriter.push_pull_nodes(after)}
+    pushes = {n.name: n for n in tf1_rewriter.push_pull_nodes(after)}
     assert len(pushes) == 3
     by_variable = {}
     for apply in applies:
-        grad_index = rewriter._grad_input_index(apply.op)  # pylint: disable=protected-access
+        grad_index = tf1_rewriter._grad_input_index(apply.op)  # pylint: disable=protected-access
         feeding = apply.input[grad_index]
         assert feeding in pushes, f"{apply.name} is fed by {feeding}"
         node = pushes[feeding]
@@ -125,9 +126,9 @@ def test_rewrite_inserts_one_push_pull_per_gradient(name, optimizer_fn, use_reso
         assert node.attr["T"].type == tf.float32.as_datatype_enum
     # the first layer's weights are read first: highest priority
     assert by_variable == {"w1": 0, "w2": -1, "w3": -2}
-    assert not rewriter.push_pull_nodes(before)        # the input is left alone
-    again = rewriter.rewrite_graph_def(after, num_workers=1)
-    assert len(rewriter.push_pull_nodes(again)) == 3   # not rewritten twice
+    assert not tf1_rewriter.push_pull_nodes(before)        # the input is left alone
+    again = tf1_rewriter.rewrite_graph_def(after, num_workers=1)
+    assert len(tf1_rewriter.push_pull_nodes(again)) == 3   # not rewritten twice
 
 
 def test_rewritten_graph_trains_like_the_original():
@@ -137,7 +138,7 @@ def test_rewritten_graph_trains_like_the_original():
             lambda: tf.compat.v1.train.AdamOptimizer(0.05), True)
         graph_def = graph.as_graph_def()
         if rewrite:
-            graph_def = rewriter.rewrite_graph_def(graph_def, num_workers=1)
+            graph_def = tf1_rewriter.rewrite_graph_def(graph_def, num_workers=1)
         fresh = tf.Graph()
         with fresh.as_default():
             tf.compat.v1.import_graph_def(graph_def, name="")
@@ -157,11 +158,11 @@ def test_rewritten_graph_trains_like_the_original():
 def test_rewrite_averages_over_workers():
     graph, _, _ = _v1_training_graph(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                      True)
-    after = rewriter.rewrite_graph_def(graph.as_graph_def(), num_workers=4)
+    after = tf1_rewriter.rewrite_graph_def(graph.as_graph_def(), num_workers=4)
     nodes = {n.name: n for n in after.node}
     for apply in (n for n in after.node if n.op == "ResourceApplyGradientDescent"):
         mean = nodes[apply.input[2]]
         assert mean.op == "Mul"
-        assert nodes[mean.input[0]].op == rewriter.PUSH_PULL_OP
+        assert nodes[mean.input[0]].op == tf1_rewriter.PUSH_PULL_OP
         scale = tf.make_ndarray(nodes[mean.input[1]].attr["value"].tensor)
         assert float(scale) == 0.25

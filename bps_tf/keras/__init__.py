@@ -16,10 +16,11 @@ from bps_tf.api import (Average, Compression, Sum, allgather, broadcast,
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
 from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
-from bps_tf import _strategy_keras
+from bps_tf import keras_patches
+from bps_tf.naming import model_variables
 
 # Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
-_strategy_keras.install()
+keras_patches.install()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -41,12 +42,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0,
 
 def broadcast_model(model, root_rank=0):
     """Gives every worker ``root_rank``'s model (and built optimizer) state."""
-    variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        seen = {id(v) for v in variables}
-        variables += [v for v in optimizer.variables if id(v) not in seen]
-    broadcast_variables(variables, root_rank=root_rank)
+    broadcast_variables(model_variables(model), root_rank=root_rank)
 
 
 def broadcast_global_variables(root_rank):

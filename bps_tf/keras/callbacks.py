@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from bps_tf import api, basics
+from bps_tf.naming import model_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -35,12 +36,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._late_done = False   # the after-first-batch pass has run
 
     def _all_variables(self):
-        variables = list(self.model.variables)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            seen = {id(v) for v in variables}
-            variables += [v for v in optimizer.variables if id(v) not in seen]
-        return variables
+        return model_variables(self.model)
 
     def _broadcast(self, variables):
         with tf.device(self.device):

@@ -79,7 +79,7 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         _bps_prefix=name or "DistributedOptimizer",
         _bps_compression=compression,
         _bps_sparse_as_dense=bool(sparse_as_dense),
-        _bps_op=api._resolve_op(None, op),
+        _bps_op=api.resolve_op(None, op),
         _bps_priority_fn=staticmethod(priority_fn) if priority_fn else None,
         _bps_accum_scale=float(accum_scale),
         # Same name and module as the base: saved models name the plain class.

@@ -10,7 +10,7 @@ import os
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
 
-from bps_tf import basics, op_build
+from bps_tf import basics, naming, op_build
 from bps_tf._loader import preload_libzmq
 
 OP_TYPES = ("BytepsPushPull", "BytepsBroadcast")
@@ -50,7 +50,7 @@ def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):
 def _push_pull_grad(op, grad):
     # The output is the sum of every worker's input, so each input's
     # gradient is the sum of every worker's output gradient.
-    name = op.get_attr("tensor_name").decode() + "/grad"
+    name = naming.gradient_key(op.get_attr("tensor_name").decode())
     return [push_pull_sum(grad, name, op.get_attr("priority"))]
 
 
@@ -58,7 +58,7 @@ def _push_pull_grad(op, grad):
 def _broadcast_grad(op, grad):
     # Only the root's input reaches the output: it receives the summed
     # gradient, the others none.
-    name = op.get_attr("tensor_name").decode() + "/grad"
+    name = naming.gradient_key(op.get_attr("tensor_name").decode())
     summed = push_pull_sum(grad, name, op.get_attr("priority"))
     if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
         return [tf.zeros_like(summed)]

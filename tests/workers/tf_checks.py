@@ -23,6 +23,7 @@ import keras
 
 import bps_tf
 from bps_tf import api, config
+from bps_tf.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
@@ -215,7 +216,7 @@ def check_tape_training_matches_single_process(rank, size):
             with tf.GradientTape() as tape:
                 loss = loss_fn(t, model(x))
             if distributed:
-                tape = api.DistributedGradientTape(tape)
+                tape = DistributedGradientTape(tape)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
 

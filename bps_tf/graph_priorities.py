@@ -1,5 +1,4 @@
-"""Push_pull priorities from a graph's topological order, and push_pull
-insertion into TF1 GraphDefs.
+"""Push_pull priorities from a graph's topological order.
 
 Why topological order: after a step, the next forward pass reads the first
 layer's weights first, so the first layer's gradient is needed first. The
@@ -12,32 +11,23 @@ priorities 0, -1, -2, ...: the earliest-read variable is the highest (the
 engine sends higher priorities first). A variable with no read comes last,
 its tie broken by name.
 
-Two users:
-
-* ``BytePSStrategy`` traces the Keras train step as usual, then sets the
-  ``priority`` attribute of each gradient's push_pull op from
-  :func:`handle_read_positions` on the traced ``FuncGraph``;
-* :func:`rewrite_graph_def` takes a ``tf.compat.v1`` GraphDef and inserts a
-  ``BytepsPushPull`` node between every dense gradient and the optimizer op
-  that applies it.
-
-Nothing here talks to the cluster; ``rewrite_graph_def`` only needs the
-number of workers for averaging.
+Two users: ``BytePSStrategy`` (``cross_device_ops``) traces the Keras train
+step as usual, then sets the ``priority`` attribute of each gradient's
+push_pull op from :func:`variable_position` on the traced ``FuncGraph``;
+``tf1_rewriter`` ranks the variables of a GraphDef with
+:func:`topological_order`, :func:`first_reads` and :func:`rank_priorities`.
+Nothing here talks to the cluster.
 """
 from __future__ import annotations
 
 import heapq
-import logging
 import weakref
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
-from tensorflow.python.framework import op_def_registry
+from tensorflow.core.framework import attr_value_pb2
 
-log = logging.getLogger("bps_tf.rewriter")
-
-PUSH_PULL_OP = "BytepsPushPull"
+from bps_tf import config, naming
 
 # Consumers of a variable handle that do not read the variable's value.
 _NOT_READS = ("Assign", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
@@ -48,12 +38,6 @@ _NOT_READ_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseAp
 
 # Ops that only forward a variable's value: their consumers are the real use.
 _PASS_THROUGH = ("ReadVariableOp", "Identity", "RefIdentity", "Snapshot", "IdentityN")
-
-# Ops that create a variable (ref or resource) in a GraphDef.
-_VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
-
-# Dense optimizer ops: their gradient input is named "grad" (or "delta").
-_GRAD_ARG_NAMES = ("grad", "delta")
 
 
 def _is_read(op_type: str) -> bool:
@@ -101,7 +85,7 @@ def topological_order(nodes: Sequence[Tuple[str, Sequence[str]]],
     return order
 
 
-def _first_reads(order: Mapping[str, int], consumers: Mapping[str, List[Tuple[str, str]]],
+def first_reads(order: Mapping[str, int], consumers: Mapping[str, List[Tuple[str, str]]],
                  handles: Iterable[str]) -> Dict[str, int]:
     """Topological position of the first *use* of each handle's value
     (handles never read are absent).
@@ -175,7 +159,7 @@ def graph_read_positions(graph) -> Dict[str, int]:
             if t.dtype == tf.resource:
                 handles.add(t.op.name)
     order = topological_order(nodes, {op.name: op.type for op in ops})
-    positions = _first_reads(order, consumers, handles)
+    positions = first_reads(order, consumers, handles)
     _graph_cache[graph] = positions
     return positions
 
@@ -230,7 +214,7 @@ def variable_priorities(graph, variables: Sequence) -> List[int]:
     """Priority of each variable (same order as ``variables``) from the
     first reads in ``graph``: 0 for the first read, then -1, -2, ...
     Ties (unread variables) are broken by name (Keras path or tf name)."""
-    keys = [f"{variable_label(var)}#{i}" for i, var in enumerate(variables)]
+    keys = [f"{naming.variable_name(var)}#{i}" for i, var in enumerate(variables)]
     positions = {}
     for key, var in zip(keys, variables):
         position = variable_position(graph, var)
@@ -240,166 +224,12 @@ def variable_priorities(graph, variables: Sequence) -> List[int]:
     return [ranks[k] for k in keys]
 
 
-def variable_label(var) -> str:
-    """A variable's name for tie-breaking and reports: Keras path or tf name."""
-    path = getattr(var, "path", None)
-    if isinstance(path, str) and path:
-        return path
-    name = getattr(var, "name", "") or ""
-    return name[:-2] if name.endswith(":0") else name
-
-
 def set_priority(op, priority: int) -> None:
     """Sets the ``priority`` attr of a push_pull op already in a graph.
 
     With BYTEPS_PRIORITY_SCHEDULING=0 gradients keep one priority, so the
     engine sends them in the order they are enqueued (FIFO), for comparison.
     """
-    from bps_tf import config
     if not config.value("BYTEPS_PRIORITY_SCHEDULING"):
         return
     op._set_attr("priority", attr_value_pb2.AttrValue(i=int(priority)))  # pylint: disable=protected-access
-
-
-# --------------------------------------------------------------------------
-# GraphDef (TF1 graph mode)
-# --------------------------------------------------------------------------
-def _input_node(name: str) -> str:
-    """'^a' -> 'a', 'a:1' -> 'a'."""
-    return name.lstrip("^").split(":")[0]
-
-
-def _grad_input_index(op_type: str) -> Optional[int]:
-    """Index of the dense gradient input of an optimizer op, or None."""
-    if not op_type.startswith(("Apply", "ResourceApply")):
-        return None
-    op_def = op_def_registry.get(op_type)
-    if op_def is None:
-        return None
-    names = [arg.name for arg in op_def.input_arg]
-    if any(arg.number_attr or arg.type_list_attr for arg in op_def.input_arg):
-        return None
-    for wanted in _GRAD_ARG_NAMES:
-        if wanted in names:
-            return names.index(wanted)
-    return None
-
-
-def graph_def_read_positions(graph_def) -> Tuple[Dict[str, int], Dict[str, str]]:
-    """(first-read position of each variable node, variable -> its node type)."""
-    nodes, consumers, types = [], {}, {}
-    for node in graph_def.node:
-        types[node.name] = node.op
-        nodes.append((node.name, [_input_node(i) for i in node.input]))
-    for node in graph_def.node:
-        for inp in node.input:
-            if inp.startswith("^"):
-                continue
-            src = _input_node(inp)
-            consumers.setdefault(src, []).append((node.name, node.op))
-    order = topological_order(nodes, types)
-    variables = [n for n, t in types.items() if t in _VARIABLE_OPS]
-    # A ref variable is read through its "read" Identity and by ops taking it
-    # directly; an Assign (its initializer) or an apply op is not a read.
-    return _first_reads(order, consumers, variables), types
-
-
-def _variable_of(graph_def_nodes: Mapping[str, node_def_pb2.NodeDef], name: str,
-                 types: Mapping[str, str]) -> Optional[str]:
-    """Follows Identity/ReadVariableOp-free handle chains to the variable node."""
-    seen = 0
-    while name in graph_def_nodes and types.get(name) not in _VARIABLE_OPS and seen < 16:
-        node = graph_def_nodes[name]
-        if node.op not in ("Identity", "RefIdentity") or not node.input:
-            return None
-        name = _input_node(node.input[0])
-        seen += 1
-    return name if types.get(name) in _VARIABLE_OPS else None
-
-
-def unique_name(base: str, taken: set) -> str:
-    """`base`, or `base_1`, `base_2`, ... : the first not in `taken` (then added)."""
-    name, n = base, 0
-    while name in taken:
-        n += 1
-        name = f"{base}_{n}"
-    taken.add(name)
-    return name
-
-
-def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
-                      average: bool = True, name_prefix: str = "rewriter"):
-    """A copy of ``graph_def`` with a ``BytepsPushPull`` node between each
-    dense gradient and the optimizer op applying it (``ApplyGradientDescent``,
-    ``ResourceApplyAdam``, ``ApplyMomentum``, ...: every ``Apply*`` /
-    ``ResourceApply*`` op whose gradient input is named ``grad`` or ``delta``).
-
-    * ``tensor_name`` is ``<name_prefix>/<variable node name>``: identical on
-      every worker that builds the same graph.
-    * ``priority`` comes from the topological position of the variable's
-      first read (0, -1, -2, ...; see the module docstring).
-    * With ``average`` and more than one worker, the sum is multiplied by
-      ``1/num_workers`` (a ``Mul`` node after the push_pull).
-      ``num_workers`` defaults to ``bps_tf.size()`` (1 if not initialized).
-
-    Sparse optimizer ops (``*SparseApply*``) are left alone: their gradient
-    is a (values, indices) pair; use ``sparse_as_dense`` or the strategy.
-    A graph that already has push_pull nodes before an apply op is not
-    rewritten twice.
-    """
-    if num_workers is None:
-        from bps_tf import basics
-        num_workers = basics.size() if basics.is_initialized() else 1
-    out = graph_pb2.GraphDef()
-    out.CopyFrom(graph_def)
-    nodes = {n.name: n for n in out.node}
-    positions, types = graph_def_read_positions(out)
-    taken = set(nodes)
-
-    # (apply node, grad input index, variable node) for every dense apply op
-    targets = []
-    for node in out.node:
-        index = _grad_input_index(node.op)
-        if index is None:
-            if "SparseApply" in node.op:
-                log.warning("rewrite_graph_def: %s (%s) has a sparse gradient; left as is",
-                            node.name, node.op)
-            continue
-        if index >= len(node.input) or node.input[index].startswith("^"):
-            continue
-        if types.get(_input_node(node.input[index])) == PUSH_PULL_OP:
-            continue   # already rewritten
-        var = _variable_of(nodes, _input_node(node.input[0]), types) or _input_node(node.input[0])
-        targets.append((node, index, var))
-
-    priorities = rank_priorities([var for _, _, var in targets], positions)
-    new_nodes = []
-    for apply_node, index, var in targets:
-        grad = apply_node.input[index]
-        dtype = apply_node.attr["T"].type
-        pp = node_def_pb2.NodeDef(
-            name=unique_name(f"{_input_node(grad)}/BytepsPushPull", taken),
-            op=PUSH_PULL_OP, input=[grad])
-        pp.attr["T"].type = dtype
-        pp.attr["tensor_name"].s = f"{name_prefix}/{var}".encode()
-        pp.attr["priority"].i = priorities[var]
-        new_nodes.append(pp)
-        result = pp.name
-        if average and num_workers > 1:
-            scale = node_def_pb2.NodeDef(name=unique_name(f"{pp.name}/scale", taken), op="Const")
-            scale.attr["dtype"].type = dtype
-            scale.attr["value"].tensor.CopyFrom(
-                tf.make_tensor_proto(1.0 / num_workers, dtype=tf.as_dtype(dtype), shape=[]))
-            mean = node_def_pb2.NodeDef(name=unique_name(f"{pp.name}/average", taken),
-                                        op="Mul", input=[pp.name, scale.name])
-            mean.attr["T"].type = dtype
-            new_nodes += [scale, mean]
-            result = mean.name
-        apply_node.input[index] = result
-    out.node.extend(new_nodes)
-    return out
-
-
-def push_pull_nodes(graph_def) -> List[node_def_pb2.NodeDef]:
-    """The push_pull nodes of a GraphDef (for checks and tools)."""
-    return [n for n in graph_def.node if n.op == PUSH_PULL_OP]

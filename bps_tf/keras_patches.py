@@ -14,9 +14,11 @@ MultiWorkerMirroredStrategy, so under BytePSStrategy with several workers:
   backup directory resumes too;
 * ``jit_compile`` reads False: the push_pull op has no XLA kernel.
 
-``install()`` wraps these methods once (BytePSStrategy calls it). Each wrapper
-calls the original unchanged unless the model's strategy is a BytePSStrategy
-with more than one worker.
+``install(is_ours)`` wraps these methods once (``bps_tf.keras`` and
+BytePSStrategy call it). ``is_ours(strategy)`` is a predicate telling a
+BytePSStrategy (this module does not import the strategy). Each wrapper calls
+the original unchanged unless the model's strategy satisfies a registered
+predicate (and, for checkpoints, has more than one worker).
 """
 from __future__ import annotations
 
@@ -29,15 +31,20 @@ import warnings
 
 import tensorflow as tf
 
+from bps_tf import api, basics, collectives, config, naming
+
 _installed = False
 _lock = threading.Lock()
+# Predicates telling a BytePSStrategy (registered by install()).
+_is_ours = []
 
 
 def _bps_strategy(model):
     """The model's BytePSStrategy, or None."""
-    from bps_tf.strategy import BytePSStrategy   # strategy.py imports this module
     strategy = getattr(model, "_distribute_strategy", None)
-    return strategy if isinstance(strategy, BytePSStrategy) else None
+    if strategy is None:
+        return None
+    return strategy if any(pred(strategy) for pred in _is_ours) else None
 
 
 def _multi_worker(model):
@@ -73,7 +80,6 @@ def _patch_progress_bar(progbar_cls):
 
     def set_params(self, params):
         original(self, params)
-        from bps_tf import basics, config
         if (basics.is_initialized() and basics.size() > 1 and basics.rank() != 0
                 and not config.value("BYTEPS_PROGRESS_ALL_RANKS")):
             self.verbose = 0
@@ -137,7 +143,6 @@ def _restore_from_rank0(original):
         strategy = _multi_worker(self.model)
         if strategy is None:
             return original(self, logs)
-        from bps_tf import api
         from keras.src.utils import file_utils
         model = self.model
         optimizer = getattr(model, "optimizer", None)
@@ -155,7 +160,8 @@ def _restore_from_rank0(original):
                 state["epoch"] = getattr(model, "_initial_epoch", None)
             except Exception as exc:  # pylint: disable=broad-except
                 state["error"] = f"{type(exc).__name__}: {exc}"
-        state = api.broadcast_object(state, root_rank=0, name="bps.strategy/backup/state")
+        state = api.broadcast_object(state, root_rank=0,
+                                     name=naming.strategy_key("backup", "state"))
         if state["error"]:
             raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")
         if state["restored"]:
@@ -181,28 +187,24 @@ def broadcast_model_state(model, root_rank: int = 0) -> None:
     not by name: Keras numbers layer names per process. Metric variables
     (per-replica partial sums) are left alone.
     """
-    from bps_tf._strategy_ops import broadcast_from_root
-    variables, seen = [], set()
-    optimizer = getattr(model, "optimizer", None)
-    for v in list(model.variables) + list(getattr(optimizer, "variables", []) or []):
-        if id(v) in seen or getattr(v, "synchronization", None) == "on_read":
-            continue
-        seen.add(id(v))
-        variables.append(v)
+    variables = naming.model_variables(model, skip_on_read=True)
 
     @tf.function(autograph=False)
     def assign_all():
         for i, v in enumerate(variables):
-            v.assign(broadcast_from_root(tf.convert_to_tensor(v),
-                                         f"bps.strategy/state/{i}", root_rank))
+            v.assign(collectives.broadcast(tf.convert_to_tensor(v),
+                                           naming.strategy_key("state", i), root_rank))
     if variables:
         assign_all()
 
 
-def install() -> None:
-    """Wraps the Keras methods above (once per process)."""
+def install(is_ours=None) -> None:
+    """Wraps the Keras methods above (once per process); ``is_ours(strategy)``,
+    if given, is added to the predicates telling a BytePSStrategy."""
     global _installed
     with _lock:
+        if is_ours is not None and is_ours not in _is_ours:
+            _is_ours.append(is_ours)
         if _installed:
             return
         import keras

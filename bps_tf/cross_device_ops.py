@@ -14,23 +14,23 @@ indices are concatenated over the local replicas, then gathered from all
 workers, which is exactly the sum a single process would have computed.
 
 Names. Workers match push_pulls by name, so names must come out the same on
-every worker without any agreement step. Inside a traced function a name is
-``<graph path>/<n>``: the n-th reduced tensor of that graph, where the graph
-path is the function's name and those of enclosing functions, with the
-process-wide counter TensorFlow appends to control-flow branch names
-stripped. In eager mode it is ``eager/<i>``, the i-th tensor of the call
-(eager calls run one after the other, and a name may be reused once the
-previous use finished). Nothing depends on layer or variable names, which
-Keras numbers per process and which therefore differ between a worker that
-built an extra model and one that did not.
+every worker without any agreement step: ``naming.StrategyNamer`` numbers the
+reduced tensors of each traced graph (``bps.strategy/<graph path>/<n>``, or
+``bps.strategy/eager/<i>`` in eager mode: eager calls run one after the
+other, and a name may be reused once the previous use finished). Nothing
+depends on layer or variable names, which Keras numbers per process and
+which therefore differ between a worker that built an extra model and one
+that did not. See ``bps_tf.naming``.
+
+Priorities. Reductions that are not gradients block their step
+(``collectives.BLOCKING_PRIORITY``); a gradient's priority is set when the
+optimizer applies it, from the first read of its variable in the traced
+graph (``bps_tf.graph_priorities``).
 """
 from __future__ import annotations
 
-import itertools
-import re
-import threading
 import weakref
-from typing import Dict, List
+from typing import Dict
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cdo_lib
@@ -38,115 +38,19 @@ from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
-from bps_tf import ops as bps_ops
-from bps_tf import rewriter
-
-PREFIX = "bps.strategy"
-# Reductions that are not a variable's gradient (SyncBatchNorm statistics,
-# end-of-data agreement, metrics) block the step that issues them: send
-# them before any gradient (gradients get 0, -1, -2, ... from the rewriter).
-BLOCKING_PRIORITY = 1
-
-# dtypes the op lacks, carried exactly in a wider one
-_WIDEN = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
-          tf.uint16: tf.int32, tf.uint32: tf.int64}
-_SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
-_UID_SUFFIX = re.compile(r"_\d+$")
+from bps_tf import collectives, graph_priorities, naming
 
 
-# --------------------------------------------------------------------------
-# Names
-# --------------------------------------------------------------------------
-class _Namer:
-    """Stable push_pull names (see the module docstring)."""
-
-    def __init__(self):
-        self._counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def graph_path(graph) -> str:
-        parts = []
-        while graph is not None:
-            name = getattr(graph, "name", None) or "graph"
-            parts.append(_UID_SUFFIX.sub("", str(name)))
-            graph = getattr(graph, "outer_graph", None)
-        return "/".join(reversed(parts))
-
-    def batch(self, count: int) -> List[str]:
-        """Names for the ``count`` tensors of one reduction call."""
-        if tf.executing_eagerly():
-            return [f"{PREFIX}/eager/{i}" for i in range(count)]
-        graph = tf.compat.v1.get_default_graph()
-        with self._lock:
-            counter = self._counters.get(graph)
-            if counter is None:
-                counter = self._counters[graph] = itertools.count()
-            numbers = [next(counter) for _ in range(count)]
-        path = self.graph_path(graph)
-        return [f"{PREFIX}/{path}/{n}" for n in numbers]
+def _push_pull(tensor, key: str):
+    """Cross-worker sum of any numeric tensor, sent first; returns (sum, op)."""
+    summed = collectives.push_pull_sum(tensor, key, collectives.BLOCKING_PRIORITY, widen=True)
+    return summed, collectives.push_pull_op(summed)
 
 
-_init_counter = itertools.count()
-_init_lock = threading.Lock()
-
-
-def next_init_name() -> str:
-    """Name for the broadcast of a new variable's initial value: variables
-    are created in the same order on every worker (same program)."""
-    with _init_lock:
-        return f"{PREFIX}/init/{next(_init_counter)}"
-
-
-# --------------------------------------------------------------------------
-# Transport helpers
-# --------------------------------------------------------------------------
-def _push_pull(tensor, name: str):
-    """Cross-worker sum of any numeric tensor; returns (sum, op)."""
-    dtype = tensor.dtype
-    if dtype in _WIDEN:
-        summed = bps_ops.push_pull_sum(tf.cast(tensor, _WIDEN[dtype]), tensor_name=name,
-                                       priority=BLOCKING_PRIORITY)
-        return tf.cast(summed, dtype), summed.op if not tf.executing_eagerly() else None
-    if dtype not in _SUPPORTED:
-        raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
-                        f"({name}); supported: {', '.join(d.name for d in _SUPPORTED)}.")
-    summed = bps_ops.push_pull_sum(tensor, tensor_name=name, priority=BLOCKING_PRIORITY)
-    return summed, (summed.op if not tf.executing_eagerly() else None)
-
-
-def broadcast_from_root(tensor, name: str, root_rank: int = 0):
-    """``root_rank``'s value of ``tensor`` (exact for every dtype, -0.0 too)."""
-    dtype = tensor.dtype
-    if dtype in _WIDEN:
-        return tf.cast(bps_ops.broadcast_raw(tf.cast(tensor, _WIDEN[dtype]), tensor_name=name,
-                                             root_rank=root_rank), dtype)
-    if dtype == tf.uint64:
-        return tf.bitcast(bps_ops.broadcast_raw(tf.bitcast(tensor, tf.int64), tensor_name=name,
-                                                root_rank=root_rank), tf.uint64)
-    return bps_ops.broadcast_raw(tensor, tensor_name=name, root_rank=root_rank)
-
-
-def allgather_rows(tensor, name: str, rank: int, size: int):
-    """Rows of ``tensor`` from all workers, in rank order; returns (rows, ops).
-
-    The row counts are summed first (each worker fills its own slot); then
-    each worker places its rows at its offset in a zero buffer of the total
-    size, and the sum of the buffers is the concatenation.
-    """
-    rows = tf.shape(tensor, out_type=tf.int64)[0]
-    slots = tf.scatter_nd([[rank]], tf.reshape(rows, [1]), [size])
-    counts, counts_op = _push_pull(slots, f"{name}/counts")
-    total = tf.reduce_sum(counts)
-    offset = tf.reduce_sum(counts[:rank])
-    pad = tf.stack([tf.stack([offset, total - offset - rows])] +
-                   [tf.zeros([2], tf.int64)] * (tensor.shape.rank - 1))
-    data_name = f"{name}/data"
-    if tf.executing_eagerly():
-        # Eager names are reused from call to call: keep one key per size.
-        data_name = f"{data_name}.rows{int(total)}"
-    gathered, data_op = _push_pull(tf.pad(tensor, pad), data_name)
-    return gathered, [o for o in (counts_op, data_op) if o is not None]
+def allgather_rows(tensor, key: str, rank: int, size: int):
+    """Rows of all workers in rank order, sent first; returns (rows, ops)."""
+    return collectives.allgather(tensor, key, rank, size, collectives.BLOCKING_PRIORITY,
+                                 widen=True, key_per_size=True)
 
 
 # --------------------------------------------------------------------------
@@ -159,7 +63,8 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         super().__init__()
         self._num_workers = num_workers
         self._rank = rank
-        self._namer = _Namer()
+        self._namer = naming.StrategyNamer()
+        collectives.load_op_library()   # fail at strategy creation if the library is missing
         # graph -> {output tensor name: [push_pull op names]}, to find the
         # push_pull behind a reduced gradient when the optimizer applies it.
         self._sources: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -218,7 +123,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
             summed, op = _push_pull(local, name)
             if reduce_op == reduce_util.ReduceOp.MEAN:
-                summed = _divide(summed, total)
+                summed = collectives.divide(summed, total)
             elif reduce_op != reduce_util.ReduceOp.SUM:
                 raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
         return summed, [op] if op is not None else []
@@ -233,13 +138,13 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
             pp_ops = []
             if self._num_workers > 1:
-                rows, rows_ops = allgather_rows(rows, f"{name}/values", self._rank,
-                                                self._num_workers)
-                indices, index_ops = allgather_rows(indices, f"{name}/indices", self._rank,
-                                                    self._num_workers)
+                rows, rows_ops = allgather_rows(rows, naming.part_key(name, "values"),
+                                            self._rank, self._num_workers)
+                indices, index_ops = allgather_rows(indices, naming.part_key(name, "indices"),
+                                                self._rank, self._num_workers)
                 pp_ops = rows_ops + index_ops
             if reduce_op == reduce_util.ReduceOp.MEAN:
-                rows = _divide(rows, total)
+                rows = collectives.divide(rows, total)
             indices = tf.cast(indices, slices[0].indices.dtype)
             result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
         return result, pp_ops
@@ -258,7 +163,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         """Called when the optimizer applies a reduced value to ``var``
         (``extended.update``): finds the push_pulls behind the value and
         re-ranks the priorities of all gradients applied so far in this
-        graph by the first read of their variables (see bps_tf.rewriter)."""
+        graph by the first read of their variables (bps_tf.graph_priorities)."""
         if tf.executing_eagerly():
             return
         graph = tf.compat.v1.get_default_graph()
@@ -274,17 +179,18 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
         applied = self._applied.setdefault(graph, [])
         applied.append(_Applied(primary, sorted(set(found)),
-                                rewriter.variable_position(graph, primary), len(applied)))
+                                graph_priorities.variable_position(graph, primary),
+                                len(applied)))
         # Re-rank everything applied so far in this graph; after the last
         # gradient the ranks are final. Only changed attrs are rewritten.
-        ranks = rewriter.rank_priorities([a.key for a in applied],
+        ranks = graph_priorities.rank_priorities([a.key for a in applied],
                                          {a.key: a.position for a in applied
                                           if a.position is not None})
         for entry in applied:
             if entry.priority != ranks[entry.key]:
                 entry.priority = ranks[entry.key]
                 for op_name in entry.op_names:
-                    rewriter.set_priority(graph.get_operation_by_name(op_name), entry.priority)
+                    graph_priorities.set_priority(graph.get_operation_by_name(op_name), entry.priority)
 
     def gradient_priorities(self):
         """[(variable name, push_pull tensor_name, priority)] of the gradients
@@ -309,7 +215,7 @@ class _Applied:
 
     def __init__(self, variable, op_names, position, index):
         self.variable = variable
-        self.label = rewriter.variable_label(variable)
+        self.label = naming.variable_name(variable)
         self.key = f"{self.label}#{index}"     # unique; sorts by name on ties
         self.op_names = op_names
         self.position = position              # first read; None: never read
@@ -320,12 +226,6 @@ def _destinations_or_devices(destinations, value):
     if cdo_lib.check_destinations(destinations):
         return destinations
     return value
-
-
-def _divide(tensor, n: int):
-    if tensor.dtype.is_integer:
-        return tf.math.floordiv(tensor, tf.cast(n, tensor.dtype))
-    return tensor / tf.cast(n, tensor.dtype)
 
 
 def _components(value) -> list:

@@ -1,0 +1,172 @@
+"""Collectives on top of the two ops: the only module that calls ``bps_tf.ops``.
+
+Both faces (the Horovod-style ``api``/``tape``/``keras`` and the
+``BytePSStrategy`` ``cross_device_ops``) reduce, broadcast and gather
+through these functions; the keys they pass are formed by ``bps_tf.naming``.
+
+* :func:`push_pull_sum` -- the cross-worker sum, optionally carrying dtypes
+  the op lacks in a wider one (:data:`WIDEN`, exact);
+* :func:`broadcast` -- the root's value; every dtype is carried exactly
+  (narrow integers and bool widened, uint64 bit-cast);
+* :func:`allgather` -- rows of every worker in rank order, built on the sum:
+  the per-rank row counts are summed first, then each worker places its
+  rows at its offset in a zero buffer of the total size and the buffers are
+  summed. Exact for every dtype (x + 0 == x), except that a float -0.0
+  comes back as +0.0;
+* :func:`divide` -- averages: floating tensors are divided, integer tensors
+  floor-divided (``tf.math.floordiv``, keeping the dtype: the average of 3
+  and 4 over 2 workers is 3, of -3 and -4 is -4); :func:`scale` for
+  pre/postscale factors.
+
+The op library is loaded on first use, so importing this module (and
+``bps_tf.keras``) stays cheap.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from bps_tf import basics, naming
+
+# dtypes the ops support directly
+SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+# dtypes the ops lack, carried exactly as a supported one
+WIDEN = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
+         tf.uint16: tf.int32, tf.uint32: tf.int64}
+# Reductions that are not a variable's gradient (SyncBatchNorm statistics,
+# end-of-data agreement, metrics) block the step that issues them: send
+# them before any gradient (gradients get 0, -1, -2, ... from their order).
+BLOCKING_PRIORITY = 1
+
+
+def _ops():
+    # Imported on first use so that importing this module never loads the
+    # op library.
+    from bps_tf import ops
+    return ops
+
+
+def load_op_library() -> None:
+    """Loads the op library now (it fails early with the build command)."""
+    _ops()
+
+
+def require_init() -> None:
+    """Raises unless bps_tf is initialized and the caller is outside XLA."""
+    if not basics.is_initialized():
+        raise basics.NotInitializedError(
+            "bps_tf is not initialized: call bps_tf.init() first (once per "
+            "process, before any push_pull, broadcast or allgather).")
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+            tf.compat.v1.get_default_graph()):
+        # XLA would fail later with a long list of "unsupported operations".
+        raise RuntimeError(
+            "bps_tf collectives cannot run inside XLA-compiled code "
+            "(jit_compile=True). For Keras, compile the model with "
+            "jit_compile=False (Keras' 'auto' turns XLA on when a GPU is present).")
+
+
+def _supported_list() -> str:
+    return ", ".join(d.name for d in SUPPORTED_DTYPES)
+
+
+def check_dtype(tensor, what: str) -> None:
+    """Raises a TypeError naming ``what`` if the ops cannot carry ``tensor``."""
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what}: dtype {tensor.dtype.name} is not supported "
+                        f"(supported: {_supported_list()}).")
+
+
+def check_root(root_rank: int) -> int:
+    root_rank = int(root_rank)
+    if not 0 <= root_rank < basics.size():
+        raise ValueError(f"root_rank {root_rank} is not a rank of this job "
+                         f"(size {basics.size()}).")
+    return root_rank
+
+
+def scale(tensor, factor: float, what: str):
+    """``tensor * factor``; integer tensors take integral factors only."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_integer:
+        if float(factor) != int(factor):
+            raise ValueError(f"{what}={factor} cannot scale an integer tensor "
+                             f"({tensor.dtype.name}); use an integral factor.")
+        return tensor * tf.cast(int(factor), tensor.dtype)
+    return tensor * tf.cast(factor, tensor.dtype)
+
+
+def divide(tensor, n: int):
+    """The average of a sum over ``n`` contributions (floor division for ints)."""
+    if tensor.dtype.is_integer:
+        return tf.math.floordiv(tensor, tf.cast(n, tensor.dtype))
+    return tensor / tf.cast(n, tensor.dtype)
+
+
+def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False):
+    """Sum of ``tensor`` over all workers under ``key``.
+
+    With ``widen``, dtypes in :data:`WIDEN` travel in the wider dtype and
+    come back in their own; any other unsupported dtype is a TypeError
+    naming the key (without ``widen`` the caller checks the dtype).
+    """
+    dtype = tensor.dtype
+    if widen and dtype in WIDEN:
+        summed = _ops().push_pull_sum(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
+                                      priority=int(priority))
+        return tf.cast(summed, dtype)
+    if widen and dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
+                        f"({key}); supported: {_supported_list()}.")
+    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority))
+
+
+def push_pull_op(result):
+    """The push_pull op behind a :func:`push_pull_sum` result (None in eager
+    mode), looking through the cast back from a widened dtype."""
+    if tf.executing_eagerly():
+        return None
+    op = result.op
+    return op.inputs[0].op if op.type == "Cast" else op
+
+
+def broadcast(tensor, key: str, root_rank: int, priority: int = 0):
+    """``root_rank``'s value of ``tensor`` under ``key``, exact for every dtype."""
+    ops = _ops()
+    dtype = tensor.dtype
+    if dtype in WIDEN:
+        wide = ops.broadcast_raw(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
+                                 root_rank=root_rank, priority=priority)
+        return tf.cast(wide, dtype)
+    if dtype == tf.uint64:
+        wide = ops.broadcast_raw(tf.bitcast(tensor, tf.int64), tensor_name=key,
+                                 root_rank=root_rank, priority=priority)
+        return tf.bitcast(wide, tf.uint64)
+    check_dtype(tensor, "broadcast")
+    return ops.broadcast_raw(tensor, tensor_name=key, root_rank=root_rank, priority=priority)
+
+
+def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
+              widen: bool = False, key_per_size: bool = False):
+    """Rows of ``tensor`` from all workers, in rank order; returns
+    ``(rows, [push_pull ops])`` (no ops in eager mode).
+
+    The first dimension may differ between workers; the others must agree.
+    The total may change from call to call under one key: the engine matches
+    tensors by name and shape, so that is a new tensor, not an error.
+    ``key_per_size`` adds the total to the eager data key (for callers whose
+    eager keys repeat).
+    """
+    rows = tf.shape(tensor, out_type=tf.int64)[0]
+    slots = tf.scatter_nd([[rank]], tf.reshape(rows, [1]), [size])
+    counts = push_pull_sum(slots, naming.part_key(key, "counts"), priority, widen)
+    total = tf.reduce_sum(counts)
+    offset = tf.reduce_sum(counts[:rank])
+    pad = tf.stack([tf.stack([offset, total - offset - rows])] +
+                   [tf.zeros([2], tf.int64)] * (tensor.shape.rank - 1))
+    eager_total = int(total) if key_per_size and tf.executing_eagerly() else None
+    data_key = naming.allgather_data_key(key, eager_total)
+    gathered = push_pull_sum(tf.pad(tensor, pad), data_key, priority, widen)
+    found = [push_pull_op(counts), push_pull_op(gathered)]
+    return gathered, [op for op in found if op is not None]
