@@ -51,6 +51,7 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
 from bps_tf import basics, cluster, collectives, keras_patches, naming
+from bps_tf.cluster_resolver import make_cluster_resolver
 from bps_tf.cross_device_ops import PushPullCrossDeviceOps, allgather_rows
 
 __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather_predictions"]
@@ -221,7 +222,17 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices=None):
         extended = BytePSExtended(self, devices=devices)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
+        self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
+
+    @property
+    def cluster_resolver(self):
+        """This process's ``task_type``, ``task_id`` and ``cluster_spec()``, as
+        TensorFlow's multi-worker strategies report them (see
+        bps_tf/cluster_resolver.py for the DMLC and single-process cases)."""
+        if self._bps_cluster_resolver is None:
+            self._bps_cluster_resolver = make_cluster_resolver()
+        return self._bps_cluster_resolver
 
     @property
     def num_workers(self) -> int:

@@ -92,6 +92,8 @@ def test_cluster_runs_every_scenario(cluster):
         # 2 workers x 2 local devices: Keras scales the loss by this
         assert report["replicas"] == 4
         assert report["should_checkpoint"] == (rank == 0)
+        # TensorFlow's tutorial idiom: strategy.cluster_resolver.task_type / task_id
+        assert report["resolver"] == ["worker", rank]
 
 
 def test_reductions_go_across_workers(cluster):

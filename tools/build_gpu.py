@@ -223,11 +223,13 @@ def compile_tf_gpu_objects(nvcc, base, tf_cflags, tf_include, tmp, archs=None, f
     core_dir = os.path.join(REPO, "bps_tf", "core")
     header = os.path.join(KERNELS, "gpu_reduce.h")
     reduce_obj = os.path.join(tmp, "gpu_reduce.cu.o")
-    if _stale(reduce_obj, [REDUCE_SRC, header], force):
+    if _stale(reduce_obj, [REDUCE_SRC, header, os.path.join(KERNELS, "gpu_reduce_ops.cuh")],
+              force):
         _run(nvcc_base(nvcc, cuda_archs(archs)) + ["-c", REDUCE_SRC, "-o", reduce_obj])
     kernel_obj = os.path.join(tmp, "push_pull_gpu_kernels.cc.o")
-    core_headers = [os.path.join(core_dir, h) for h in ("bps_api.h", "reduce.h")]
-    if _stale(kernel_obj, [TF_KERNEL_SRC, header] + core_headers, force):
+    core_headers = [os.path.join(core_dir, h) for h in ("bps_api.h", "dtypes.h", "reduce.h")]
+    abi = os.path.join(KERNELS, "core_abi.h")
+    if _stale(kernel_obj, [TF_KERNEL_SRC, header, abi] + core_headers, force):
         _run(base + tf_cflags + _cuda_include_flags(nvcc, tf_include, tmp)
              + ["-DGOOGLE_CUDA=1", "-DEIGEN_USE_GPU", "-I" + core_dir, "-I" + KERNELS,
                 "-Wno-deprecated-declarations", "-Wno-interference-size",

@@ -42,7 +42,7 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   try {
     bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx);
   } catch (const std::exception& e) {
-    done(ctx, 0, e.what());
+    done(ctx, BPS_ERR_INTERNAL, e.what());
   }
 }
 

@@ -23,9 +23,23 @@ enum bps_dtype {
   BPS_INT64 = 5,
 };
 
-// Called once per enqueued operation. ok != 0 on success; otherwise error
-// holds a message (valid only during the call).
-typedef void (*bps_done_fn)(void* ctx, int ok, const char* error);
+// Why an operation failed. Callers choose their error type from the code
+// (the TensorFlow kernels: the one named beside each), never from the text,
+// which is for people and may change.
+enum bps_status {
+  BPS_OK = 0,
+  BPS_ERR_NOT_INITIALIZED = 1,  // FailedPrecondition: init() has not run
+  BPS_ERR_INVALID = 2,          // InvalidArgument: workers disagree on a tensor,
+                                // or a dtype, shape or name the core refuses
+  BPS_ERR_UNAVAILABLE = 3,      // Unavailable: a peer was lost or left, or the
+                                // job failed or was shut down
+  BPS_ERR_TIMEOUT = 4,          // DeadlineExceeded: BYTEPS_OP_TIMEOUT ran out
+  BPS_ERR_INTERNAL = 5,         // Internal: a fault of the core itself
+};
+
+// Called once per enqueued operation with a bps_status; when it is not
+// BPS_OK, error holds a message (valid only during the call).
+typedef void (*bps_done_fn)(void* ctx, int status, const char* error);
 
 // Starts this process's worker engine from "key=value\n" config text and
 // blocks until the cluster has met (or fails). 0 on success, -1 with a

@@ -118,21 +118,18 @@ void LogLine(LogLevel level, const std::string& text) {
   std::fflush(stderr);
 }
 
-size_t DTypeSize(int dtype) {
-  switch (dtype) {
-    case 0: case 1: return 2;
-    case 2: case 4: return 4;
-    case 3: case 5: return 8;
-    default: return 0;
+int DTypeFromName(const std::string& name) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (name == d.name) return d.code;
   }
+  return -1;
 }
 
-const char* DTypeName(int dtype) {
-  static const char* kNames[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64"};
-  return ValidDType(dtype) ? kNames[dtype] : "unknown";
+std::string DTypeNameList() {
+  std::string out;
+  for (const DTypeInfo& d : kDTypes) out += std::string(out.empty() ? "" : ", ") + d.name;
+  return out;
 }
-
-bool ValidDType(int dtype) { return dtype >= 0 && dtype <= 5; }
 
 std::string ShapeString(int dtype, const std::vector<int64_t>& shape) {
   std::string s = std::string(DTypeName(dtype)) + "[";

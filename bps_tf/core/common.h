@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "dtypes.h"
+
 namespace bps {
 
 // Raised for configuration and protocol problems that end an operation;
@@ -52,10 +54,6 @@ void LogLine(LogLevel level, const std::string& text);
       ::bps::LogLine(::bps::LogLevel::level, bps_log_stream_.str()); \
     }                                                           \
   } while (0)
-
-size_t DTypeSize(int dtype);  // 0 for an unknown type
-const char* DTypeName(int dtype);
-bool ValidDType(int dtype);
 
 std::string ShapeString(int dtype, const std::vector<int64_t>& shape);
 uint64_t Fnv1a64(const std::string& text);

@@ -62,9 +62,19 @@ const char* MsgTypeName(uint16_t type);
 const char* RoleName(Role role);
 
 // Settings every node must agree on; sent in each HELLO and compared by the
-// scheduler.
-constexpr const char* kSharedSettings[] = {"num_workers", "num_servers", "partition_bytes",
-                                           "async"};
+// scheduler, whose error names the variable that sets each. The variables
+// are bps_tf/config.py's and bps_tf/cluster.py's; tests/test_core_tables.py
+// holds this list to them.
+struct SharedSetting {
+  const char* key;  // in the core's config text
+  const char* env;
+};
+constexpr SharedSetting kSharedSettings[] = {
+    {"num_workers", "DMLC_NUM_WORKER"},
+    {"num_servers", "DMLC_NUM_SERVER"},
+    {"partition_bytes", "BYTEPS_PARTITION_BYTES"},
+    {"async", "BYTEPS_ENABLE_ASYNC"},
+};
 
 // Partition keys: the tensor key's low 16 bits hold the part index.
 constexpr uint64_t kPartBits = 16;

@@ -13,6 +13,7 @@
 
 #include "auth.h"
 #include "bps_api.h"
+#include "dtypes.h"
 
 namespace py = pybind11;
 
@@ -33,13 +34,13 @@ class Handle {
  public:
   Handle(py::array in, py::array out) : in_(std::move(in)), out_(std::move(out)) {}
 
-  static void Done(void* ctx, int ok, const char* error) {
+  static void Done(void* ctx, int status, const char* error) {
     auto* self = static_cast<std::shared_ptr<Handle>*>(ctx);
     {
       std::lock_guard<std::mutex> lock((*self)->mu_);
       (*self)->finished_ = true;
-      (*self)->ok_ = ok != 0;
-      if (!ok && error) (*self)->error_ = error;
+      (*self)->ok_ = status == BPS_OK;
+      if (status != BPS_OK && error) (*self)->error_ = error;
     }
     (*self)->cv_.notify_all();
     delete self;
@@ -77,14 +78,12 @@ class Handle {
 
 int DTypeCode(const py::array& a, const std::string& override_name) {
   std::string name = override_name.empty() ? std::string(py::str(a.dtype())) : override_name;
-  if (name == "float16") return BPS_FLOAT16;
-  if (name == "bfloat16") return BPS_BFLOAT16;
-  if (name == "float32") return BPS_FLOAT32;
-  if (name == "float64") return BPS_FLOAT64;
-  if (name == "int32") return BPS_INT32;
-  if (name == "int64") return BPS_INT64;
-  throw py::type_error("bps_tf cannot push_pull dtype " + name +
-                       " (float16, bfloat16, float32, float64, int32, int64)");
+  int code = bps::DTypeFromName(name);
+  if (code < 0) {
+    throw py::type_error("bps_tf cannot push_pull dtype " + name + " (" + bps::DTypeNameList() +
+                         ")");
+  }
+  return code;
 }
 
 }  // namespace

@@ -22,10 +22,10 @@ Scheduler::Scheduler(const Config& cfg)
       timeout_s_(cfg.GetDouble("timeout_s", 30)),
       server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0) {}
 
-Outgoing Scheduler::Reply(const std::string& identity, MsgType type, const std::string& payload,
+Outgoing Scheduler::Reply(const Peer& to, MsgType type, const std::string& payload,
                           uint64_t request_id) {
   Outgoing o;
-  o.identity = identity;
+  o.to = to;
   o.header = MakeHeader(type, Role::kScheduler, -1);
   o.header.request_id = request_id;
   o.payload = payload;
@@ -47,24 +47,24 @@ void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
   }
 }
 
-void Scheduler::Handle(const std::string& identity, const FrameHeader& h,
+void Scheduler::Handle(const Peer& from, const FrameHeader& h,
                        const std::string& payload, std::vector<Outgoing>* out) {
   MsgType type = static_cast<MsgType>(h.type);
   Config kv = Config::Parse(payload);
-  auto it = nodes_.find(identity);
+  auto it = nodes_.find(from);
   if (it != nodes_.end()) it->second.last_seen = Clock::now();
   if (!fatal_.empty()) {
     // A broken job answers every newcomer with the reason, so nobody waits.
-    if (type != MsgType::kBye) out->push_back(Reply(identity, MsgType::kError, fatal_));
+    if (type != MsgType::kBye) out->push_back(Reply(from, MsgType::kError, fatal_));
     return;
   }
   switch (type) {
     case MsgType::kHello:
-      OnHello(identity, h, kv, out);
+      OnHello(from, h, kv, out);
       return;
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;
-      barrier_.insert(identity);
+      barrier_.insert(from);
       if (barrier_.size() == static_cast<size_t>(num_workers_ + num_servers_)) {
         for (const auto& n : nodes_) out->push_back(Reply(n.first, MsgType::kBarrierDone, ""));
         barrier_.clear();
@@ -72,10 +72,10 @@ void Scheduler::Handle(const std::string& identity, const FrameHeader& h,
       return;
     case MsgType::kDeclare:
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
-      OnDeclare(identity, h, kv, out);
+      OnDeclare(from, h, kv, out);
       return;
     case MsgType::kHeartbeat:
-      if (it != nodes_.end()) out->push_back(Reply(identity, MsgType::kHeartbeatAck, ""));
+      if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       return;
     case MsgType::kBye: {
       if (it == nodes_.end()) return;
@@ -108,10 +108,10 @@ void Scheduler::Handle(const std::string& identity, const FrameHeader& h,
   }
 }
 
-void Scheduler::OnHello(const std::string& identity, const FrameHeader& h, const Config& kv,
+void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
                         std::vector<Outgoing>* out) {
   Node n;
-  n.identity = identity;
+  n.peer = from;
   n.role = static_cast<Role>(h.sender_role);
   n.id = h.sender;
   n.hostname = kv.Get("hostname");
@@ -121,22 +121,17 @@ void Scheduler::OnHello(const std::string& identity, const FrameHeader& h, const
   n.local_size = KvInt(kv, "local_size", -1);
   n.last_seen = Clock::now();
   if (n.role != Role::kWorker && n.role != Role::kServer) return;
-  nodes_[identity] = n;
+  nodes_[from] = n;
 
   // Every node must agree with the scheduler on the settings that shape the
   // data: a disagreement names the setting and both values.
-  for (const char* key : kSharedSettings) {
-    std::string mine = cfg_.Get(key, "");
-    std::string theirs = kv.Get(key, "");
+  for (const SharedSetting& s : kSharedSettings) {
+    std::string mine = cfg_.Get(s.key, "");
+    std::string theirs = kv.Get(s.key, "");
     if (mine != theirs) {
-      Fail(std::string("cluster setting '") + key + "' disagrees: the scheduler has " + mine +
-               ", " + Describe(n) + " has " + theirs +
-               " (set it the same on every node: " +
-               (std::string(key) == "num_workers"    ? "DMLC_NUM_WORKER"
-                : std::string(key) == "num_servers"  ? "DMLC_NUM_SERVER"
-                : std::string(key) == "partition_bytes" ? "BYTEPS_PARTITION_BYTES"
-                                                        : "BYTEPS_ENABLE_ASYNC") +
-               ")",
+      Fail(std::string("cluster setting '") + s.key + "' disagrees: the scheduler has " + mine +
+               ", " + Describe(n) + " has " + theirs + " (set it the same on every node: " +
+               s.env + ")",
            out);
       return;
     }
@@ -148,7 +143,7 @@ void Scheduler::OnHello(const std::string& identity, const FrameHeader& h, const
     return;
   }
   for (const auto& other : nodes_) {
-    if (other.first != identity && other.second.role == n.role && n.id >= 0 &&
+    if (other.first != from && other.second.role == n.role && n.id >= 0 &&
         other.second.id == n.id) {
       Fail("two " + std::string(RoleName(n.role)) + "s claim id " + std::to_string(n.id) +
                ": " + Describe(other.second) + " and " + Describe(n),
@@ -251,11 +246,11 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   return a;
 }
 
-void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, const Config& kv,
+void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                           std::vector<Outgoing>* out) {
   std::string name = kv.Get("name");
   std::string sig = kv.Get("sig");
-  int rank = nodes_[identity].id;
+  int rank = nodes_[from].id;
   int64_t bytes = kv.GetInt("bytes", -1);
   size_t elem = DTypeSize(h.dtype);
   std::string invalid;
@@ -268,7 +263,7 @@ void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, con
   if (!invalid.empty()) {
     Config c;
     c.Set("error", invalid);
-    out->push_back(Reply(identity, MsgType::kDeclared, c.Serialize(), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, c.Serialize(), h.request_id));
     return;
   }
   auto encode = [](const Assignment& a) {
@@ -284,11 +279,11 @@ void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, con
   };
   auto done = assigned_.find(name + "|" + sig);
   if (done != assigned_.end()) {
-    out->push_back(Reply(identity, MsgType::kDeclared, encode(done->second), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, encode(done->second), h.request_id));
     return;
   }
   auto& waiting = pending_[name];
-  waiting[rank] = Pending{sig, identity, h.request_id};
+  waiting[rank] = Pending{sig, from, h.request_id};
   if (waiting.size() < static_cast<size_t>(num_workers_)) return;
 
   std::string first_sig = waiting.begin()->second.sig;
@@ -316,7 +311,7 @@ void Scheduler::OnDeclare(const std::string& identity, const FrameHeader& h, con
     payload = encode(a);
   }
   for (const auto& w : waiting) {
-    out->push_back(Reply(w.second.identity, MsgType::kDeclared, payload, w.second.request_id));
+    out->push_back(Reply(w.second.peer, MsgType::kDeclared, payload, w.second.request_id));
   }
   pending_.erase(name);
 }

@@ -14,13 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "channel.h"
 #include "common.h"
 #include "protocol.h"
 
 namespace bps {
 
 struct Outgoing {
-  std::string identity;  // routing id of the receiver's control socket
+  Peer to;
   FrameHeader header;
   std::string payload;
 };
@@ -29,7 +30,7 @@ class Scheduler {
  public:
   explicit Scheduler(const Config& cfg);
 
-  void Handle(const std::string& identity, const FrameHeader& header,
+  void Handle(const Peer& from, const FrameHeader& header,
               const std::string& payload, std::vector<Outgoing>* out);
   // Periodic checks (heartbeats, lingering after a fatal error).
   void Tick(std::vector<Outgoing>* out);
@@ -39,7 +40,7 @@ class Scheduler {
 
  private:
   struct Node {
-    std::string identity;
+    Peer peer;
     Role role;
     int id = -1;
     std::string hostname;
@@ -52,7 +53,7 @@ class Scheduler {
   };
   struct Pending {
     std::string sig;
-    std::string identity;
+    Peer peer;
     uint64_t request_id;
   };
   struct Assignment {
@@ -60,13 +61,13 @@ class Scheduler {
     std::vector<int> servers;
   };
 
-  void OnHello(const std::string& identity, const FrameHeader& h, const Config& kv,
+  void OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
                std::vector<Outgoing>* out);
-  void OnDeclare(const std::string& identity, const FrameHeader& h, const Config& kv,
+  void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                  std::vector<Outgoing>* out);
   void MaybeWelcome(std::vector<Outgoing>* out);
   void Fail(const std::string& message, std::vector<Outgoing>* out);
-  Outgoing Reply(const std::string& identity, MsgType type, const std::string& payload,
+  Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
@@ -76,9 +77,9 @@ class Scheduler {
   int num_servers_;
   int64_t partition_bytes_;
   double timeout_s_;
-  std::map<std::string, Node> nodes_;  // by identity
+  std::map<Peer, Node> nodes_;
   bool welcomed_ = false;
-  std::set<std::string> barrier_;
+  std::set<Peer> barrier_;
   std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::set<uint64_t> used_keys_;

@@ -1,18 +1,17 @@
 #include "server_node.h"
 
-#include <unistd.h>
-
 #include <cstdio>
-#include <cstring>
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 
 #include "auth.h"
+#include "channel.h"
+#include "membership.h"
 #include "scheduler.h"
 #include "stats.h"
 #include "sum_engine.h"
-#include "transport.h"
 
 namespace bps {
 
@@ -63,62 +62,56 @@ class ServerNode {
       : cfg_(cfg),
         is_server_(cfg.Get("role") == "server"),
         hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
-        server_id_(static_cast<int>(cfg.GetInt("server_id", -1))),
         num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
-        heartbeat_s_(cfg.GetDouble("heartbeat_s", 1)),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
-        ctx_(static_cast<int>(cfg.GetInt("zmq_io_threads", 1))) {}
+        channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
+                                &replies_.wake())),
+        membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
+                    static_cast<int>(cfg.GetInt("server_id", -1)),
+                    cfg.GetDouble("heartbeat_s", 1)) {}
 
   int Run(std::string* error);
 
  private:
-  void HandleRouter(std::vector<Msg>& frames);
-  void HandleRouterFrames(std::vector<Msg>& frames);
-  void HandleControl(std::vector<Msg>& frames);
+  void Handle(Message& m);
+  void HandlePush(Message& m);
+  void HandleControl(const Message& m);
+  void OnWelcome();
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies();
-  void SendToScheduler(MsgType type, const std::string& payload);
+  void Stop(const std::string& error);
   std::string Who() const {
-    return is_server_ ? "server " + std::to_string(server_id_) : std::string("scheduler");
+    return is_server_ ? "server " + std::to_string(membership_.id()) : std::string("scheduler");
   }
 
   Config cfg_;
   bool is_server_;
   bool hosts_scheduler_;
-  int server_id_;
   int num_workers_;
-  double heartbeat_s_;
   double timeout_s_;
   double rendezvous_timeout_s_;
-  Context ctx_;
-  std::unique_ptr<Socket> router_;
-  std::unique_ptr<Socket> control_;
+  ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
+  std::unique_ptr<Channel> channel_;
+  Membership membership_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<SumEngine> engine_;
-  ReplyQueue replies_;
-  std::unordered_map<int, std::string> worker_identity_;
-  bool welcomed_ = false;
+  std::unordered_map<int, Peer> worker_peer_;
   bool done_ = false;
   int exit_code_ = 0;
   std::string error_;
-  Clock::time_point last_ack_ = Clock::now();
 };
 
-void ServerNode::SendToScheduler(MsgType type, const std::string& payload) {
-  if (!control_) return;
-  Role role = is_server_ ? Role::kServer : Role::kScheduler;
-  auto frames = MakeFrames(MakeHeader(type, role, server_id_), payload);
-  control_->SendFrames(&frames);
+void ServerNode::Stop(const std::string& error) {
+  error_ = error;
+  exit_code_ = error.empty() ? 0 : 1;
+  done_ = true;
 }
 
 void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
   for (auto& o : *out) {
-    std::vector<Msg> frames;
-    frames.emplace_back(o.identity.data(), o.identity.size());
-    for (auto& f : MakeFrames(o.header, o.payload)) frames.push_back(std::move(f));
-    if (!router_->SendFrames(&frames)) {
-      BPS_LOG(kDebug, "could not reach " << o.identity << ": " << zmq_strerror(zmq_errno()));
+    if (!channel_->Send(o.to, o.header, o.payload)) {
+      BPS_LOG(kDebug, "could not reach " << o.to.route << ": " << zmq_strerror(zmq_errno()));
     }
   }
   out->clear();
@@ -126,12 +119,9 @@ void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
 
 void ServerNode::SendReplies() {
   for (auto& r : replies_.Take()) {
-    auto it = worker_identity_.find(r.worker);
-    if (it == worker_identity_.end()) continue;
-    std::vector<Msg> frames;
-    frames.emplace_back(it->second.data(), it->second.size());
-    for (auto& f : MakeFrames(r.header, std::move(r.payload))) frames.push_back(std::move(f));
-    if (router_->SendFrames(&frames)) {
+    auto it = worker_peer_.find(r.worker);
+    if (it == worker_peer_.end()) continue;
+    if (channel_->Send(it->second, r.header, std::move(r.payload))) {
       Stats::Get().bytes_sent += r.header.payload_bytes;
     } else {
       BPS_LOG(kWarning, "reply to worker " << r.worker << " failed: " << zmq_strerror(zmq_errno()));
@@ -139,91 +129,63 @@ void ServerNode::SendReplies() {
   }
 }
 
-void ServerNode::HandleRouter(std::vector<Msg>& frames) {
-  // Nothing a peer sends may stop the server: a frame that fails any check
-  // is dropped and counted.
+void ServerNode::Handle(Message& m) {
+  if (membership_.FromScheduler(m)) return HandleControl(m);
+  // Nothing a peer sends may stop the server: a message that fails any
+  // check is dropped and counted.
   try {
-    HandleRouterFrames(frames);
+    if (static_cast<MsgType>(m.header.type) == MsgType::kPush) return HandlePush(m);
+    if (scheduler_) {
+      std::vector<Outgoing> out;
+      scheduler_->Handle(m.from, m.header, m.payload.str(), &out);
+      SendOutgoing(&out);
+      return;
+    }
+    Stats::Get().frames_dropped++;
   } catch (const std::exception& e) {
     Stats::Get().frames_dropped++;
     BPS_LOG(kDebug, "dropped a frame: " << e.what());
   }
 }
 
-void ServerNode::HandleRouterFrames(std::vector<Msg>& frames) {
-  if (frames.size() != 3) {
+void ServerNode::HandlePush(Message& m) {
+  const FrameHeader& h = m.header;
+  if (!engine_ || h.sender_role != static_cast<uint16_t>(Role::kWorker) || h.sender < 0 ||
+      h.sender >= num_workers_ || !ValidDType(h.dtype)) {
     Stats::Get().frames_dropped++;
     return;
   }
-  std::string identity = frames[0].str();
-  std::string bad = ValidateHeader(frames[1].data(), frames[1].size(), frames[2].size());
-  if (!bad.empty()) {
+  // A rank is bound to the connection that first spoke for it, so a stray
+  // peer cannot push in another worker's name.
+  auto it = worker_peer_.find(h.sender);
+  if (it == worker_peer_.end()) {
+    worker_peer_[h.sender] = m.from;
+  } else if (it->second != m.from) {
     Stats::Get().frames_dropped++;
-    BPS_LOG(kDebug, "dropped a frame from " << identity << ": " << bad);
     return;
   }
-  FrameHeader h;
-  std::memcpy(&h, frames[1].data(), sizeof(h));
-  MsgType type = static_cast<MsgType>(h.type);
-  if (type == MsgType::kPush) {
-    if (!engine_ || h.sender_role != static_cast<uint16_t>(Role::kWorker) || h.sender < 0 ||
-        h.sender >= num_workers_ || !ValidDType(h.dtype)) {
-      Stats::Get().frames_dropped++;
-      return;
-    }
-    // A rank is bound to the connection that first spoke for it, so a
-    // stray peer cannot push in another worker's name.
-    auto it = worker_identity_.find(h.sender);
-    if (it == worker_identity_.end()) {
-      worker_identity_[h.sender] = identity;
-    } else if (it->second != identity) {
-      Stats::Get().frames_dropped++;
-      return;
-    }
-    Stats::Get().bytes_received += h.payload_bytes;
-    engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                            std::move(frames[2])});
-    return;
-  }
-  if (scheduler_) {
-    std::vector<Outgoing> out;
-    scheduler_->Handle(identity, h, frames[2].str(), &out);
-    SendOutgoing(&out);
-    return;
-  }
-  Stats::Get().frames_dropped++;
+  Stats::Get().bytes_received += h.payload_bytes;
+  engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
+                          std::move(m.payload)});
 }
 
-void ServerNode::HandleControl(std::vector<Msg>& frames) {
-  if (frames.size() != 2) return;
-  std::string bad = ValidateHeader(frames[0].data(), frames[0].size(), frames[1].size());
-  if (!bad.empty()) return;
-  FrameHeader h;
-  std::memcpy(&h, frames[0].data(), sizeof(h));
-  last_ack_ = Clock::now();
-  switch (static_cast<MsgType>(h.type)) {
-    case MsgType::kWelcome: {
-      Config w = Config::Parse(frames[1].str());
-      server_id_ = static_cast<int>(w.GetInt("id", server_id_));
-      SetLogIdentity(Who());
-      welcomed_ = true;
-      if (is_server_) {
-        engine_.reset(new SumEngine(server_id_, num_workers_,
-                                    static_cast<int>(cfg_.GetInt("engine_threads", 4)),
-                                    cfg_.GetInt("async", 0) != 0,
-                                    [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
-      }
-      SendToScheduler(MsgType::kBarrier, "");
-      break;
-    }
+void ServerNode::OnWelcome() {
+  SetLogIdentity(Who());
+  if (!is_server_) return;
+  engine_.reset(new SumEngine(membership_.id(), num_workers_,
+                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
+                              cfg_.GetInt("async", 0) != 0,
+                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
+}
+
+void ServerNode::HandleControl(const Message& m) {
+  if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
+  switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kShutdown:
       done_ = true;
       break;
     case MsgType::kError:
-      if (scheduler_) break;  // our own scheduler decides when we stop
-      error_ = frames[1].str();
-      exit_code_ = 1;
-      done_ = true;
+      if (!scheduler_) Stop(m.payload.str());  // else our own scheduler decides when we stop
       break;
     default:
       break;
@@ -234,10 +196,11 @@ int ServerNode::Run(std::string* error) {
   std::string bind_host = cfg_.Get("bind_host", "0.0.0.0");
   int64_t port = cfg_.GetInt("port", 0);
   if (cfg_.Get("role") == "scheduler") port = cfg_.GetInt("scheduler_port", 0);
-  router_.reset(new Socket(ctx_, zmqc::kRouter));
   // Bound the size of anything a peer can make us allocate.
-  router_->SetMaxMsgSize(std::max<int64_t>(cfg_.GetInt("partition_bytes", 4096000), 1 << 20) + 4096);
-  std::string bound = router_->Bind(Endpoint(bind_host, port));
+  std::string bound;
+  Peer listener = channel_->Listen(
+      Endpoint(bind_host, port),
+      std::max<int64_t>(cfg_.GetInt("partition_bytes", 4096000), 1 << 20) + 4096, &bound);
   int actual_port = PortOf(bound);
   SetLogIdentity(Who());
 
@@ -250,43 +213,22 @@ int ServerNode::Run(std::string* error) {
     if (!ready.empty()) WriteReadyFile(ready, actual_port);
   }
   BPS_LOG(kInfo, "listening on " << bound);
+  std::string scheduler_at = scheduler_host + ":" + std::to_string(scheduler_port);
 
   if (is_server_) {
-    std::string advertise = cfg_.Get("advertise_host", scheduler_host);
-    std::string id = "ctl-server-" + std::to_string(server_id_) + "-" + std::to_string(getpid());
-    control_.reset(new Socket(ctx_, zmqc::kDealer, id));
-    control_->Connect(Endpoint(scheduler_host, scheduler_port));
-    Config hello;
-    for (const char* key : kSharedSettings) {
-      hello.Set(key, cfg_.Get(key));
-    }
-    hello.Set("hostname", cfg_.Get("hostname"));
-    hello.Set("pid", std::to_string(getpid()));
-    hello.Set("data_addr", Endpoint(advertise, actual_port));
-    SendToScheduler(MsgType::kHello, hello.Serialize());
+    Config extra;
+    extra.Set("data_addr", Endpoint(cfg_.Get("advertise_host", scheduler_host), actual_port));
+    membership_.Join(Endpoint(scheduler_host, scheduler_port), cfg_, extra);
   }
 
   auto started = Clock::now();
-  auto last_beat = Clock::now();
   auto last_tick = Clock::now();
   Clock::time_point fatal_since{};
-  std::vector<Msg> frames;
+  Message m;
   std::vector<Outgoing> out;
   while (!done_) {
-    zmq_pollitem_t items[3] = {{router_->get(), 0, zmqc::kPollIn, 0},
-                               {nullptr, replies_.wake().fd(), zmqc::kPollIn, 0},
-                               {control_ ? control_->get() : nullptr, 0, zmqc::kPollIn, 0}};
-    int n = control_ ? 3 : 2;
-    if (zmq_poll(items, n, 100) < 0) {
-      if (zmq_errno() == EINTR) continue;
-      break;
-    }
-    if (items[1].revents) {
-      replies_.wake().Drain();
-      SendReplies();
-    }
-    while (router_->RecvFrames(&frames)) HandleRouter(frames);
-    while (control_ && control_->RecvFrames(&frames)) HandleControl(frames);
+    if (!channel_->Wait(100)) break;
+    while (channel_->Receive(&m)) Handle(m);
     SendReplies();
 
     if (scheduler_ && SecondsSince(last_tick) >= 0.2) {
@@ -297,31 +239,19 @@ int ServerNode::Run(std::string* error) {
       if (!scheduler_->fatal().empty()) {
         // Stay a little to tell late joiners why the job failed.
         if (fatal_since == Clock::time_point{}) fatal_since = Clock::now();
-        if (SecondsSince(fatal_since) > 3) {
-          error_ = scheduler_->fatal();
-          exit_code_ = 1;
-          done_ = true;
-        }
+        if (SecondsSince(fatal_since) > 3) Stop(scheduler_->fatal());
       }
     }
-    if (control_ && SecondsSince(last_beat) >= heartbeat_s_) {
-      last_beat = Clock::now();
-      SendToScheduler(MsgType::kHeartbeat, "");
+    membership_.Tick();
+    if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
+      Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
+           std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
     }
-    if (control_ && welcomed_ && SecondsSince(last_ack_) > timeout_s_) {
-      error_ = Who() + " lost contact with the scheduler at " + scheduler_host + ":" +
-               std::to_string(scheduler_port) + " for " + std::to_string(static_cast<int>(timeout_s_)) +
-               " s (BYTEPS_TIMEOUT)";
-      exit_code_ = 1;
-      done_ = true;
-    }
-    if (!welcomed_ && !hosts_scheduler_ && SecondsSince(started) > rendezvous_timeout_s_) {
-      error_ = Who() + " could not meet the cluster at the scheduler " + scheduler_host + ":" +
-               std::to_string(scheduler_port) + " within " +
-               std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
-               " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)";
-      exit_code_ = 1;
-      done_ = true;
+    if (!membership_.welcomed() && !hosts_scheduler_ &&
+        SecondsSince(started) > rendezvous_timeout_s_) {
+      Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
+           std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
+           " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
     }
   }
   // Flush the last replies (e.g. the shutdown notices) before closing.
@@ -331,12 +261,10 @@ int ServerNode::Run(std::string* error) {
     BPS_LOG(kWarning, "dropped " << dropped << " malformed or unauthenticated frames");
   }
   engine_.reset();
-  if (scheduler_ && is_server_ && exit_code_ == 0) {
-    // The scheduler host lingers until its Shutdown notices are out.
-    router_->SetLinger(2000);
-  }
-  if (control_) control_->Close();
-  router_->Close();
+  membership_.Close();
+  // The scheduler host lingers until its Shutdown notices are out.
+  channel_->Close(listener, scheduler_ && is_server_ && exit_code_ == 0 ? 2000 : 0);
+  channel_.reset();
   *error = error_;
   return exit_code_;
 }

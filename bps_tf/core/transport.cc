@@ -131,26 +131,6 @@ bool Socket::SendFrames(std::vector<Msg>* frames) {
   return true;
 }
 
-std::vector<Msg> MakeFrames(const FrameHeader& header, const std::string& payload) {
-  FrameHeader h = header;
-  h.payload_bytes = payload.size();
-  SealHeader(&h);
-  std::vector<Msg> frames;
-  frames.emplace_back(&h, sizeof(h));
-  frames.emplace_back(payload.data(), payload.size());
-  return frames;
-}
-
-std::vector<Msg> MakeFrames(const FrameHeader& header, Msg&& payload) {
-  FrameHeader h = header;
-  h.payload_bytes = payload.size();
-  SealHeader(&h);
-  std::vector<Msg> frames;
-  frames.emplace_back(&h, sizeof(h));
-  frames.push_back(std::move(payload));
-  return frames;
-}
-
 Wakeup::Wakeup() : fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   if (fd_ < 0) throw Error(std::string("eventfd: ") + std::strerror(errno));
 }

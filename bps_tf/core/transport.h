@@ -28,8 +28,12 @@ class Msg {
 
   Msg Share();  // another reference to the same bytes (no copy for large ones)
   char* data() { return static_cast<char*>(zmq_msg_data(&m_)); }
+  // libzmq's accessor takes no const message, though it only reads it.
+  const char* data() const {
+    return static_cast<const char*>(zmq_msg_data(const_cast<zmq_msg_t*>(&m_)));
+  }
   size_t size() const { return zmq_msg_size(&m_); }
-  std::string str() { return std::string(data(), size()); }
+  std::string str() const { return std::string(data(), size()); }
   zmq_msg_t* raw() { return &m_; }
 
  private:
@@ -74,10 +78,6 @@ class Socket {
  private:
   void* sock_;
 };
-
-// Builds the two frames of a message with a copied payload.
-std::vector<Msg> MakeFrames(const FrameHeader& header, const std::string& payload);
-std::vector<Msg> MakeFrames(const FrameHeader& header, Msg&& payload);
 
 // An eventfd that makes zmq_poll return when another thread has work.
 class Wakeup {

@@ -7,6 +7,11 @@
 // under the credit (zero-copy from the caller's buffer), copies each summed
 // partition into the output, and calls `done` when the last one is back and
 // libzmq has released the input.
+//
+// The class is implemented in three files: worker_engine.cc (joining,
+// enqueueing, tensor declarations, failure), worker_queue.cc (the partition
+// queue and the credit) and worker_io.cc (the I/O thread). Task and
+// TensorInfo are in worker_task.h.
 #ifndef BPS_TF_CORE_WORKER_ENGINE_H_
 #define BPS_TF_CORE_WORKER_ENGINE_H_
 
@@ -23,7 +28,9 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "channel.h"
 #include "common.h"
+#include "membership.h"
 #include "transport.h"
 
 namespace bps {
@@ -60,20 +67,21 @@ class WorkerEngine {
   enum class State { kIdle, kJoining, kReady, kFailed, kStopped };
 
   void IoLoop();
-  void HandleControl(std::vector<Msg>& frames);
-  void HandleData(std::vector<Msg>& frames);
+  void HandleControl(const Message& m);
+  void HandleData(const Message& m);
   void OnWelcome(const Config& w);
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
   void FlushControl();
-  void SendControl(MsgType type, const std::string& payload, uint64_t request_id = 0);
-  void Fatal(const std::string& message, bool peer_failure = true);
+  // Ends every pending operation with `message` and `status` (a bps_status).
+  void Fatal(const std::string& message, int status, bool peer_failure = true);
   void CheckTimers();
   void Leave();
+  void CloseChannel();
 
   // Scheduling helpers; *_Locked run with mu_ held and never touch sockets.
   bool ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>& info);
-  void FailTask(Task* task, const std::string& why);
+  void FailTask(Task* task, int status, const std::string& why);
   void Release(Task* task, int count);
   void Complete(Task* task);
   static void FreePart(void* data, void* hint);  // libzmq's release callback
@@ -88,10 +96,12 @@ class WorkerEngine {
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
   std::string scheduler_endpoint_;
 
-  std::unique_ptr<Context> ctx_;
-  std::unique_ptr<Socket> control_;
-  std::vector<std::unique_ptr<Socket>> data_;
+  // Never destroyed (the engine is not): libzmq's release callbacks notify it
+  // even while the channel closes.
   Wakeup wake_;
+  std::unique_ptr<Channel> channel_;
+  std::unique_ptr<Membership> membership_;
+  std::vector<Peer> servers_;  // empty until WELCOME and after a failure
   std::thread io_thread_;
   std::atomic<bool> stop_requested_{false};
 
@@ -100,6 +110,7 @@ class WorkerEngine {
   std::condition_variable state_cv_;
   State state_ = State::kIdle;
   std::string fatal_;
+  int fatal_status_ = BPS_OK;
   std::string peer_left_;  // set when another worker shut down
   Clock::time_point peer_left_at_;
   static constexpr double kPeerLeftGraceS = 3.0;
@@ -120,9 +131,6 @@ class WorkerEngine {
 
   // I/O thread only.
   std::unordered_map<uint64_t, PartRef> in_flight_;  // partition key -> part
-  Clock::time_point last_heard_;
-  Clock::time_point last_beat_;
-  Clock::time_point join_started_;
 };
 
 }  // namespace bps

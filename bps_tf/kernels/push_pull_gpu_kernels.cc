@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "bps_api.h"
-#include "dtype_map.h"
+#include "core_abi.h"
 #include "gpu_reduce.h"
 #include "reduce.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -48,17 +48,6 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using DoneCallback = AsyncOpKernel::DoneCallback;
-
-// The same mapping of engine errors to TF status codes as the CPU kernels.
-tensorflow::Status EngineStatus(const std::string& message) {
-  if (message.find("not initialized") != std::string::npos) {
-    return tensorflow::errors::FailedPrecondition(message);
-  }
-  if (message.find("differs across workers") != std::string::npos) {
-    return tensorflow::errors::InvalidArgument(message);
-  }
-  return tensorflow::errors::Unavailable(message);
-}
 
 // Runs posted tasks, in order, on one thread that may call CUDA and TF.
 // Never destroyed: a static destructor joining a thread at exit could hang.
@@ -147,16 +136,15 @@ void Enqueue(Call* c, const void* in, void* out, bps_done_fn on_done) {
 
 // ---- host route (int32 tensors in host memory) ----
 
-void OnHostDone(void* arg, int ok, const char* error) {
-  Call* c = static_cast<Call*>(arg);
-  FinishNow(c, ok ? tensorflow::Status() : EngineStatus(error ? error : "unknown error"));
+void OnHostDone(void* arg, int status, const char* error) {
+  FinishNow(static_cast<Call*>(arg), EngineStatus(status, error));
 }
 
 // ---- device route ----
 
 // On the relay thread, after the engine: copy the sum back, then `done`.
-void CopyBackAndFinish(Call* c, bool ok, const std::string& error) {
-  if (!ok) return FinishNow(c, EngineStatus(error));
+void CopyBackAndFinish(Call* c, const tensorflow::Status& engine) {
+  if (!engine.ok()) return FinishNow(c, engine);
   if (c->bytes == 0) return FinishNow(c, tensorflow::Status());
   cudaSetDevice(c->device);  // the relay thread serves every GPU
   cudaError_t err = cudaMemcpyAsync(const_cast<char*>(c->output.tensor_data().data()),
@@ -174,10 +162,11 @@ void CopyBackAndFinish(Call* c, bool ok, const std::string& error) {
   done();  // the copy is on the op's stream, ahead of every later kernel
 }
 
-void OnDeviceDone(void* arg, int ok, const char* error) {
+void OnDeviceDone(void* arg, int status, const char* error) {
   Call* c = static_cast<Call*>(arg);
-  std::string message = ok ? "" : (error ? error : "unknown error");
-  Relay::Get().Post([c, ok, message] { CopyBackAndFinish(c, ok != 0, message); });
+  // The message lives only during this call: the status carries a copy.
+  tensorflow::Status engine = EngineStatus(status, error);
+  Relay::Get().Post([c, engine] { CopyBackAndFinish(c, engine); });
 }
 
 class PushPullGpuOp : public AsyncOpKernel {

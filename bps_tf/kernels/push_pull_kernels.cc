@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "bps_api.h"
-#include "dtype_map.h"
+#include "core_abi.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -28,18 +28,9 @@ struct Pending {
   Tensor zeros;
 };
 
-void OnDone(void* arg, int ok, const char* error) {
+void OnDone(void* arg, int status, const char* error) {
   Pending* p = static_cast<Pending*>(arg);
-  if (!ok) {
-    std::string message = error ? error : "unknown error";
-    if (message.find("not initialized") != std::string::npos) {
-      p->ctx->SetStatus(tensorflow::errors::FailedPrecondition(message));
-    } else if (message.find("differs across workers") != std::string::npos) {
-      p->ctx->SetStatus(tensorflow::errors::InvalidArgument(message));
-    } else {
-      p->ctx->SetStatus(tensorflow::errors::Unavailable(message));
-    }
-  }
+  if (status != BPS_OK) p->ctx->SetStatus(EngineStatus(status, error));
   AsyncOpKernel::DoneCallback done = std::move(p->done);
   delete p;
   done();

@@ -132,6 +132,7 @@ def main(out_dir):
     rank, size = bps_tf.rank(), bps_tf.size()
     report = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync,
               "should_checkpoint": strategy.extended.should_checkpoint,
+              "resolver": [strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id],
               "scenarios": {}}
     (x, y), (xv, yv) = make_data()
     try:

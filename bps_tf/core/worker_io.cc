@@ -1,0 +1,179 @@
+// The worker's I/O thread: the only user of its channel. It hands
+// declarations to the scheduler, partitions to the servers, replies to their
+// tasks, and watches the clocks.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "stats.h"
+#include "trace.h"
+#include "worker_task.h"
+
+namespace bps {
+
+void WorkerEngine::IoLoop() {
+  Message m;
+  while (!stop_requested_) {
+    long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
+    if (!channel_->Wait(wait_ms)) {
+      Fatal(ZmqError("polling sockets"), BPS_ERR_INTERNAL);
+      break;
+    }
+    try {
+      while (channel_->Receive(&m)) {
+        if (membership_->FromScheduler(m)) {
+          HandleControl(m);
+        } else {
+          HandleData(m);
+        }
+      }
+      FlushControl();
+      if (!servers_.empty()) SendReadyParts();
+      CheckTimers();
+    } catch (const std::exception& e) {
+      Fatal(e.what(), BPS_ERR_INTERNAL);
+    }
+  }
+  Leave();
+}
+
+void WorkerEngine::FlushControl() {
+  std::vector<std::pair<uint64_t, std::string>> outbox;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outbox.swap(control_outbox_);
+  }
+  for (auto& item : outbox) {
+    Config kv = Config::Parse(item.second);
+    membership_->Send(MsgType::kDeclare, item.second, item.first,
+                      static_cast<uint16_t>(kv.GetInt("dtype", 0)));
+  }
+}
+
+void WorkerEngine::HandleData(const Message& m) {
+  const FrameHeader& h = m.header;
+  auto it = in_flight_.find(h.key);
+  if (it == in_flight_.end() || it->second.task->round != h.round) {
+    Stats::Get().frames_dropped++;
+    return;
+  }
+  PartRef p = it->second;
+  Task* t = p.task;
+  uint64_t len = t->PartLength(p.part);
+  in_flight_.erase(it);
+  if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && m.payload.size() == len) {
+    PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
+    if (times) times->replied = Clock::now();
+    std::memcpy(t->out + t->PartOffset(p.part), m.payload.data(), len);
+    if (times) {
+      times->copied = Clock::now();
+      times->server_sum_us = h.request_id;  // the server reports its summing time here
+    }
+    Stats::Get().bytes_received += len;
+  } else if (h.type == static_cast<uint16_t>(MsgType::kError)) {
+    // Servers refuse a partition only when workers pushed it inconsistently.
+    FailTask(t, BPS_ERR_INVALID, "push_pull '" + t->name + "': " + m.payload.str());
+  } else {
+    FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': malformed reply from server " +
+                                      std::to_string(h.sender));
+  }
+  Release(t, 1);
+}
+
+void WorkerEngine::OnWelcome(const Config& w) {
+  size_ = static_cast<int>(w.GetInt("num_workers", size_));
+  local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
+  local_size_ = static_cast<int>(w.GetInt("local_size", 1));
+  std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
+  for (int s = 0; s < num_servers_; ++s) {
+    servers_.push_back(channel_->Connect(w.Get("server." + std::to_string(s)), id));
+  }
+}
+
+void WorkerEngine::HandleControl(const Message& m) {
+  if (membership_->Handle(m, [this](const Config& w) { OnWelcome(w); })) {
+    if (membership_->ready()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ == State::kJoining) state_ = State::kReady;
+      state_cv_.notify_all();
+    }
+    return;
+  }
+  switch (static_cast<MsgType>(m.header.type)) {
+    case MsgType::kDeclared:
+      OnDeclared(m.header.request_id, Config::Parse(m.payload.str()));
+      break;
+    case MsgType::kError:
+      Fatal(m.payload.str(), BPS_ERR_UNAVAILABLE);
+      break;
+    case MsgType::kPeerLeft: {
+      // In async mode nobody waits for a partner: a departure changes nothing.
+      if (cfg_.GetInt("async", 0) != 0) break;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer_left_.empty()) {
+        peer_left_ = m.payload.str();
+        peer_left_at_ = Clock::now();
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void WorkerEngine::CheckTimers() {
+  membership_->Tick();
+  State state;
+  std::string left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    state = state_;
+    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS &&
+        (!in_flight_.empty() || !ready_.empty() || !declaring_.empty())) {
+      left = peer_left_;
+    }
+  }
+  if (!left.empty()) {
+    // Operations still pending after a partner left can never complete.
+    Fatal("push_pull cannot complete: " + left + " has left the job", BPS_ERR_UNAVAILABLE,
+          /*peer_failure=*/false);
+    return;
+  }
+  if (state == State::kReady && membership_->Silent(timeout_s_)) {
+    Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
+              scheduler_endpoint_ + ": nothing heard for " +
+              std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)",
+          BPS_ERR_UNAVAILABLE);
+    return;
+  }
+  if (op_timeout_s_ > 0 && state == State::kReady) {
+    for (auto& kv : in_flight_) {
+      if (SecondsSince(kv.second.task->start) > op_timeout_s_) {
+        Fatal("push_pull '" + kv.second.task->name + "' did not complete within " +
+                  std::to_string(static_cast<int>(op_timeout_s_)) +
+                  " s (BYTEPS_OP_TIMEOUT): another worker did not push it",
+              BPS_ERR_TIMEOUT);
+        return;
+      }
+    }
+  }
+}
+
+void WorkerEngine::Leave() {
+  bool ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready = state_ == State::kReady;
+  }
+  Fatal("bps_tf was shut down", BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
+  std::string trace = Trace::Get().Flush();
+  if (!trace.empty()) BPS_LOG(kInfo, "timeline written to " << trace);
+  if (ready) {
+    membership_->Leave(2000);  // let the goodbye reach the scheduler
+  } else {
+    membership_->Close();
+  }
+}
+
+}  // namespace bps

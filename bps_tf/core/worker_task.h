@@ -1,0 +1,59 @@
+// What the worker engine keeps per tensor name and per enqueued operation;
+// shared by worker_engine.cc, worker_queue.cc and worker_io.cc.
+#ifndef BPS_TF_CORE_WORKER_TASK_H_
+#define BPS_TF_CORE_WORKER_TASK_H_
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "trace.h"
+#include "worker_engine.h"
+
+namespace bps {
+
+// One (name, shape, dtype) as the scheduler declared it.
+struct WorkerEngine::TensorInfo {
+  uint64_t key = 0;
+  std::vector<int> servers;  // server of each partition
+  uint64_t part_bytes = 0;
+  uint64_t next_round = 0;
+  std::string error;  // the declaration failed; every use fails with it
+};
+
+struct WorkerEngine::Task {
+  std::string name;
+  int dtype = 0;
+  uint64_t bytes = 0;
+  const char* in = nullptr;
+  char* out = nullptr;
+  int64_t priority = 0;
+  uint64_t seq = 0;
+  bps_done_fn done = nullptr;
+  void* ctx = nullptr;
+  std::shared_ptr<TensorInfo> info;
+  uint64_t round = 0;
+  uint32_t first_part = 0;  // where this worker starts among the partitions
+  // Two counts per partition: its reply (or abandonment) and libzmq
+  // releasing the zero-copy input buffer. done() runs when both are in.
+  std::atomic<int> remaining{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  std::string error;       // the first failure wins
+  int status = BPS_OK;     // with error
+  Clock::time_point start = Clock::now();
+  Clock::time_point scheduled{};
+  std::vector<PartTimes> times;  // filled only when this round is traced
+
+  uint64_t PartOffset(uint32_t part) const { return part * info->part_bytes; }
+  uint64_t PartLength(uint32_t part) const {
+    return std::min<uint64_t>(info->part_bytes, bytes - PartOffset(part));
+  }
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_WORKER_TASK_H_

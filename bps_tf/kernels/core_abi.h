@@ -1,0 +1,42 @@
+// The TensorFlow side of the core's C ABI, shared by the CPU and GPU kernels:
+// TF dtypes to bps_dtype codes (from the core's one table, dtypes.h) and
+// bps_status codes to TF error types.
+#ifndef BPS_TF_KERNELS_CORE_ABI_H_
+#define BPS_TF_KERNELS_CORE_ABI_H_
+
+#include <string>
+
+#include "bps_api.h"
+#include "dtypes.h"
+#include "tensorflow/core/framework/types.pb.h"
+#include "tensorflow/core/platform/errors.h"
+#include "tensorflow/core/platform/status.h"
+
+namespace bps_tf {
+
+// The core's table names TF types by number; a wrong number fails the build.
+static_assert(bps::DTypeFromTf(tensorflow::DT_HALF) == BPS_FLOAT16, "dtypes.h: DT_HALF");
+static_assert(bps::DTypeFromTf(tensorflow::DT_BFLOAT16) == BPS_BFLOAT16, "dtypes.h: DT_BFLOAT16");
+static_assert(bps::DTypeFromTf(tensorflow::DT_FLOAT) == BPS_FLOAT32, "dtypes.h: DT_FLOAT");
+static_assert(bps::DTypeFromTf(tensorflow::DT_DOUBLE) == BPS_FLOAT64, "dtypes.h: DT_DOUBLE");
+static_assert(bps::DTypeFromTf(tensorflow::DT_INT32) == BPS_INT32, "dtypes.h: DT_INT32");
+static_assert(bps::DTypeFromTf(tensorflow::DT_INT64) == BPS_INT64, "dtypes.h: DT_INT64");
+
+// -1 for a dtype the core does not carry (the op registrations exclude them).
+inline int CoreDType(tensorflow::DataType dt) { return bps::DTypeFromTf(static_cast<int>(dt)); }
+
+inline tensorflow::Status EngineStatus(int status, const char* error) {
+  std::string message = error ? error : "unknown error";
+  switch (status) {
+    case BPS_OK: return tensorflow::Status();
+    case BPS_ERR_NOT_INITIALIZED: return tensorflow::errors::FailedPrecondition(message);
+    case BPS_ERR_INVALID: return tensorflow::errors::InvalidArgument(message);
+    case BPS_ERR_TIMEOUT: return tensorflow::errors::DeadlineExceeded(message);
+    case BPS_ERR_INTERNAL: return tensorflow::errors::Internal(message);
+    default: return tensorflow::errors::Unavailable(message);
+  }
+}
+
+}  // namespace bps_tf
+
+#endif  // BPS_TF_KERNELS_CORE_ABI_H_

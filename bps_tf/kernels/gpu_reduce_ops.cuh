@@ -1,0 +1,310 @@
+// The per-thread side of the CUDA reduce kernels: element types, memory
+// access, the split of a buffer into head, vector body and tail, and the ops.
+// Private to gpu_reduce.cu, which includes it inside its anonymous namespace
+// after the constants and BPS_HD it relies on; everything here is
+// __host__ __device__ so the CPU emulation runs the same code.
+#ifndef BPS_TF_KERNELS_GPU_REDUCE_OPS_CUH_
+#define BPS_TF_KERNELS_GPU_REDUCE_OPS_CUH_
+
+// ---- element types: how a value is stored and in which type it adds up ----
+
+struct Half {
+  using Storage = uint16_t;
+  using Acc = float;
+  static constexpr bool kInteger = false;
+  // Through __half_raw: its conversions are __host__ __device__ in every
+  // CUDA release, unlike some of the bit-cast intrinsics.
+  static BPS_HD float ToAcc(uint16_t bits) {
+    __half_raw r;
+    r.x = bits;
+    return __half2float(__half(r));
+  }
+  static BPS_HD uint16_t FromAcc(float f) {
+    __half_raw r = __float2half_rn(f);
+    return r.x;
+  }
+};
+
+struct BFloat16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  static constexpr bool kInteger = false;
+  static BPS_HD float ToAcc(uint16_t bits) {
+    __nv_bfloat16_raw r;
+    r.x = bits;
+    return __bfloat162float(__nv_bfloat16(r));
+  }
+  static BPS_HD uint16_t FromAcc(float f) {
+    __nv_bfloat16_raw r = __float2bfloat16_rn(f);
+    return r.x;
+  }
+};
+
+template <typename T>
+struct Plain {
+  using Storage = T;
+  using Acc = T;
+  static constexpr bool kInteger = false;
+  static BPS_HD T ToAcc(T v) { return v; }
+  static BPS_HD T FromAcc(T v) { return v; }
+};
+using Float32 = Plain<float>;
+using Float64 = Plain<double>;
+
+// Integers add as unsigned so that overflow wraps (as in TensorFlow and the
+// CPU path) instead of being undefined behaviour.
+template <typename S, typename U>
+struct Integer {
+  using Storage = S;
+  using Acc = U;
+  static constexpr bool kInteger = true;
+  static BPS_HD U ToAcc(S v) { return static_cast<U>(v); }
+  static BPS_HD S FromAcc(U v) { return static_cast<S>(v); }
+};
+using Int32 = Integer<int32_t, uint32_t>;
+using Int64 = Integer<int64_t, uint64_t>;
+
+// ---- memory access ----
+
+// Element access. `direct` is false only when some pointer is not a multiple
+// of its element size (e.g. a float buffer at an odd byte address): then
+// elements move byte by byte, slow but correct. The flag is the same for
+// every thread of a launch, so the branch costs next to nothing, and one
+// kernel per op and type (not two) keeps the compile short.
+template <typename T>
+BPS_HD T LoadAt(bool direct, const void* base, size_t i) {
+  if (direct) return static_cast<const T*>(base)[i];
+  T v;
+  memcpy(&v, static_cast<const char*>(base) + i * sizeof(T), sizeof(T));
+  return v;
+}
+
+template <typename T>
+BPS_HD void StoreAt(bool direct, void* base, size_t i, T v) {
+  if (direct) {
+    static_cast<T*>(base)[i] = v;
+  } else {
+    memcpy(static_cast<char*>(base) + i * sizeof(T), &v, sizeof(T));
+  }
+}
+
+// 16 bytes seen as elements; used only at 16-byte aligned addresses.
+template <typename T>
+union Pack {
+  uint4 raw;
+  T e[kVecBytes / sizeof(T)];
+};
+
+#if defined(BPS_GPU_HOST_EMULATION)
+// A misaligned vector access faults on the GPU but not always on the CPU: the
+// emulation records it (and copies bytewise) so that tests catch it.
+thread_local bool g_emulated_misaligned = false;
+#if !defined(__CUDA_ARCH__)
+inline void EmulatedCopy16(void* to, const void* from, const void* addr) {
+  if (reinterpret_cast<uintptr_t>(addr) % kVecBytes != 0) g_emulated_misaligned = true;
+  memcpy(to, from, kVecBytes);
+}
+#endif
+#endif
+
+template <typename T>
+BPS_HD Pack<T> LoadPack(const void* base, size_t i) {
+  const T* at = static_cast<const T*>(base) + i;
+  Pack<T> p;
+#if defined(BPS_GPU_HOST_EMULATION) && !defined(__CUDA_ARCH__)
+  EmulatedCopy16(&p.raw, at, at);
+#else
+  p.raw = *reinterpret_cast<const uint4*>(at);
+#endif
+  return p;
+}
+
+template <typename T>
+BPS_HD void StorePack(void* base, size_t i, const Pack<T>& p) {
+  T* at = static_cast<T*>(base) + i;
+#if defined(BPS_GPU_HOST_EMULATION) && !defined(__CUDA_ARCH__)
+  EmulatedCopy16(at, &p.raw, at);
+#else
+  *reinterpret_cast<uint4*>(at) = p.raw;
+#endif
+}
+
+// ---- work split ----
+
+// Elements [0, head) and [head + nvec * kVec, count) one at a time; the
+// vectors in between, each starting at an index where all pointers are
+// 16-byte aligned. `direct`: every pointer is a multiple of its element size.
+struct Span {
+  size_t count;
+  size_t head;
+  size_t nvec;
+  bool direct;
+};
+
+template <class Op>
+BPS_HD void RunSpan(const Op& op, const Span& s, size_t tid, size_t nthreads) {
+  for (size_t i = tid; i < s.head; i += nthreads) op.Element(i, s.direct);
+  for (size_t v = tid; v < s.nvec; v += nthreads) op.Vector(s.head + v * Op::kVec);
+  for (size_t i = s.head + s.nvec * Op::kVec + tid; i < s.count; i += nthreads) {
+    op.Element(i, s.direct);
+  }
+}
+
+struct Ptr {
+  const void* p;
+  size_t elem;  // element size at this pointer
+};
+
+// Finds the vector body: the first index h < vec at which every pointer is
+// 16-byte aligned. Buffers whose misalignments differ get no body (all
+// scalar), and so do buffers not aligned to their element size.
+Span PlanSpan(const Ptr* ptrs, int n, size_t count, int vec) {
+  Span s{count, 0, 0, true};
+  for (int k = 0; k < n; ++k) {
+    if (reinterpret_cast<uintptr_t>(ptrs[k].p) % ptrs[k].elem != 0) s.direct = false;
+  }
+  if (!s.direct) return s;
+  for (size_t h = 0; h < static_cast<size_t>(vec) && h < count; ++h) {
+    bool ok = true;
+    for (int k = 0; k < n && ok; ++k) {
+      ok = (reinterpret_cast<uintptr_t>(ptrs[k].p) + h * ptrs[k].elem) % kVecBytes == 0;
+    }
+    if (ok) {
+      s.head = h;
+      s.nvec = (count - h) / vec;
+      return s;
+    }
+  }
+  return s;
+}
+
+// ---- ops: what one element and one vector of work do ----
+
+template <class E>
+struct SumOp {
+  using S = typename E::Storage;
+  using A = typename E::Acc;
+  static constexpr int kVec = kVecBytes / sizeof(S);
+  void* dst;
+  const void* src[kMaxSrcs];
+  int nsrcs;
+
+  BPS_HD void Element(size_t i, bool direct) const {
+    A acc = E::ToAcc(LoadAt<S>(direct, src[0], i));
+    for (int k = 1; k < nsrcs; ++k) acc += E::ToAcc(LoadAt<S>(direct, src[k], i));
+    StoreAt<S>(direct, dst, i, E::FromAcc(acc));
+  }
+  // Reads every source at i before writing dst at i: dst == src[0] is safe.
+  BPS_HD void Vector(size_t i) const {
+    A acc[kVec];
+    Pack<S> in = LoadPack<S>(src[0], i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[j] = E::ToAcc(in.e[j]);
+    for (int k = 1; k < nsrcs; ++k) {
+      in = LoadPack<S>(src[k], i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] += E::ToAcc(in.e[j]);
+    }
+    Pack<S> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.e[j] = E::FromAcc(acc[j]);
+    StorePack<S>(dst, i, out);
+  }
+};
+
+template <class E>
+struct ScaleOp {
+  using S = typename E::Storage;
+  using A = typename E::Acc;
+  static constexpr int kVec = kVecBytes / sizeof(S);
+  void* data;
+  A factor;
+
+  BPS_HD S One(S v) const { return E::FromAcc(E::ToAcc(v) * factor); }
+  BPS_HD void Element(size_t i, bool direct) const {
+    StoreAt<S>(direct, data, i, One(LoadAt<S>(direct, data, i)));
+  }
+  BPS_HD void Vector(size_t i) const {
+    Pack<S> p = LoadPack<S>(data, i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) p.e[j] = One(p.e[j]);
+    StorePack<S>(data, i, p);
+  }
+};
+
+// numpy's `//`: the quotient rounded toward minus infinity. x // -1 is a
+// negation that wraps (MIN // -1 == MIN, as numpy gives), never a trap.
+template <class E>
+BPS_HD typename E::Storage FloorDiv(typename E::Storage x, typename E::Storage d) {
+  using S = typename E::Storage;
+  if (d == -1) return E::FromAcc(typename E::Acc(0) - E::ToAcc(x));
+  S q = x / d;
+  S r = x % d;
+  if (r != 0 && ((r < 0) != (d < 0))) --q;
+  return q;
+}
+
+template <class E>
+struct FloorDivOp {
+  using S = typename E::Storage;
+  static constexpr int kVec = kVecBytes / sizeof(S);
+  void* data;
+  S divisor;
+
+  BPS_HD void Element(size_t i, bool direct) const {
+    StoreAt<S>(direct, data, i, FloorDiv<E>(LoadAt<S>(direct, data, i), divisor));
+  }
+  BPS_HD void Vector(size_t i) const {
+    Pack<S> p = LoadPack<S>(data, i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) p.e[j] = FloorDiv<E>(p.e[j], divisor);
+    StorePack<S>(data, i, p);
+  }
+};
+
+// One vector = 8 half-width values = 16 bytes of them, 32 bytes of floats.
+template <class E>
+struct ToF32Op {
+  static constexpr int kVec = 8;
+  float* dst;
+  const void* src;
+
+  BPS_HD void Element(size_t i, bool direct) const {
+    StoreAt<float>(direct, dst, i, E::ToAcc(LoadAt<uint16_t>(direct, src, i)));
+  }
+  BPS_HD void Vector(size_t i) const {
+    Pack<uint16_t> in = LoadPack<uint16_t>(src, i);
+    Pack<float> lo, hi;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo.e[j] = E::ToAcc(in.e[j]);
+      hi.e[j] = E::ToAcc(in.e[j + 4]);
+    }
+    StorePack<float>(dst, i, lo);
+    StorePack<float>(dst, i + 4, hi);
+  }
+};
+
+template <class E>
+struct FromF32Op {
+  static constexpr int kVec = 8;
+  void* dst;
+  const float* src;
+
+  BPS_HD void Element(size_t i, bool direct) const {
+    StoreAt<uint16_t>(direct, dst, i, E::FromAcc(LoadAt<float>(direct, src, i)));
+  }
+  BPS_HD void Vector(size_t i) const {
+    Pack<float> lo = LoadPack<float>(src, i);
+    Pack<float> hi = LoadPack<float>(src, i + 4);
+    Pack<uint16_t> out;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      out.e[j] = E::FromAcc(lo.e[j]);
+      out.e[j + 4] = E::FromAcc(hi.e[j]);
+    }
+    StorePack<uint16_t>(dst, i, out);
+  }
+};
+
+#endif  // BPS_TF_KERNELS_GPU_REDUCE_OPS_CUH_
