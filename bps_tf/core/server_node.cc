@@ -121,8 +121,9 @@ void ServerNode::SendReplies() {
   for (auto& r : replies_.Take()) {
     auto it = worker_peer_.find(r.worker);
     if (it == worker_peer_.end()) continue;
+    const size_t bytes = r.payload.size();  // the Msg is handed to libzmq below
     if (channel_->Send(it->second, r.header, std::move(r.payload))) {
-      Stats::Get().bytes_sent += r.header.payload_bytes;
+      Stats::Get().bytes_sent += bytes;
     } else {
       BPS_LOG(kWarning, "reply to worker " << r.worker << " failed: " << zmq_strerror(zmq_errno()));
     }
