@@ -207,6 +207,7 @@ void ServerNode::HandleControl(std::vector<Msg>& frames) {
       server_id_ = static_cast<int>(w.GetInt("id", server_id_));
       SetLogIdentity(Who());
       welcomed_ = true;
+      Stats::Get().node_state = 1;
       if (is_server_) {
         engine_.reset(new SumEngine(server_id_, num_workers_,
                                     static_cast<int>(cfg_.GetInt("engine_threads", 4)),
@@ -217,6 +218,7 @@ void ServerNode::HandleControl(std::vector<Msg>& frames) {
       break;
     }
     case MsgType::kShutdown:
+      Stats::Get().node_state = 2;
       done_ = true;
       break;
     case MsgType::kError:
@@ -294,7 +296,11 @@ int ServerNode::Run(std::string* error) {
       scheduler_->Tick(&out);
       SendOutgoing(&out);
       if (scheduler_->finished() && !is_server_) done_ = true;
+      if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
+        Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
+      }
       if (!scheduler_->fatal().empty()) {
+        Stats::Get().node_state = 3;
         // Stay a little to tell late joiners why the job failed.
         if (fatal_since == Clock::time_point{}) fatal_since = Clock::now();
         if (SecondsSince(fatal_since) > 3) {
@@ -324,6 +330,7 @@ int ServerNode::Run(std::string* error) {
       done_ = true;
     }
   }
+  Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
   // Flush the last replies (e.g. the shutdown notices) before closing.
   SendReplies();
   uint64_t dropped = Stats::Get().frames_dropped;
