@@ -9,7 +9,11 @@ Two modes:
 
 Either way the launcher owns its children: each runs in its own process group
 (so their own children are reached too), the first failure stops all of them,
-and the launcher's exit code says what happened. See docs/launcher.md.
+and the launcher's exit code says what happened. Their output is tagged line by
+line with the process it came from (launch_output.py). See docs/launcher.md.
+
+launch_procs.py holds the children and how they are stopped, launch_args.py
+the command line.
 
 No TensorFlow here: the launcher must start quickly and run on server hosts.
 """

@@ -5,7 +5,11 @@ worker joins it reports NOT_SERVING (the cluster has not met; nothing else can
 make it meet), once the worker joined SERVING, and after the worker is killed
 (a lost peer) NOT_SERVING, or its port is closed because it already exited.
 Ports come from the OS; every process is killed at the end.
+
+gRPC runs only in child processes: a process that has loaded gRPC's event
+engine must not fork (later tests fork from the pytest process).
 """
+import importlib.util
 import os
 import secrets
 import signal
@@ -17,15 +21,36 @@ import time
 
 import pytest
 
-pytest.importorskip("grpc_health.v1.health")
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from bps_tf import health, launcher
 
-from bps_tf import health, launcher  # noqa: E402
+# Looked up, not imported: see above.
+if importlib.util.find_spec("grpc_health") is None:
+    pytest.skip("grpcio-health-checking is not installed", allow_module_level=True)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-GONE = "port closed"
+GONE = "GONE"
+
+# Asks Check(service) until the answer is one of the wanted ones (or once).
+PROBE = r"""
+import sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+port, service, wanted, within = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+names = health_pb2.HealthCheckResponse.ServingStatus
+give_up = time.monotonic() + within
+while True:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=3)
+            status = names.Name(reply.status)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            status = "GONE"
+    if not wanted or status in wanted.split(",") or time.monotonic() > give_up:
+        print(status, flush=True)
+        break
+    time.sleep(0.1)
+"""
 
 WORKER = r'''
 import os, sys, time
@@ -44,27 +69,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check(port, service=""):
-    """The status the server reports for ``service``, or GONE if nothing answers."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=3)
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return GONE
-            raise
-        return reply.status
+def check(port, service="", until=(), within=30.0):
+    """What the server reports for ``service`` (SERVING, NOT_SERVING, or GONE when
+    nothing answers); with ``until``, the first answer among those, or the last."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(port), service, ",".join(until),
+                           str(within)], capture_output=True, text=True, timeout=within + 30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
 
 
-def wait_for(what, predicate, within=30.0):
+def wait_for(predicate, within=30.0):
     give_up = time.monotonic() + within
-    while True:
-        value = what()
-        if predicate(value):
-            return value
-        assert time.monotonic() < give_up, f"still {value!r} after {within} s"
-        time.sleep(0.1)
+    while not predicate():
+        assert time.monotonic() < give_up, f"not true after {within} s"
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- unit level
@@ -79,23 +97,48 @@ def test_statuses_follow_the_core_state():
         "": False, health.SERVICE_CLUSTER: False, health.SERVICE_LIVE: False}
 
 
-def test_health_server_follows_a_state_and_rejects_a_taken_port():
-    state = {"now": health.STARTING}
-    server = health.HealthServer("127.0.0.1", 0, lambda: state["now"], poll_interval_s=0.05)
-    port = server.start()
+FOLLOW = r"""
+import os, sys, time
+from bps_tf import health
+path = sys.argv[1]
+def state():
+    with open(path) as f:
+        return int(f.read() or 0)
+server = health.HealthServer("127.0.0.1", 0, state, poll_interval_s=0.05)
+print(server.start(), flush=True)
+try:
+    health.HealthServer("127.0.0.1", server.port, state).start()
+except health.HealthError as exc:
+    print("TAKEN", exc, flush=True)
+sys.stdin.readline()
+server.stop(failed=True)
+"""
+
+
+def test_health_server_follows_a_state_and_rejects_a_taken_port(tmp_path):
+    state = tmp_path / "state"
+    state.write_text(str(health.STARTING))
+    proc = subprocess.Popen([sys.executable, "-c", FOLLOW, str(state)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
-        assert check(port) == NOT_SERVING and check(port, health.SERVICE_LIVE) == SERVING
-        state["now"] = health.MET
-        wait_for(lambda: check(port), lambda s: s == SERVING, within=5)
-        assert check(port, health.SERVICE_CLUSTER) == SERVING
-        state["now"] = health.FAILED
-        wait_for(lambda: check(port, health.SERVICE_LIVE), lambda s: s == NOT_SERVING, within=5)
-        assert check(port) == NOT_SERVING
-        with pytest.raises(health.HealthError, match="cannot serve the gRPC health service"):
-            health.HealthServer("127.0.0.1", port, lambda: 0).start()
+        port = int(proc.stdout.readline())
+        assert "cannot serve the gRPC health service" in proc.stdout.readline()
+        assert check(port) == "NOT_SERVING"
+        assert check(port, health.SERVICE_LIVE) == "SERVING"
+        state.write_text(str(health.MET))
+        assert check(port, until=["SERVING"], within=5) == "SERVING"
+        assert check(port, health.SERVICE_CLUSTER) == "SERVING"
+        state.write_text(str(health.FAILED))
+        assert check(port, health.SERVICE_LIVE, until=["NOT_SERVING"], within=5) == "NOT_SERVING"
+        assert check(port) == "NOT_SERVING"
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=10) == 0
+        assert check(port) == GONE
     finally:
-        server.stop(failed=True)
-    assert check(port) == GONE
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------- a live server
@@ -140,24 +183,24 @@ def test_a_live_server_reports_the_cluster_meeting_and_a_lost_peer(cluster, tmp_
                      BYTEPS_SERVER_ID="0", BYTEPS_HOST_SCHEDULER="1", DMLC_PS_ROOT_PORT="0",
                      BYTEPS_SERVER_PORT="0", BYTEPS_READY_FILE=str(ready),
                      BYTEPS_HEALTH_PORT=str(port))
-    wait_for(lambda: ready.exists() or server.poll() is not None, bool)
+    wait_for(lambda: ready.exists() or server.poll() is not None)
     assert server.poll() is None, cluster.logs()
     # The health service starts before the core listens: it answers now, and
     # the cluster cannot have met, for no worker exists yet.
-    assert check(port) == NOT_SERVING, cluster.logs()
-    assert check(port, health.SERVICE_CLUSTER) == NOT_SERVING
-    assert check(port, health.SERVICE_LIVE) == SERVING
+    assert check(port) == "NOT_SERVING", cluster.logs()
+    assert check(port, health.SERVICE_CLUSTER) == "NOT_SERVING"
+    assert check(port, health.SERVICE_LIVE) == "SERVING"
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     worker = cluster([sys.executable, str(script), str(tmp_path / "never")], DMLC_ROLE="worker",
                      DMLC_WORKER_ID="0", DMLC_PS_ROOT_PORT=ready.read_text().strip())
-    wait_for(lambda: check(port), lambda s: s == SERVING)
-    assert check(port, health.SERVICE_LIVE) == SERVING
+    assert check(port, until=["SERVING"]) == "SERVING", cluster.logs()
+    assert check(port, health.SERVICE_LIVE) == "SERVING"
 
     os.killpg(worker.pid, signal.SIGKILL)    # a lost peer: no more heartbeats
-    wait_for(lambda: check(port), lambda s: s in (NOT_SERVING, GONE))
-    assert check(port, health.SERVICE_LIVE) in (NOT_SERVING, GONE)
+    assert check(port, until=["NOT_SERVING", GONE]) in ("NOT_SERVING", GONE), cluster.logs()
+    assert check(port, health.SERVICE_LIVE) in ("NOT_SERVING", GONE)
     assert server.wait(timeout=30) == 1, cluster.logs()
     assert check(port) == GONE
 
