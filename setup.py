@@ -161,7 +161,8 @@ setup(
     # is used when the installed build does not match the TensorFlow there.
     package_data={"bps_tf": ["core/*.h", "ops/*.cc", "kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.9",
-    install_requires=["numpy", "pyzmq>=22"],
+    # grpcio serves the Kubernetes health probes (BYTEPS_HEALTH_PORT); imported only then.
+    install_requires=["numpy", "pyzmq>=22", "grpcio", "grpcio-health-checking"],
     ext_modules=[Extension("bps_tf._core", sources=[])],  # built by BuildNative
     cmdclass={"build_ext": BuildNative},
     entry_points={"console_scripts": ["bpslaunch = bps_tf.launcher:main"]},

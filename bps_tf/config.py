@@ -82,6 +82,11 @@ SETTINGS = (
             "(earliest layer first); 0 sends them first come, first served."),
     Setting("BYTEPS_PROGRESS_ALL_RANKS", "", "0", _bool,
             "Draw Keras' progress bar on every worker, not only on rank 0."),
+    Setting("BYTEPS_HEALTH_PORT", "", "0", _int,
+            "Port on which a server or scheduler serves the gRPC health service "
+            "(grpc.health.v1, for Kubernetes `grpc` probes): NOT_SERVING until "
+            "the cluster has met, SERVING while healthy, NOT_SERVING after a "
+            "lost peer. 0: off. bpslaunch -np gives server i this port + i."),
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,
             "Record the order partitions leave a worker (read with "
             "bps_tf.basics.debug_send_log()); for tests and tuning."),

@@ -196,7 +196,7 @@ def test_manifest_is_a_tfjob_with_chief_worker_and_two_ps(tfjob):
         container = _tensorflow_container(spec)
         assert container["command"] == COMMAND, name
         assert container["image"], name
-        assert container["ports"] == [{"name": TFJOB_PORT_NAME, "containerPort": 2222}], name
+        assert container["ports"][0] == {"name": TFJOB_PORT_NAME, "containerPort": 2222}, name
         env = {e["name"]: e for e in container.get("env", [])}
         for variable in env.values():
             if "value" in variable:
@@ -265,3 +265,28 @@ def test_every_pod_resolves_to_its_bps_tf_role(tfjob):
         f"{job}-ps-1": ("server", 1, False),
     }
 
+
+
+def test_servers_have_grpc_health_probes_on_their_health_port(tfjob):
+    """PS pods serve grpc.health.v1 on BYTEPS_HEALTH_PORT; kubelet's grpc probes ask it.
+
+    Readiness must not wait for the cluster to meet (service ""): the workers
+    reach ps-0 through its Service, which lists only ready pods, so such a
+    probe would keep the job from ever meeting.
+    """
+    from bps_tf import config, health
+    for name, spec in tfjob["spec"]["tfReplicaSpecs"].items():
+        container = _tensorflow_container(spec)
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        if name != "PS":
+            assert "BYTEPS_HEALTH_PORT" not in env and "readinessProbe" not in container, name
+            assert container["ports"] == [{"name": TFJOB_PORT_NAME, "containerPort": 2222}], name
+            continue
+        port = config.value("BYTEPS_HEALTH_PORT", env)
+        assert port and port != 2222
+        assert {"name": "health", "containerPort": port} in container["ports"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            stanza = container[probe]
+            assert set(stanza) - {"initialDelaySeconds", "periodSeconds", "failureThreshold",
+                                  "timeoutSeconds", "successThreshold"} == {"grpc"}, probe
+            assert stanza["grpc"] == {"port": port, "service": health.SERVICE_LIVE}, probe

@@ -180,6 +180,40 @@ def test_every_child_gets_its_place(job, monkeypatch):
     assert_all_gone(job.pids())
 
 
+def test_children_get_quiet_tensorflow_unbuffered_python_and_health_ports(job, monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("BYTEPS_HEALTH_PORT", "9000")
+    assert run(job, 2, 2, prefix_output=True)[0] == 0
+    workers, servers = job.records("worker"), job.records("server")
+    for rec in list(workers.values()) + list(servers.values()):
+        assert rec["env"]["TF_CPP_MIN_LOG_LEVEL"] == "2"
+        assert rec["env"]["PYTHONUNBUFFERED"] == "1"
+    assert [servers[i]["env"]["BYTEPS_HEALTH_PORT"] for i in ("0", "1")] == ["9000", "9001"]
+    assert not any("BYTEPS_HEALTH_PORT" in r["env"] for r in workers.values())
+    assert_all_gone(job.pids())
+
+
+def test_a_chosen_tensorflow_log_level_is_kept_and_health_is_off_by_default(job, monkeypatch):
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    monkeypatch.delenv("BYTEPS_HEALTH_PORT", raising=False)
+    assert run(job, 2, 1)[0] == 0
+    assert job.records("worker")["0"]["env"]["TF_CPP_MIN_LOG_LEVEL"] == "0"
+    assert job.records("server")["0"]["env"]["BYTEPS_HEALTH_PORT"] == "0"
+    assert run(job, 2, 1, health_port=7000)[0] == 0
+    assert job.records("server")["0"]["env"]["BYTEPS_HEALTH_PORT"] == "7000"
+
+
+def test_prefixed_output_and_a_failure_leave_nothing_behind(job, capfd):
+    # Grandchildren hold the pipes open: stopping their groups must still end
+    # the output copying.
+    code, took = run(job, 3, 1, plan={"0": "hang", "1": "exit:3", "2": "hang"},
+                     prefix_output=True)
+    assert code == 3 and took < 10
+    err = capfd.readouterr().err
+    assert "worker 1 exit 3" in err.splitlines()[-1]
+    assert_all_gone(job.pids())
+
+
 def test_job_token_is_kept_when_given(job, monkeypatch):
     monkeypatch.setenv("BYTEPS_JOB_TOKEN", "abc123")
     assert run(job, 2, 1)[0] == 0
@@ -255,10 +289,12 @@ def test_stuck_servers_are_killed_after_the_workers_succeed(job, capsys):
     assert_all_gone(job.pids())
 
 
-def test_sigterm_to_the_launcher_stops_everything(job):
+@pytest.mark.parametrize("prefix", [False, True])
+def test_sigterm_to_the_launcher_stops_everything(job, prefix):
     script = (f"import sys; from bps_tf import launcher; sys.exit(launcher.run_local("
               f"2, 1, {job.worker({'0': 'hang', '1': 'hang'})!r}, "
-              f"server_command={job.server('ignore-term')!r}, grace=0.5))")
+              f"server_command={job.server('ignore-term')!r}, grace=0.5, "
+              f"prefix_output={prefix}))")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
@@ -301,6 +337,7 @@ def test_cannot_start_the_command(job, capsys):
     (["--servers", "2", "python"], "only applies with -np"),
     (["--timeout", "-1", "-np", "1", "python"], "must be more than 0"),
     (["-np", "two", "python"], "expected a number, got 'two'"),
+    (["-np", "2", "--health-port", "70000", "python"], "at most 65535"),
 ])
 def test_cli_usage_errors(argv, needle, capsys):
     assert launcher.main(argv) == launcher.EXIT_USAGE

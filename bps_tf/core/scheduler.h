@@ -36,6 +36,7 @@ class Scheduler {
   void Tick(std::vector<Outgoing>* out);
 
   bool finished() const { return finished_; }
+  bool welcomed() const { return welcomed_; }
   const std::string& fatal() const { return fatal_; }
 
  private:

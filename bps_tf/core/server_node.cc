@@ -172,6 +172,7 @@ void ServerNode::HandlePush(Message& m) {
 
 void ServerNode::OnWelcome() {
   SetLogIdentity(Who());
+  Stats::Get().node_state = 1;  // the cluster met (read by the health service)
   if (!is_server_) return;
   engine_.reset(new SumEngine(membership_.id(), num_workers_,
                               static_cast<int>(cfg_.GetInt("engine_threads", 4)),
@@ -183,6 +184,7 @@ void ServerNode::HandleControl(const Message& m) {
   if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kShutdown:
+      Stats::Get().node_state = 2;
       done_ = true;
       break;
     case MsgType::kError:
@@ -237,7 +239,11 @@ int ServerNode::Run(std::string* error) {
       scheduler_->Tick(&out);
       SendOutgoing(&out);
       if (scheduler_->finished() && !is_server_) done_ = true;
+      if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
+        Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
+      }
       if (!scheduler_->fatal().empty()) {
+        Stats::Get().node_state = 3;
         // Stay a little to tell late joiners why the job failed.
         if (fatal_since == Clock::time_point{}) fatal_since = Clock::now();
         if (SecondsSince(fatal_since) > 3) Stop(scheduler_->fatal());
@@ -255,6 +261,7 @@ int ServerNode::Run(std::string* error) {
            " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
     }
   }
+  Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
   // Flush the last replies (e.g. the shutdown notices) before closing.
   SendReplies();
   uint64_t dropped = Stats::Get().frames_dropped;

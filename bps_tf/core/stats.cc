@@ -28,6 +28,7 @@ std::string Stats::Json() {
   o << "{\"bytes_sent\":" << bytes_sent << ",\"bytes_received\":" << bytes_received
     << ",\"frames_dropped\":" << frames_dropped << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
+    << ",\"node_state\":" << node_state
     << ",\"send_log\":[";
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < send_log_.size(); ++i) {

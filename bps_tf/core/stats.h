@@ -27,6 +27,9 @@ class Stats {
   std::atomic<uint64_t> ops_failed{0};
   std::atomic<uint64_t> partitions_sent{0};
   std::atomic<bool> send_log_on{false};
+  // A server or scheduler process: 0 starting, 1 the cluster has met,
+  // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).
+  std::atomic<int> node_state{0};
 
   void RecordSend(const std::string& name, uint32_t part, int64_t priority);
   std::string Json();

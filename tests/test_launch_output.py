@@ -1,0 +1,148 @@
+"""bpslaunch's output: every line tagged with its process, never two processes
+within one line; one start line and one end line; --no-prefix.
+
+These run the real CLI (`python -m bps_tf.launcher`) with real servers and
+numpy-only workers (no TensorFlow), from a neutral working directory.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from bps_tf import launch_output, launcher
+
+LINES = 400
+LONG = 6000      # longer than a pipe's atomic write (4096): must still stay whole
+
+CHATTY = r'''
+import os, sys
+from bps_tf import basics
+basics.init()
+rank = basics.rank()
+lines, long = int(sys.argv[1]), int(sys.argv[2])
+out = sys.stdout
+for i in range(lines):
+    width = long if i % 40 == 7 else i % 90
+    # Written in pieces, as print() with several arguments does.
+    out.write(f"r{rank} n{i} ")
+    out.write(str(rank) * width)
+    out.write("\n")
+    if i % 50 == 0:
+        print(f"r{rank} e{i} " + str(rank) * 30, file=sys.stderr)
+sys.stdout.buffer.write(b"r%d raw \xff\xfe\n" % rank)
+out.write(f"r{rank} partial")
+out.flush()
+basics.shutdown()
+'''
+
+START = re.compile(r"^bpslaunch: starting 2 workers and 1 server on 127\.0\.0\.1: scheduler in "
+                   r"server 0 on port \d+; job token generated for this job$")
+END = re.compile(r"^bpslaunch: job finished after [\d.]+ s: server 0 exit 0 \([\d.]+ s\), "
+                 r"worker 0 exit 0 \([\d.]+ s\), worker 1 exit 0 \([\d.]+ s\)$")
+
+
+def _bpslaunch(args, tmp_path, **env):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    full = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    full.pop("BYTEPS_JOB_TOKEN", None)
+    full.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    full.update(env)
+    cmd = [sys.executable, "-m", "bps_tf.launcher", "--timeout", "60", *args,
+           sys.executable, str(script), str(LINES), str(LONG)]
+    return subprocess.run(cmd, env=full, capture_output=True, timeout=90,
+                          cwd=tempfile.gettempdir())
+
+
+def test_every_line_is_tagged_and_whole(tmp_path):
+    proc = _bpslaunch(["-np", "2", "--servers", "1"], tmp_path)
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    seen = {0: [], 1: []}
+    for line in out.split(b"\n")[:-1]:
+        match = re.fullmatch(rb"\[worker (\d)\] r(\d) (.*)", line, re.S)
+        assert match, line[:200]
+        rank = int(match.group(1))
+        assert int(match.group(2)) == rank, line[:200]     # the tag names the writer
+        body = match.group(3)
+        if body.startswith(b"n"):
+            number, _, fill = body.partition(b" ")
+            # A line of another process inside this one would break the fill.
+            assert fill == str(rank).encode() * len(fill), line[:200]
+            seen[rank].append(int(number[1:]))
+            if int(number[1:]) % 40 == 7:
+                assert len(fill) == LONG
+        else:
+            seen[rank].append(body)
+    for rank in (0, 1):
+        numbers = [x for x in seen[rank] if isinstance(x, int)]
+        assert numbers == list(range(LINES)), rank
+        # Bytes that are not UTF-8 pass unchanged; a last line without a
+        # newline still comes out, ended.
+        assert seen[rank][-2:] == [b"raw \xff\xfe", b"partial"]
+
+    err_lines = err.decode("utf-8", errors="replace").splitlines()
+    assert START.match(err_lines[0]), err_lines[:3]
+    assert END.match(err_lines[-1]), err_lines[-3:]
+    tagged = [l for l in err_lines[1:-1] if not l.startswith("bpslaunch:")]
+    for rank in (0, 1):
+        mine = [l for l in tagged if l.startswith(f"[worker {rank}] r{rank} e")]
+        assert len(mine) == LINES // 50, tagged
+    assert all(re.fullmatch(r"\[(worker \d|server 0)\] .*", l) for l in tagged), tagged
+
+
+def test_no_prefix_leaves_the_output_alone(tmp_path):
+    proc = _bpslaunch(["-np", "2", "--no-prefix"], tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    out = proc.stdout
+    assert b"[worker" not in out
+    assert out.count(b"r0 n399 ") == 1 and out.count(b"r1 n399 ") == 1
+    assert b"r0 partial" in out and b"r1 partial" in out
+    err = proc.stderr.decode(errors="replace").splitlines()
+    assert START.match(err[0]) and END.match(err[-1]), err
+
+
+def test_a_failure_is_named_in_the_end_line(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "print('rank', os.environ['DMLC_WORKER_ID'], flush=True)\n"
+                      "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
+                      "time.sleep(30)\n")
+    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env["BYTEPS_JOB_TOKEN"] = "secret-value-never-shown"
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launcher", "-np", "2", "--timeout",
+                           "60", sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=90, cwd=tempfile.gettempdir())
+    assert proc.returncode == 3
+    assert "[worker 1] rank 1" in proc.stdout and "[worker 0] rank 0" in proc.stdout
+    err = proc.stderr.splitlines()
+    assert "job token from BYTEPS_JOB_TOKEN" in err[0]
+    assert "secret-value-never-shown" not in proc.stderr + proc.stdout
+    assert re.search(r"worker 1 \(pid \d+\) exited with code 3; stopping", proc.stderr)
+    assert re.match(r"bpslaunch: job failed \(exit code 3\) after [\d.]+ s: server 0 .*, "
+                    r"worker 0 SIGTERM \([\d.]+ s\), worker 1 exit 3 \([\d.]+ s\)$", err[-1]), err
+
+
+# ------------------------------------------------------------- unit level
+
+def test_child_env_hides_tensorflow_noise_unless_chosen():
+    assert launch_output.child_env({}, {}, piped=True) == {
+        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    user = {"TF_CPP_MIN_LOG_LEVEL": "0", "PYTHONUNBUFFERED": ""}
+    assert launch_output.child_env(user, user, piped=True) == user
+    assert launch_output.child_env({}, {}, piped=False) == {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.parametrize("env, local, expected", [
+    ({}, True, "job token generated for this job"),
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, False, "job token from BYTEPS_JOB_TOKEN"),
+    ({"BYTEPS_JOB_TOKEN": ""}, True, "no job token (BYTEPS_JOB_TOKEN is empty"),
+    ({}, False, "no job token (BYTEPS_JOB_TOKEN is not set"),
+])
+def test_token_source_never_shows_the_token(env, local, expected):
+    text = launch_output.token_source(env, local)
+    assert text.startswith(expected)
+    assert "s3cr3t" not in text
