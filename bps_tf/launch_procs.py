@@ -28,7 +28,7 @@ EXIT_CANNOT_START = 127            # what a shell uses for "command not found"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class _Stop(Exception):
+class Stop(Exception):
     """The job must end now with this exit code; the reason was already printed."""
 
     def __init__(self, code: int):
@@ -36,7 +36,7 @@ class _Stop(Exception):
         self.code = code
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -45,7 +45,7 @@ def _signal_name(signum: int) -> str:
 
 # ------------------------------------------------------------------ children
 
-class _Child:
+class Child:
     """One process the launcher started, the leader of its own process group."""
 
     def __init__(self, name: str, kind: str, popen: subprocess.Popen):
@@ -69,7 +69,7 @@ class _Child:
     def exit_text(self) -> str:
         code = self.returncode
         if code is not None and code < 0:
-            return f"was killed by signal {_signal_name(-code)}"
+            return f"was killed by signal {signal_name(-code)}"
         return f"exited with code {code}"
 
     def summary(self) -> str:
@@ -77,7 +77,7 @@ class _Child:
         code = self.poll()
         if code is None:
             return f"{self.name} still running"
-        how = f"exit {code}" if code >= 0 else _signal_name(-code)
+        how = f"exit {code}" if code >= 0 else signal_name(-code)
         return f"{self.name} {how} ({self.ended_at - self.started_at:.1f} s)"
 
     def label(self) -> str:
@@ -133,23 +133,23 @@ def _live_process_groups() -> Optional[set]:
     return groups
 
 
-def _exit_code_of(code: int) -> int:
+def exit_code_of(code: int) -> int:
     """A shell-style exit code: 128+N for a child killed by signal N."""
     return 128 - code if code < 0 else code
 
 
-class _Job:
+class Job:
     """The children of one launch, and the one way to stop them."""
 
     def __init__(self, grace_s: float, output: Optional[ChildOutput] = None):
         self.grace_s = grace_s
         self.output = output                     # None: children share our terminal
-        self.children: List[_Child] = []
+        self.children: List[Child] = []
         self.stop_signal: Optional[int] = None   # first stop signal the launcher got
         self.hurry = False                       # a second one: skip the grace period
         self._parent_pid = os.getpid()
 
-    def start(self, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str]) -> _Child:
+    def start(self, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str]) -> Child:
         # Servers need no working directory. Starting them in a neutral one
         # keeps a source checkout in the current directory from shadowing the
         # installed bps_tf (`python -m` puts the working directory first).
@@ -161,8 +161,8 @@ class _Job:
                                      preexec_fn=_die_with_parent(self._parent_pid))
         except OSError as exc:
             say(f"cannot start {name} ({' '.join(argv)}): {exc}; stopping the other processes")
-            raise _Stop(EXIT_CANNOT_START) from None
-        child = _Child(name, kind, popen)
+            raise Stop(EXIT_CANNOT_START) from None
+        child = Child(name, kind, popen)
         self.children.append(child)
         if self.output is not None:
             self.output.attach(name, popen)
@@ -176,19 +176,19 @@ class _Job:
             self.hurry = True
 
     def check(self, deadline: Optional[float], timeout_s: Optional[float]) -> None:
-        """Raise _Stop if the launcher was told to stop or the job ran out of time."""
+        """Raise Stop if the launcher was told to stop or the job ran out of time."""
         if self.stop_signal is not None:
-            say(f"received {_signal_name(self.stop_signal)}; stopping all processes")
-            raise _Stop(128 + self.stop_signal)
+            say(f"received {signal_name(self.stop_signal)}; stopping all processes")
+            raise Stop(128 + self.stop_signal)
         if deadline is not None and time.monotonic() >= deadline:
             say(f"the job did not finish within --timeout {timeout_s:g} s; "
                  f"stopping all processes")
-            raise _Stop(EXIT_TIMEOUT)
+            raise Stop(EXIT_TIMEOUT)
 
-    def running(self, kind: Optional[str] = None) -> List[_Child]:
+    def running(self, kind: Optional[str] = None) -> List[Child]:
         return [c for c in self.children if c.poll() is None and kind in (None, c.kind)]
 
-    def newly_exited(self, seen: set) -> List[_Child]:
+    def newly_exited(self, seen: set) -> List[Child]:
         """Children that exited since the last call, the most telling first."""
         fresh = [c for c in self.children if c.poll() is not None and c.pid not in seen]
         seen.update(c.pid for c in fresh)
@@ -196,7 +196,7 @@ class _Job:
         # worker's failure more than the servers' reaction to it.
         return sorted(fresh, key=lambda c: (c.returncode == 0, c.kind != "worker"))
 
-    def stop(self, children: Optional[List[_Child]] = None,
+    def stop(self, children: Optional[List[Child]] = None,
              first_signal: int = signal.SIGTERM) -> None:
         """Signal whole process groups, then SIGKILL what outlives the grace period.
 
@@ -259,7 +259,7 @@ def _die_with_parent(parent_pid: int):
 
 
 @contextlib.contextmanager
-def _catch_stop_signals(job: _Job) -> Iterator[None]:
+def catch_stop_signals(job: Job) -> Iterator[None]:
     """Turn SIGINT/SIGTERM/SIGHUP into a request the supervision loop acts on.
 
     Children sit in their own sessions, so a Ctrl-C in the terminal reaches

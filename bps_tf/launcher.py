@@ -34,8 +34,8 @@ from bps_tf.launch_args import build_parser, parse_args  # noqa: F401 (the CLI's
 from bps_tf.launch_output import (PROG, ChildOutput, child_env, end_line, health_ports, plural,
                                   say, token_source)
 from bps_tf.launch_procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
-                                 POLL_INTERVAL_S, STOP_SIGNALS, _catch_stop_signals, _Child,
-                                 _exit_code_of, _Job, _signal_name, _Stop)
+                                 POLL_INTERVAL_S, STOP_SIGNALS, catch_stop_signals, Child,
+                                 exit_code_of, Job, signal_name, Stop)
 
 
 LOCALHOST = "127.0.0.1"
@@ -166,11 +166,11 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     _check_local_sizes(num_workers, num_servers, command)
     environ = os.environ if environ is None else environ
     health = _health_base(health_port, environ)
-    job = _Job(grace, ChildOutput() if prefix_output else None)
+    job = Job(grace, ChildOutput() if prefix_output else None)
     deadline = time.monotonic() + timeout if timeout else None
     workdir = tempfile.mkdtemp(prefix="bpslaunch-")
     try:
-        with _catch_stop_signals(job), _Ending(job) as ending:
+        with catch_stop_signals(job), _Ending(job) as ending:
             if num_servers == 0:
                 say(f"starting 1 worker and no servers: {' '.join(command)} runs alone")
                 env = child_env(_clean_env(environ), environ, job.output is not None)
@@ -186,10 +186,10 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
 
 
 class _Ending:
-    """Ends a launch: turns _Stop into its code, stops every process group
+    """Ends a launch: turns Stop into its code, stops every process group
     (grandchildren included), lets the last output through, prints the end line."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: Job):
         self.job = job
         self.code = 1
         self.started = time.monotonic()
@@ -198,13 +198,13 @@ class _Ending:
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
-        if isinstance(exc, _Stop):
+        if isinstance(exc, Stop):
             self.code = exc.code
         self.job.stop()   # nothing may outlive the launch
         if self.job.output is not None:
             self.job.output.wait(OUTPUT_DRAIN_S)
         say(end_line(self.job.children, self.code, time.monotonic() - self.started))
-        return isinstance(exc, _Stop)
+        return isinstance(exc, Stop)
 
 
 def _check_local_sizes(num_workers: int, num_servers: int, command: Sequence[str]) -> None:
@@ -220,7 +220,7 @@ def _check_local_sizes(num_workers: int, num_servers: int, command: Sequence[str
                          "bpslaunch -np 2 python train.py")
 
 
-def _run_local_cluster(job: _Job, num_workers: int, num_servers: int, command: Sequence[str],
+def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Sequence[str],
                      server_command: Optional[Sequence[str]], environ: Mapping[str, str],
                      workdir: str, deadline: Optional[float], timeout: Optional[float],
                      ready_timeout: float, shutdown_timeout: float, health: int) -> int:
@@ -244,7 +244,7 @@ def _run_local_cluster(job: _Job, num_workers: int, num_servers: int, command: S
     return _supervise(job, deadline, timeout, shutdown_timeout)
 
 
-def _wait_for_scheduler_port(job: _Job, server0: _Child, ready_file: str, ready_timeout: float,
+def _wait_for_scheduler_port(job: Job, server0: Child, ready_file: str, ready_timeout: float,
                              deadline: Optional[float], timeout: Optional[float]) -> int:
     give_up = time.monotonic() + ready_timeout
     last_text = ""
@@ -256,12 +256,12 @@ def _wait_for_scheduler_port(job: _Job, server0: _Child, ready_file: str, ready_
         if server0.poll() is not None:
             say(f"{server0.label()} {server0.exit_text()} before it reported the scheduler "
                  f"port; stopping the other processes")
-            raise _Stop(server0.returncode if server0.returncode > 0 else 1)
+            raise Stop(server0.returncode if server0.returncode > 0 else 1)
         if time.monotonic() >= give_up:
             seen = f" (it holds {last_text!r})" if last_text else ""
             say(f"{server0.label()} did not write the scheduler port to {ready_file} within "
                  f"{ready_timeout:g} s{seen}; stopping it")
-            raise _Stop(1)
+            raise Stop(1)
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -277,7 +277,7 @@ def _read_port(path: str, last_text: str):
     return None, text
 
 
-def _supervise(job: _Job, deadline: Optional[float], timeout: Optional[float],
+def _supervise(job: Job, deadline: Optional[float], timeout: Optional[float],
                shutdown_timeout: float) -> int:
     """Wait for the job to end; the first failure stops everything.
 
@@ -295,7 +295,7 @@ def _supervise(job: _Job, deadline: Optional[float], timeout: Optional[float],
         for child in job.newly_exited(exited):
             if child.returncode != 0:
                 say(f"{child.label()} {child.exit_text()}; stopping the other processes")
-                raise _Stop(child.returncode if child.returncode > 0 else 1)
+                raise Stop(child.returncode if child.returncode > 0 else 1)
             if child.kind == "server" and job.running("worker") and server_left is None:
                 server_left = (now, child)
         workers = job.running("worker")
@@ -315,7 +315,7 @@ def _supervise(job: _Job, deadline: Optional[float], timeout: Optional[float],
             say(f"{server_left[1].label()} exited while workers were still running, and "
                  f"{names} did not finish within {shutdown_timeout:g} s; stopping the other "
                  f"processes")
-            raise _Stop(1)
+            raise Stop(1)
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -345,7 +345,7 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
             "(or DMLC_ROLE and the other DMLC_* variables) to give this process its place "
             "in a cluster")
         return EXIT_USAGE
-    job = _Job(grace, ChildOutput() if prefix_output else None)
+    job = Job(grace, ChildOutput() if prefix_output else None)
     env = child_env(environ, environ, job.output is not None)
     health = ""
     if cfg.role in ("server", "scheduler"):
@@ -369,13 +369,13 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
         kind = "worker"
 
     deadline = time.monotonic() + timeout if timeout else None
-    with _catch_stop_signals(job), _Ending(job) as ending:
+    with catch_stop_signals(job), _Ending(job) as ending:
         say(f"starting {name}: {cluster.describe(cfg)}{health}; {token_source(environ, local=False)}")
         ending.code = _run_one(job, name, kind, argv, env, deadline, timeout)
     return ending.code
 
 
-def _run_one(job: _Job, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str],
+def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str],
              deadline: Optional[float], timeout: Optional[float]) -> int:
     """Run one child to its end, passing stop signals on; return its exit code."""
     child = job.start(name, kind, argv, env)
@@ -383,14 +383,14 @@ def _run_one(job: _Job, name: str, kind: str, argv: Sequence[str], env: Mapping[
         if job.stop_signal is not None:
             # Pass the very signal on (SIGINT stays SIGINT) so the program can
             # react as it would in a terminal; then report how it ended.
-            LOG.info("received %s; passing it to %s", _signal_name(job.stop_signal), child.label())
+            LOG.info("received %s; passing it to %s", signal_name(job.stop_signal), child.label())
             job.stop([child], first_signal=job.stop_signal)
             break
         job.check(deadline, timeout)
         time.sleep(POLL_INTERVAL_S)
     if child.returncode:
         say(f"{child.label()} {child.exit_text()}")
-    return _exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)
+    return exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- CLI

@@ -349,7 +349,7 @@ def test_ignored_signals_stay_ignored():
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     before = signal.getsignal(signal.SIGTERM)
     try:
-        with launcher._catch_stop_signals(launcher._Job(grace_s=0)):
+        with launcher.catch_stop_signals(launcher.Job(grace_s=0)):
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) != before
         assert signal.getsignal(signal.SIGTERM) == before
