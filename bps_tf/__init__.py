@@ -43,6 +43,20 @@ _LAZY = {
     "DistributedOptimizer": "bps_tf.keras",
     "BytePSStrategy": "bps_tf.strategy",
     "gather_predictions": "bps_tf.strategy",
+    "grouped_allgather": "bps_tf.scatter_gather",
+    "reducescatter": "bps_tf.scatter_gather",
+    "grouped_reducescatter": "bps_tf.scatter_gather",
+    "alltoall": "bps_tf.scatter_gather",
+    "barrier": "bps_tf.synchronization",
+    "broadcast_": "bps_tf.synchronization",
+    "size_op": "bps_tf.synchronization",
+    "rank_op": "bps_tf.synchronization",
+    "local_size_op": "bps_tf.synchronization",
+    "local_rank_op": "bps_tf.synchronization",
+    "SyncBatchNormalization": "bps_tf.sync_batch_norm",
+    **{query: "bps_tf.build_info" for query in (
+        "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+        "rocm_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported")},
 }
 
 

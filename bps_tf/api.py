@@ -36,7 +36,7 @@ __all__ = [
     "Compression", "Compressor", "NoneCompressor", "FP16Compressor",
     "push_pull", "allreduce", "grouped_allreduce", "allgather", "broadcast",
     "broadcast_variables", "broadcast_object", "reduce_gradients", "resolve_op",
-    "variable_name", "SUPPORTED_DTYPES",
+    "variable_name", "SUPPORTED_DTYPES", "GATHERED_OPS", "sum_exact",
 ]
 
 
@@ -46,8 +46,9 @@ __all__ = [
 class ReduceOp(enum.IntEnum):
     AVERAGE = 0
     SUM = 1
-    # Horovod names that have no parameter-server equivalent. They exist so
-    # that code written for Horovod imports, and fails clearly where used.
+    # Adasum has no parameter-server equivalent: it exists so that code
+    # written for Horovod imports, and fails clearly where used. Min, Max
+    # and Product are computed from an allgather (the servers only sum).
     ADASUM = 2
     MIN = 3
     MAX = 4
@@ -116,11 +117,17 @@ def resolve_op(average, op):
     if op is None:
         op = Sum if average is False else Average
     op = ReduceOp(op)
-    if op not in (Average, Sum):
+    if op == Adasum:
         raise NotImplementedError(
-            f"reduce op {op.name} is not available in bps_tf (a parameter "
-            "server sums); use Average or Sum.")
+            "reduce op ADASUM is not available in bps_tf (a parameter server "
+            "sums); use Average, Sum, Min, Max or Product.")
     return op
+
+
+# Reduce ops computed from an allgather (the servers only sum): op -> kind
+# of bps_tf.collectives.reduce_by_gather and the key family.
+GATHERED_OPS = {Min: ("min", "AllreduceMin"), Max: ("max", "AllreduceMax"),
+                Product: ("product", "AllreduceProduct")}
 
 
 # --------------------------------------------------------------------------
@@ -131,6 +138,10 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
               prescale_factor=1.0, postscale_factor=1.0):
     """Reduces ``tensor`` across all workers (``op=Average`` by default).
 
+    ``Sum``/``Average`` go through the servers' sum; ``Min``, ``Max`` and
+    ``Product`` are computed exactly from an allgather (each worker receives
+    every worker's tensor: ``size()`` times the traffic of a sum).
+
     ``prescale_factor`` multiplies before the sum, ``postscale_factor`` after
     the average. ``priority``: higher leaves first. An ``IndexedSlices`` is
     gathered (its values and indices concatenated over workers, values divided
@@ -139,20 +150,44 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     require_init()
     op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
+        if op in GATHERED_OPS:
+            raise NotImplementedError(f"push_pull of an IndexedSlices takes Sum or Average, "
+                                      f"not {op.name}.")
         with tf.device(device_sparse):
             return _push_pull_sparse(tensor, name, op, prescale_factor,
                                      postscale_factor)
     tensor = tf.convert_to_tensor(tensor)
-    collectives.check_dtype(tensor, "push_pull")
-    key = naming.op_key("PushPull", name, tensor)
+    collectives.check_dtype(tensor, "push_pull", collectives.REDUCE_DTYPES)
     with tf.device(device_dense):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
+        if op in GATHERED_OPS:
+            kind, family = GATHERED_OPS[op]
+            result = collectives.reduce_by_gather(
+                sent, naming.op_key(family, name, tensor), basics.rank(), basics.size(),
+                kind, priority)
+            return collectives.scale(result, postscale_factor, "postscale_factor")
+        key = naming.op_key("PushPull", name, tensor)
         sent, ctx = compression.compress(sent)
-        summed = collectives.push_pull_sum(sent, key, priority)
-        result = compression.decompress(summed, ctx)
-        if op == Average:
-            result = collectives.divide(result, basics.size())
+        result = compression.decompress(sum_exact(sent, key, op, priority), ctx)
         return collectives.scale(result, postscale_factor, "postscale_factor")
+
+
+def sum_exact(tensor, key, op, priority=0):
+    """Sum (or average, ``op``) of ``tensor`` over workers under ``key``.
+
+    Narrow integers (int8, uint8, int16, uint16) travel as int32: their sum
+    comes back wrapped as the type wraps; their average is the floor of the
+    exact mean (taken before narrowing, so it never wraps).
+    """
+    dtype = tensor.dtype
+    wide = collectives.WIDEN.get(dtype) if dtype in collectives.REDUCE_DTYPES else None
+    if wide is None:
+        summed = collectives.push_pull_sum(tensor, key, priority)
+        return collectives.divide(summed, basics.size()) if op == Average else summed
+    summed = collectives.push_pull_sum(tf.cast(tensor, wide), key, priority)
+    if op == Average:
+        summed = collectives.divide(summed, basics.size())
+    return tf.cast(summed, dtype)
 
 
 def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor):
@@ -203,11 +238,12 @@ def allgather(tensor, name=None):
     """
     require_init()
     tensor = tf.convert_to_tensor(tensor)
-    collectives.check_dtype(tensor, "allgather")
+    collectives.check_dtype(tensor, "allgather", collectives.GATHER_DTYPES)
     if tensor.shape.rank == 0:
         raise ValueError("allgather needs a tensor with at least one dimension.")
     key = naming.op_key("Allgather", name, tensor)
-    gathered, _ = collectives.allgather(tensor, key, basics.rank(), basics.size())
+    gathered, _ = collectives.allgather(tensor, key, basics.rank(), basics.size(),
+                                        widen=True)
     return gathered
 
 

@@ -33,6 +33,14 @@ SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, t
 # dtypes the ops lack, carried exactly as a supported one
 WIDEN = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
          tf.uint16: tf.int32, tf.uint32: tf.int64}
+# The Horovod face: what allreduce (every reduce op), reducescatter and
+# alltoall take, and what allgather and broadcast take besides (bool). The
+# narrow integers travel as int32; a sum comes back wrapped as their own
+# type would wrap it (the int32 sum of a few workers never overflows).
+REDUCE_DTYPES = (tf.uint8, tf.int8, tf.uint16, tf.int16) + SUPPORTED_DTYPES
+GATHER_DTYPES = REDUCE_DTYPES + (tf.bool,)
+# Reductions computed from an allgather (the servers only sum).
+GATHER_REDUCTIONS = {"min": tf.reduce_min, "max": tf.reduce_max, "product": tf.reduce_prod}
 # Reductions that are not a variable's gradient (SyncBatchNorm statistics,
 # end-of-data agreement, metrics) block the step that issues them: send
 # them before any gradient (gradients get 0, -1, -2, ... from their order).
@@ -70,11 +78,13 @@ def _supported_list() -> str:
     return ", ".join(d.name for d in SUPPORTED_DTYPES)
 
 
-def check_dtype(tensor, what: str) -> None:
-    """Raises a TypeError naming ``what`` if the ops cannot carry ``tensor``."""
-    if tensor.dtype not in SUPPORTED_DTYPES:
+def check_dtype(tensor, what: str, allowed=SUPPORTED_DTYPES) -> None:
+    """Raises a TypeError naming ``what`` unless ``tensor``'s dtype is one of
+    ``allowed`` (by default: what the ops carry directly)."""
+    if tensor.dtype not in allowed:
+        names = ", ".join(d.name for d in allowed)
         raise TypeError(f"{what}: dtype {tensor.dtype.name} is not supported "
-                        f"(supported: {_supported_list()}).")
+                        f"(supported: {names}).")
 
 
 def check_root(root_rank: int) -> int:
@@ -170,3 +180,23 @@ def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
     gathered = push_pull_sum(tf.pad(tensor, pad), data_key, priority, widen)
     found = [push_pull_op(counts), push_pull_op(gathered)]
     return gathered, [op for op in found if op is not None]
+
+
+def reduce_by_gather(tensor, key: str, rank: int, size: int, kind: str, priority: int = 0):
+    """Min, max or product (``kind``, see :data:`GATHER_REDUCTIONS`) of
+    ``tensor`` over all workers, exactly: the servers only sum, so every
+    worker gathers all the values (``size`` times the tensor) and reduces
+    them over the rank axis in the tensor's own dtype (a product of
+    integers wraps as the type does)."""
+    reduce = GATHER_REDUCTIONS[kind]
+    rows = tf.expand_dims(tensor, 0)
+    gathered, _ = allgather(rows, key, rank, size, priority, widen=True)
+    return reduce(gathered, axis=0)
+
+
+def kernel_devices(op_type: str = "BytepsPushPull") -> set:
+    """Device types with a kernel registered for ``op_type`` in the loaded
+    op library (``{"CPU"}``, or ``{"CPU", "GPU"}`` for a CUDA build)."""
+    from tensorflow.python.framework import kernels
+    _ops()
+    return {k.device_type for k in kernels.get_registered_kernels_for_op(op_type).kernel}

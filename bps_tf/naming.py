@@ -16,7 +16,13 @@ How a name is formed
   ``<Family>/<name>``, the name defaulting to the op name of the tensor (the
   same on every worker that traces the same program). A name used twice in
   one graph gets ``_1``, ``_2`` ... in tracing order.
-  Families: ``PushPull``, ``Broadcast``, ``Allgather``, ``BroadcastObject``;
+  Families: ``PushPull``, ``Broadcast``, ``Allgather``, ``BroadcastObject``,
+  ``AllreduceMin``/``AllreduceMax``/``AllreduceProduct`` (an allgather:
+  ``<key>/counts``, ``<key>/data``), ``Reducescatter``, ``Alltoall`` (two
+  allgathers ``<key>/splits`` and ``<key>/data``), ``Barrier``,
+  ``Broadcast_`` (in place: ``Broadcast_[/<name>]/<variable path>``),
+  ``SyncBatchNormalization`` (``<family>/<layer path>``); grouped calls with
+  an explicit name use ``<name>/<i>``;
   an ``IndexedSlices`` push_pull is two allgathers ``<name>/values`` and
   ``<name>/indices``; an allgather is two sums ``<key>/counts`` and
   ``<key>/data``; ``broadcast_object`` two broadcasts ``<key>/length`` and

@@ -120,8 +120,10 @@ def test_op_and_average_together_is_an_error():
 def test_unsupported_reduce_ops_and_dtypes_fail_clearly():
     with pytest.raises(NotImplementedError, match="ADASUM"):
         api.push_pull(tf.ones([2]), op=api.Adasum)
-    with pytest.raises(TypeError, match="uint8"):
-        api.push_pull(tf.ones([2], tf.uint8))
+    with pytest.raises(TypeError, match="uint32"):
+        api.push_pull(tf.ones([2], tf.uint32))
+    with pytest.raises(TypeError, match="bool"):
+        api.push_pull(tf.constant([True]))
 
 
 def test_fp16_compression_round_trip(op_calls):

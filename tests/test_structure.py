@@ -24,7 +24,12 @@ DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size"
               "push_pull", "allreduce", "allgather", "grouped_allreduce", "broadcast",
               "broadcast_variables", "broadcast_object", "DistributedGradientTape",
               "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-              "DistributedOptimizer", "BytePSStrategy", "gather_predictions"}
+              "DistributedOptimizer", "BytePSStrategy", "gather_predictions",
+              "grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
+              "barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
+              "SyncBatchNormalization", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
+              "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled",
+              "mpi_threads_supported"}
 
 
 def _module_files():

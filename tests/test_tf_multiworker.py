@@ -24,7 +24,7 @@ def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tf_checks"))
     env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
            "BYTEPS_OP_TIMEOUT": "30"}          # a lost tensor fails instead of hanging
-    proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=300)
+    proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=420)
     log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
            f"--- stderr\n{proc.stderr[-5000:]}")
     found = results(out)
@@ -100,3 +100,43 @@ def test_shape_mismatch_error_names_tensor_and_both_shapes(ranks):
         assert "mismatch/w" in message, message
         shapes = set(re.findall(r"float32\[(\d+)\]", message))
         assert len(shapes) >= 2 and shapes <= {"2", "3", "4"}, message
+
+
+# Horovod parity (tests/workers/parity_checks.py), in the same cluster
+PARITY_DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64",
+                 "float16", "bfloat16", "float32", "float64")
+
+
+def test_parity_allreduce_every_dtype_sum_average_min_max_product_wrapping(ranks):
+    for detail in _check(ranks, "parity_allreduce"):
+        assert detail.split() == list(PARITY_DTYPES)
+
+
+def test_parity_allgather_and_broadcast_every_dtype_and_bool(ranks):
+    _check(ranks, "parity_allgather_broadcast")
+
+
+def test_parity_reducescatter_uneven_first_dimension(ranks):
+    details = _check(ranks, "parity_reducescatter")
+    # 7 rows over 3 ranks: 3, 2, 2; 2 rows: 1, 1, 0
+    for rank, detail in enumerate(details):
+        items = detail.split()
+        assert len(items) == 2 * len(PARITY_DTYPES)
+        assert f"int8:7->{[3, 2, 2][rank]}" in items and f"int8:2->{[1, 1, 0][rank]}" in items
+
+
+def test_parity_alltoall_uneven_one_sided_and_empty_splits(ranks):
+    _check(ranks, "parity_alltoall")
+
+
+def test_parity_barrier_waits_for_the_last_worker(ranks):
+    _check(ranks, "parity_barrier")
+
+
+def test_parity_broadcast_in_place(ranks):
+    _check(ranks, "parity_broadcast_in_place")
+
+
+def test_parity_sync_batch_norm_equals_batch_norm_on_the_whole_batch(ranks):
+    for detail in _check(ranks, "parity_sync_batch_norm"):
+        assert float(detail.split()[-1]) <= 1e-5

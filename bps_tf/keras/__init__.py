@@ -18,6 +18,7 @@ from bps_tf.keras import callbacks
 from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
 from bps_tf import keras_patches
 from bps_tf.naming import model_variables
+from bps_tf.sync_batch_norm import SyncBatchNormalization
 
 # Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
 keras_patches.install()
@@ -27,6 +28,7 @@ __all__ = [
     "Average", "Sum", "Compression", "DistributedOptimizer", "allreduce", "push_pull",
     "allgather", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
+    "SyncBatchNormalization",
 ]
 
 

@@ -25,6 +25,7 @@ import bps_tf
 from bps_tf import api, config
 from bps_tf.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
+import parity_checks
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
 
@@ -310,6 +311,7 @@ def main(out_dir):
     checks.run("tape_training", lambda: check_tape_training_matches_single_process(rank, size))
     checks.run("fit_distributed_optimizer",
                lambda: check_fit_with_distributed_optimizer(rank, size))
+    parity_checks.run_all(checks, rank, size)
     checks.run("shape_mismatch", lambda: check_shape_mismatch_is_reported(rank, size))
     checks.results["finished"] = {"ok": True, "detail": ""}
     checks.write()

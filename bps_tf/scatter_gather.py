@@ -1,0 +1,147 @@
+"""Horovod's reducescatter, alltoall and grouped allgather, on the servers' sum.
+
+The servers only sum, so these collectives are built from the sum and the
+allgather of ``bps_tf.collectives``; results are exact for every dtype they
+take (Horovod's: uint8, int8, uint16, int16, int32, int64, float16,
+bfloat16, float32, float64; bool too for alltoall), at a cost in traffic:
+
+* ``reducescatter``: every worker receives the whole sum and keeps its rows
+  (a push_pull of the full tensor, not 1/size of it);
+* ``alltoall``: every worker receives every worker's tensor (an allgather)
+  and keeps the rows sent to it, plus one small allgather of the splits.
+
+Keys (``bps_tf.naming``): ``Reducescatter/<name>``, ``Alltoall/<name>/splits``
+and ``Alltoall/<name>/data``; grouped calls add ``/<i>`` to an explicit name.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from bps_tf import basics, collectives, naming
+from bps_tf.api import Average, Compression, ReduceOp, Sum, allgather, sum_exact
+from bps_tf.collectives import require_init
+
+__all__ = ["grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
+           "scatter_rows"]
+
+
+def grouped_names(name, count):
+    """Per-tensor names of a grouped call: ``<name>/<i>``, or all None."""
+    return [None] * count if name is None else [f"{name}/{i}" for i in range(count)]
+
+
+def grouped_allgather(tensors, name=None):
+    """``allgather`` of each tensor of a list; inside a tf.function the
+    gathers run concurrently."""
+    return [allgather(t, name=n) for t, n in zip(tensors, grouped_names(name, len(tensors)))]
+
+
+# --------------------------------------------------------------------------
+# reducescatter
+# --------------------------------------------------------------------------
+def scatter_rows(rows, rank: int, size: int):
+    """(first row, row count) of ``rank``'s share of ``rows`` rows split as
+    evenly as possible over ``size`` ranks, the lower ranks taking one row
+    more when ``rows`` does not divide (Horovod's split). Tensors or ints."""
+    base, extra = rows // size, rows % size
+    if isinstance(rows, int):
+        return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+    start = rank * base + tf.minimum(tf.cast(rank, rows.dtype), extra)
+    count = base + tf.cast(rank < extra, rows.dtype)
+    return start, count
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average,
+                  name=None, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduces ``tensor`` over all workers (``op``: Sum or Average), then
+    returns this rank's rows of the result: the first dimension is split as
+    evenly as possible, lower ranks getting one row more when it does not
+    divide. ``prescale_factor`` multiplies before the reduction,
+    ``postscale_factor`` after it. Every worker must pass the same shape."""
+    del ignore_name_scope
+    require_init()
+    op = ReduceOp(op)
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"reducescatter takes op Sum or Average, not {op.name}.")
+    tensor = tf.convert_to_tensor(tensor)
+    collectives.check_dtype(tensor, "reducescatter", collectives.REDUCE_DTYPES)
+    if tensor.shape.rank == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension.")
+    key = naming.op_key("Reducescatter", name, tensor)
+    rank, size = basics.rank(), basics.size()
+    with tf.device(device_dense):
+        sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
+        sent, ctx = compression.compress(sent)
+        reduced = compression.decompress(sum_exact(sent, key, op), ctx)
+        rows = tensor.shape[0] if tensor.shape[0] is not None else \
+            tf.shape(reduced, out_type=tf.int64)[0]
+        start, count = scatter_rows(rows, rank, size)
+        mine = reduced[start:start + count]
+        return collectives.scale(mine, postscale_factor, "postscale_factor")
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none,
+                          op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
+    """``reducescatter`` of each tensor of a list."""
+    return [reducescatter(t, device_dense=device_dense, compression=compression, op=op,
+                          name=n, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor)
+            for t, n in zip(tensors, grouped_names(name, len(tensors)))]
+
+
+# --------------------------------------------------------------------------
+# alltoall
+# --------------------------------------------------------------------------
+def _checked_splits(tensor, splits, size):
+    """``splits`` as an int64 vector of ``size`` counts that add up to the
+    first dimension of ``tensor`` (even split when None)."""
+    rows = tf.shape(tensor, out_type=tf.int64)[0]
+    if splits is None:
+        if tensor.shape[0] is not None and tensor.shape[0] % size:
+            raise ValueError(f"alltoall without splits needs a first dimension divisible "
+                             f"by size() ({size}); got {tensor.shape[0]}.")
+        return tf.fill([size], rows // size)
+    splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
+    if splits.shape.rank != 1 or (splits.shape[0] is not None and splits.shape[0] != size):
+        raise ValueError(f"alltoall: splits must be a vector of size() = {size} counts; "
+                         f"got shape {splits.shape}.")
+    if tf.executing_eagerly():
+        values = splits.numpy().tolist()
+        if min(values, default=0) < 0 or sum(values) != int(rows):
+            raise ValueError(f"alltoall: splits {values} must be non-negative and add up "
+                             f"to the first dimension of the tensor ({int(rows)}).")
+        return splits
+    with tf.control_dependencies([
+            tf.debugging.assert_non_negative(splits, message="alltoall: negative splits"),
+            tf.debugging.assert_equal(tf.reduce_sum(splits), rows,
+                                      message="alltoall: splits must add up to the "
+                                              "first dimension")]):
+        return tf.identity(splits)
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+    """Sends ``splits[i]`` rows of ``tensor`` (in order) to rank ``i`` and
+    returns ``(received, received_splits)``: the rows every rank sent to
+    this one, concatenated in rank order, and how many came from each rank
+    (int32). ``splits=None`` splits the first dimension evenly. A rank may
+    send or receive nothing (zeros in the splits, or an empty tensor)."""
+    del ignore_name_scope
+    require_init()
+    tensor = tf.convert_to_tensor(tensor)
+    collectives.check_dtype(tensor, "alltoall", collectives.GATHER_DTYPES)
+    if tensor.shape.rank == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension.")
+    rank, size = basics.rank(), basics.size()
+    key = naming.op_key("Alltoall", name, tensor)
+    splits = _checked_splits(tensor, splits, size)
+    # matrix[s, d]: rows rank s sends to rank d
+    matrix, _ = collectives.allgather(tf.reshape(splits, [1, size]),
+                                      naming.part_key(key, "splits"), rank, size)
+    data, _ = collectives.allgather(tensor, naming.part_key(key, "data"), rank, size,
+                                    widen=True)
+    source_start = tf.cumsum(tf.reduce_sum(matrix, axis=1), exclusive=True)
+    received_splits = matrix[:, rank]
+    starts = source_start + tf.reduce_sum(matrix[:, :rank], axis=1)
+    index = tf.ragged.range(starts, starts + received_splits).flat_values
+    return tf.gather(data, index), tf.cast(received_splits, tf.int32)

@@ -1,0 +1,91 @@
+"""Horovod's barrier, in-place ``broadcast_`` and the ``*_op`` rank queries.
+
+* ``barrier()`` returns once every worker has called it (a push_pull of one
+  int32 at the blocking priority, under ``Barrier/<name>``; unnamed eager
+  barriers are numbered like the other unnamed eager calls).
+* ``broadcast_(variables, root_rank)`` assigns ``root_rank``'s values to the
+  variables in place (keys ``Broadcast_/<name or variable path>``).
+* ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``: int32
+  scalar tensors (the values are fixed once ``init`` has run).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from bps_tf import basics, collectives, naming
+from bps_tf.collectives import BLOCKING_PRIORITY, require_init
+
+__all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op"]
+
+
+def barrier(name=None):
+    """Blocks until every worker reaches the barrier. In eager mode it
+    returns None once all have arrived; inside a tf.function it returns a
+    tensor (the number of workers) that later ops can depend on."""
+    require_init()
+    if name is None and not tf.executing_eagerly():
+        name = "barrier"
+    key = naming.op_key("Barrier", name)
+    arrived = collectives.push_pull_sum(tf.ones([1], tf.int32), key, BLOCKING_PRIORITY)
+    if tf.executing_eagerly():
+        count = int(arrived.numpy()[0])
+        if count != basics.size():
+            raise RuntimeError(f"barrier {key}: {count} of {basics.size()} workers arrived")
+        return None
+    return tf.reshape(arrived, [])
+
+
+def broadcast_(variables, root_rank, name=None):
+    """Assigns ``root_rank``'s values to ``variables`` (one variable or a
+    list) in place on every worker and returns them (eager) or the assigned
+    values (inside a tf.function). Keys come from ``name`` and the variables'
+    paths, so every worker must pass the same variables in the same order."""
+    require_init()
+    root_rank = collectives.check_root(root_rank)
+    single = isinstance(variables, tf.Variable) or not isinstance(variables, (list, tuple))
+    targets = [variables] if single else list(variables)
+    prefix = "Broadcast_" if name is None else f"Broadcast_/{name}"
+    keys = naming.unique_names([f"{prefix}/{naming.variable_name(v)}" for v in targets])
+
+    def assign_all():
+        out = []
+        for priority, (var, key) in enumerate(zip(targets, keys)):
+            value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
+                                          priority=-priority)
+            out.append(var.assign(value, read_value=True))
+        return out
+
+    if tf.executing_eagerly():
+        # One function: the broadcasts overlap instead of running one by one.
+        tf.function(assign_all, autograph=False)()
+        return targets[0] if single else targets
+    assigned = assign_all()
+    return assigned[0] if single else assigned
+
+
+def _query_op(value_fn, process_set_id, name):
+    if process_set_id != 0:
+        raise NotImplementedError("process sets are not available in bps_tf: only "
+                                  "process_set_id=0 (all workers).")
+    require_init()
+    return tf.constant(value_fn(), dtype=tf.int32, name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    """The number of workers, as an int32 scalar tensor."""
+    return _query_op(basics.size, process_set_id, name)
+
+
+def rank_op(name=None):
+    """This worker's rank, as an int32 scalar tensor."""
+    return _query_op(basics.rank, 0, name)
+
+
+def local_size_op(name=None):
+    """The number of workers on this machine, as an int32 scalar tensor."""
+    return _query_op(basics.local_size, 0, name)
+
+
+def local_rank_op(name=None):
+    """This worker's rank on its machine, as an int32 scalar tensor."""
+    return _query_op(basics.local_rank, 0, name)

@@ -1,0 +1,300 @@
+"""Horovod-parity checks, run by tests/workers/tf_checks.py in its cluster.
+
+Every dtype Horovod supports through allreduce (Sum, Average, Min, Max,
+Product), allgather, broadcast, reducescatter and alltoall (bool through
+broadcast, allgather and alltoall), plus barrier, broadcast_ and
+SyncBatchNormalization. Expectations are computed with numpy from every
+rank's inputs (each worker can rebuild any rank's values), exactly: narrow
+integer sums and products must wrap as their type does.
+"""
+import time
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import bps_tf
+from bps_tf import api
+
+INTS = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64]
+FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
+DTYPES = INTS + FLOATS
+
+
+def expect_equal(what, got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or not np.array_equal(got, want):
+        raise AssertionError(f"{what}: got {got.tolist()} ({got.dtype}{list(got.shape)}), "
+                             f"want {want.tolist()} ({want.dtype}{list(want.shape)})")
+
+
+def as_numpy(tensor):
+    """A tensor's values as float64 (floats) or int64 (ints), bool as is."""
+    value = tensor.numpy()
+    if tensor.dtype == tf.bool:
+        return value
+    return value.astype(np.int64 if tensor.dtype.is_integer else np.float64)
+
+
+def wrap(values, dtype):
+    """int64 values as ``dtype`` would hold them (wrapping), back in int64."""
+    if not dtype.is_integer:
+        return np.asarray(values, np.float64)
+    return np.asarray(values, np.int64).astype(dtype.as_numpy_dtype).astype(np.int64)
+
+
+def sum_values(rank, dtype):
+    """Per-rank inputs whose sum over 2+ ranks overflows the narrow types."""
+    if dtype == tf.uint8:
+        v = [200, 100 + rank, 255, rank, 7]
+    elif dtype == tf.int8:
+        v = [100, -100, 127, -128 + rank, rank - 1]
+    elif dtype == tf.uint16:
+        v = [60000, 40000 + rank, 65535, rank, 7]
+    elif dtype == tf.int16:
+        v = [30000, -30000, 32767, -32768 + rank, rank - 1]
+    else:   # exact in every float type
+        v = [rank + 1, -3 * (rank + 1), 5, 2 * rank, 0]
+    return np.asarray(v, np.int64)
+
+
+def small_values(rank, dtype):
+    """Per-rank inputs for Min/Max/Product (products wrap the 8-bit types)."""
+    if dtype.is_unsigned:
+        v = [rank + 1, 16 * (rank + 1), 9 - rank, 3]
+    else:
+        v = [rank + 1, -16 * (rank + 1), 9 - rank, -(rank % 2) - 1]
+    return np.asarray(v, np.int64)
+
+
+def check_allreduce_every_dtype_and_op(rank, size):
+    done = []
+    for dtype in DTYPES:
+        every = np.stack([sum_values(r, dtype) for r in range(size)])
+        x = tf.constant(sum_values(rank, dtype), dtype)
+        got = api.allreduce(x, op=api.Sum, name=f"parity/sum/{dtype.name}")
+        assert got.dtype == dtype
+        expect_equal(f"sum {dtype.name}", as_numpy(got), wrap(every.sum(0), dtype))
+        got = api.allreduce(x, op=api.Average, name=f"parity/avg/{dtype.name}")
+        if dtype.is_integer and dtype.size < 4:   # floor of the exact mean
+            want = np.floor_divide(every.sum(0), size)
+        elif dtype.is_integer:
+            want = np.floor_divide(wrap(every.sum(0), dtype), size)
+        else:
+            want = every.sum(0) / size
+        tol = 1e-2 if dtype.size == 2 and not dtype.is_integer else 1e-12
+        if dtype.is_integer:
+            expect_equal(f"average {dtype.name}", as_numpy(got), want)
+        elif not np.allclose(as_numpy(got), want, rtol=tol, atol=tol):
+            raise AssertionError(f"average {dtype.name}: {as_numpy(got)} != {want}")
+        small = np.stack([small_values(r, dtype) for r in range(size)])
+        x = tf.constant(small_values(rank, dtype), dtype)
+        for op, fn in ((api.Min, np.min), (api.Max, np.max), (api.Product, np.prod)):
+            got = api.allreduce(x, op=op, name=f"parity/{op.name}/{dtype.name}")
+            assert got.dtype == dtype
+            expect_equal(f"{op.name} {dtype.name}", as_numpy(got), wrap(fn(small, 0), dtype))
+        done.append(dtype.name)
+    # int32 sums wrap too (the servers sum in the tensor's type)
+    got = api.allreduce(tf.constant([2 ** 31 - 1, -2 ** 31], tf.int32), op=api.Sum,
+                        name="parity/sum/int32_wrap")
+    expect_equal("int32 wrap", as_numpy(got),
+                 wrap(np.asarray([2 ** 31 - 1, -2 ** 31], np.int64) * size, tf.int32))
+
+    @tf.function
+    def in_graph(a, b):
+        return (api.allreduce(a, op=api.Sum, name="parity/graph/sum"),
+                api.allreduce(b, op=api.Max, name="parity/graph/max"))
+
+    s, m = in_graph(tf.constant(sum_values(rank, tf.uint8), tf.uint8),
+                    tf.constant(small_values(rank, tf.int16), tf.int16))
+    expect_equal("graph sum uint8", as_numpy(s),
+                 wrap(sum(sum_values(r, tf.uint8) for r in range(size)), tf.uint8))
+    expect_equal("graph max int16", as_numpy(m),
+                 np.max([small_values(r, tf.int16) for r in range(size)], 0))
+    return " ".join(done)
+
+
+def gather_rows(rank, dtype, rows):
+    values = (np.arange(rows * 2, dtype=np.int64).reshape(rows, 2) + 10 * rank) % 50
+    return values % 2 == 0 if dtype == tf.bool else values
+
+
+def check_allgather_and_broadcast_every_dtype(rank, size):
+    for dtype in DTYPES + [tf.bool]:
+        for label, rows in (("growing", lambda r: r + 1), ("first_empty", lambda r: 2 * r)):
+            got = api.allgather(tf.constant(gather_rows(rank, dtype, rows(rank)), dtype),
+                                name=f"parity/gather/{label}/{dtype.name}")
+            assert got.dtype == dtype
+            want = np.concatenate([gather_rows(r, dtype, rows(r)) for r in range(size)])
+            expect_equal(f"allgather {label} {dtype.name}", as_numpy(got), want)
+        mine = tf.constant(gather_rows(rank, dtype, 3), dtype)
+        got = api.broadcast(mine, root_rank=1, name=f"parity/bcast/{dtype.name}")
+        expect_equal(f"broadcast {dtype.name}", as_numpy(got), gather_rows(1, dtype, 3))
+    got = bps_tf.grouped_allgather([tf.constant([rank], tf.int8), tf.constant([rank == 0])],
+                                   name="parity/grouped")
+    expect_equal("grouped int8", as_numpy(got[0]), list(range(size)))
+    expect_equal("grouped bool", as_numpy(got[1]), [r == 0 for r in range(size)])
+    return "ok"
+
+
+def split_rows(rows, size):
+    base, extra = divmod(rows, size)
+    counts = [base + (1 if r < extra else 0) for r in range(size)]
+    return [sum(counts[:r]) for r in range(size)], counts
+
+
+def check_reducescatter(rank, size):
+    details = []
+    for dtype in DTYPES:
+        for rows in (2 * size + 1, size - 1):
+            def inputs(r):
+                if not rows:
+                    return np.zeros([0, 5], np.int64)
+                return wrap(np.stack([sum_values(r, dtype) + i for i in range(rows)]), dtype)
+            every = np.stack([inputs(r) for r in range(size)])
+            starts, counts = split_rows(rows, size)
+            mine = slice(starts[rank], starts[rank] + counts[rank])
+            x = tf.constant(inputs(rank), dtype)
+            got = bps_tf.reducescatter(x, op=api.Sum, name=f"parity/rs/{dtype.name}/{rows}")
+            assert got.dtype == dtype
+            expect_equal(f"reducescatter {dtype.name} rows {rows}", as_numpy(got),
+                         wrap(every.sum(0), dtype)[mine])
+            details.append(f"{dtype.name}:{rows}->{counts[rank]}")
+    x = tf.constant(np.arange(size * 2 + 1, dtype=np.float32) + rank)
+    got = bps_tf.reducescatter(x, name="parity/rs/average", prescale_factor=2.0,
+                               postscale_factor=0.5)
+    starts, counts = split_rows(size * 2 + 1, size)
+    want = (np.arange(size * 2 + 1) * size + size * (size - 1) / 2) / size
+    expect_equal("reducescatter average", as_numpy(got),
+                 want[starts[rank]:starts[rank] + counts[rank]])
+    outs = bps_tf.grouped_reducescatter([tf.ones([size, 2], tf.int16),
+                                         tf.ones([1], tf.float32)], op=api.Sum,
+                                        name="parity/rs/grouped")
+    expect_equal("grouped reducescatter", as_numpy(outs[0]), np.full([1, 2], size))
+    expect_equal("grouped reducescatter uneven", as_numpy(outs[1]),
+                 [float(size)] if rank == 0 else np.zeros([0]))
+    return " ".join(details)
+
+
+def a2a_values(source, dest, count, dtype):
+    values = 16 * source + 4 * dest + np.arange(count, dtype=np.int64)
+    return values % 2 == 0 if dtype == tf.bool else values
+
+
+def check_alltoall(rank, size):
+    plans = {
+        "uneven": lambda s, d: (s + 2 * d) % 3,         # zeros included
+        "one_sided": lambda s, d: (d + 1) if s == 0 else 0,
+        "empty": lambda s, d: 0,
+    }
+    for label, plan in plans.items():
+        for dtype in DTYPES + [tf.bool]:
+            splits = [plan(rank, d) for d in range(size)]
+            rows = [a2a_values(rank, d, splits[d], dtype) for d in range(size)]
+            sent = np.stack([np.concatenate(rows)] * 3, axis=1)   # 3 columns
+            got, got_splits = bps_tf.alltoall(tf.constant(sent, dtype), splits=splits,
+                                              name=f"parity/a2a/{label}/{dtype.name}")
+            want_splits = [plan(s, rank) for s in range(size)]
+            want = np.concatenate([a2a_values(s, rank, want_splits[s], dtype)
+                                   for s in range(size)])
+            assert got.dtype == dtype and got_splits.dtype == tf.int32
+            expect_equal(f"alltoall {label} {dtype.name} splits", got_splits.numpy(),
+                         want_splits)
+            expect_equal(f"alltoall {label} {dtype.name}", as_numpy(got),
+                         np.stack([want] * 3, axis=1).reshape(-1, 3))
+
+    @tf.function
+    def in_graph(x):
+        return bps_tf.alltoall(x, name="parity/a2a/even")
+
+    got, got_splits = in_graph(tf.fill([2 * size], rank))
+    expect_equal("alltoall even in tf.function", got.numpy(), np.repeat(np.arange(size), 2))
+    expect_equal("alltoall even splits", got_splits.numpy(), [2] * size)
+    return "ok"
+
+
+def check_barrier(rank, size):
+    time.sleep(0.3 * rank)
+    arrived = time.time()
+    bps_tf.barrier()
+    left = time.time()
+    every = api.allgather(tf.constant([arrived], tf.float64), name="parity/barrier/arrivals")
+    last = float(np.max(every.numpy()))
+    if left < last:
+        raise AssertionError(f"left the barrier at {left:.3f} before the last arrival {last:.3f}")
+
+    @tf.function
+    def in_graph():
+        return bps_tf.barrier(name="parity/barrier/graph")
+
+    expect_equal("barrier in tf.function", int(in_graph()), size)
+    ops = [int(bps_tf.size_op()), int(bps_tf.rank_op())]
+    expect_equal("size_op rank_op", ops, [size, rank])
+    return f"waited {left - arrived:.2f} s"
+
+
+def check_broadcast_in_place(rank, size):
+    weights = tf.Variable(np.full([3], rank, np.float32), name="w")
+    small = tf.Variable(np.full([2], rank - 100, np.int8), name="small")
+    flags = tf.Variable([rank == 1, rank != 1], name="flags")
+    out = bps_tf.broadcast_([weights, small, flags], root_rank=1, name="parity")
+    assert out[0] is weights
+    expect_equal("broadcast_ float", weights.numpy(), np.full([3], 1, np.float32))
+    expect_equal("broadcast_ int8", small.numpy(), np.full([2], -99, np.int8))
+    expect_equal("broadcast_ bool", flags.numpy(), [True, False])
+    return "ok"
+
+
+def check_sync_batch_norm(rank, size):
+    per_rank = 5
+    data = np.random.RandomState(3).randn(size * per_rank, 4).astype("float32") * 2 + 1
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    sync = bps_tf.SyncBatchNormalization(momentum=0.6, name="parity_sbn")
+    plain = keras.layers.BatchNormalization(momentum=0.6)
+    sync.build((None, 4))
+    plain.build((None, 4))
+    gamma = np.linspace(0.5, 2.0, 4).astype("float32")
+    for layer in (sync, plain):
+        layer.gamma.assign(gamma)
+    weight = tf.constant(np.random.RandomState(4).randn(size * per_rank, 4).astype("float32"))
+
+    @tf.function
+    def sync_step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = sync(x, training=True)
+            loss = tf.reduce_sum(out * w)
+        return out, tape.gradient(loss, x)
+
+    with tf.GradientTape() as tape:
+        whole = tf.constant(data)
+        tape.watch(whole)
+        want = plain(whole, training=True)
+        want_loss = tf.reduce_sum(want * weight)
+    want_grad = tape.gradient(want_loss, whole).numpy()
+    got, grad = sync_step(tf.constant(data[mine]), weight[mine])
+    worst = float(np.max(np.abs(got.numpy() - want.numpy()[mine])))
+    worst_grad = float(np.max(np.abs(grad.numpy() - want_grad[mine])))
+    worst_moving = max(float(np.max(np.abs(sync.moving_mean.numpy() - plain.moving_mean.numpy()))),
+                       float(np.max(np.abs(sync.moving_variance.numpy()
+                                           - plain.moving_variance.numpy()))))
+    inference = float(np.max(np.abs(sync(data[mine], training=False).numpy()
+                                    - plain(data[mine], training=False).numpy())))
+    worst_all = max(worst, worst_grad, worst_moving, inference)
+    if worst_all > 1e-5:
+        raise AssertionError(f"SyncBatchNormalization differs from BatchNormalization on the "
+                             f"whole batch: output {worst}, input gradient {worst_grad}, "
+                             f"moving statistics {worst_moving}, inference {inference}")
+    return f"max difference {worst_all:.2e}"
+
+
+def run_all(checks, rank, size):
+    """Runs every parity check through ``checks.run`` (tf_checks.Checks)."""
+    checks.run("parity_allreduce", lambda: check_allreduce_every_dtype_and_op(rank, size))
+    checks.run("parity_allgather_broadcast",
+               lambda: check_allgather_and_broadcast_every_dtype(rank, size))
+    checks.run("parity_reducescatter", lambda: check_reducescatter(rank, size))
+    checks.run("parity_alltoall", lambda: check_alltoall(rank, size))
+    checks.run("parity_barrier", lambda: check_barrier(rank, size))
+    checks.run("parity_broadcast_in_place", lambda: check_broadcast_in_place(rank, size))
+    checks.run("parity_sync_batch_norm", lambda: check_sync_batch_norm(rank, size))
