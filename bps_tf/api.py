@@ -88,7 +88,11 @@ class NoneCompressor(Compressor):
 
 class FP16Compressor(Compressor):
     """float32/float64 travel as float16 (half the bytes); other dtypes are
-    left alone."""
+    left alone. Through ``push_pull``/``allreduce`` (and so the tape and the
+    optimizer) the values are first scaled by a power of two agreed across
+    workers, so no sum overflows float16's range (see
+    ``bps_tf.collectives.push_pull_sum_fp16``); ``compress`` alone is the plain
+    cast."""
 
     @staticmethod
     def compress(tensor):
@@ -167,8 +171,14 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
                 kind, priority)
             return collectives.scale(result, postscale_factor, "postscale_factor")
         key = naming.op_key("PushPull", name, tensor)
-        sent, ctx = compression.compress(sent)
-        result = compression.decompress(sum_exact(sent, key, op, priority), ctx)
+        if compression is FP16Compressor and sent.dtype in (tf.float32, tf.float64):
+            # Scaled so that no sum overflows float16 (a plain cast would).
+            result = collectives.push_pull_sum_fp16(sent, key, priority)
+            if op == Average:
+                result = collectives.divide(result, basics.size())
+        else:
+            sent, ctx = compression.compress(sent)
+            result = compression.decompress(sum_exact(sent, key, op, priority), ctx)
         return collectives.scale(result, postscale_factor, "postscale_factor")
 
 

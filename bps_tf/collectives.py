@@ -200,3 +200,35 @@ def kernel_devices(op_type: str = "BytepsPushPull") -> set:
     from tensorflow.python.framework import kernels
     _ops()
     return {k.device_type for k in kernels.get_registered_kernels_for_op(op_type).kernel}
+
+
+# Scaled float16 transport. The scale is a power of two (so scaling itself
+# is exact) chosen from the sum over workers of each worker's largest |x|,
+# which bounds every partial sum a server forms: nothing overflows to inf
+# unless the input held an inf. Small gradients are scaled up, out of
+# float16's subnormal range.
+FP16_TARGET = 2.0 ** 15      # half of float16's largest finite value (65504)
+FP16_MAX_UPSCALE = 2.0 ** 24
+
+
+def fp16_scale(bound):
+    """The power-of-two factor (float64) for values whose summed magnitudes are ``bound``."""
+    safe = tf.math.is_finite(bound) & (bound > 0)
+    ratio = FP16_TARGET / tf.where(safe, bound, tf.constant(1.0, tf.float64))
+    exponent = tf.floor(tf.math.log(ratio) / tf.math.log(tf.constant(2.0, tf.float64)))
+    scale = tf.minimum(tf.pow(tf.constant(2.0, tf.float64), exponent), FP16_MAX_UPSCALE)
+    # A non-finite input stays non-finite (inf * 0 would make it nan).
+    return tf.where(safe, scale, tf.constant(1.0, tf.float64))
+
+
+def push_pull_sum_fp16(tensor, key: str, priority: int = 0):
+    """Sum of a float32/float64 ``tensor`` that travels as float16, scaled so
+    that no sum overflows. Costs one extra 8-byte push_pull under
+    ``<key>/range`` (both run concurrently with other tensors in a tf.function)."""
+    magnitudes = tf.abs(tf.cast(tf.reshape(tensor, [-1]), tf.float64))
+    peak = tf.reduce_max(tf.concat([magnitudes, tf.zeros([1], tf.float64)], 0))
+    bound = push_pull_sum(tf.reshape(peak, [1]), naming.part_key(key, "range"), priority)[0]
+    scale = fp16_scale(bound)
+    half = tf.cast(tensor * tf.cast(scale, tensor.dtype), tf.float16)
+    summed = push_pull_sum(half, key, priority)
+    return tf.cast(summed, tensor.dtype) / tf.cast(scale, tensor.dtype)

@@ -12,6 +12,7 @@ No TensorFlow here.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -55,11 +56,29 @@ def prefixed(prefix: bytes, lines: Iterable[bytes]) -> bytes:
     return b"".join(prefix + line + b"\n" for line in lines)
 
 
-class ChildOutput:
-    """Copies children's stdout/stderr to ours, every line tagged with the child's name."""
+# TensorFlow 2.21 prints these at start-up from every process whatever
+# TF_CPP_MIN_LOG_LEVEL says (they come before its logging is set up).
+TF_STARTUP_NOISE = re.compile(
+    rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    rb"|I0000 [0-9:. ]+ +\d+ (port|cpu_feature_guard)\.cc:\d+\] .*"
+    rb"|To enable the following instructions: .*in other operations, rebuild TensorFlow.*)$")
 
-    def __init__(self) -> None:
+
+def hides_tf_startup(user_env: Mapping[str, str]) -> bool:
+    """TensorFlow's start-up lines are hidden unless the user chose a TF log level."""
+    return "TF_CPP_MIN_LOG_LEVEL" not in user_env
+
+
+class ChildOutput:
+    """Copies children's stdout/stderr to ours, every line tagged with the child's name.
+
+    With ``hide_tf_startup``, TensorFlow's start-up lines (the same on every
+    worker, and not silenced by TF_CPP_MIN_LOG_LEVEL) are dropped.
+    """
+
+    def __init__(self, hide_tf_startup: bool = False) -> None:
         self._threads: List[threading.Thread] = []
+        self._noise = TF_STARTUP_NOISE if hide_tf_startup else None
 
     def attach(self, name: str, popen) -> None:
         """Start copying the pipes of ``popen`` (made with stdout=PIPE, stderr=PIPE)."""
@@ -67,13 +86,13 @@ class ChildOutput:
         for pipe, target in ((popen.stdout, "stdout"), (popen.stderr, "stderr")):
             if pipe is None:
                 continue
-            thread = threading.Thread(target=self._copy, args=(pipe, prefix, target),
+            thread = threading.Thread(target=self._copy, args=(pipe, prefix, target, self._noise),
                                       name=f"{PROG} {name} {target}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     @staticmethod
-    def _copy(pipe, prefix: bytes, target: str) -> None:
+    def _copy(pipe, prefix: bytes, target: str, noise=None) -> None:
         fd = pipe.fileno()
         pending = b""
         try:
@@ -87,7 +106,10 @@ class ChildOutput:
                 pending += chunk
                 if b"\n" in chunk:
                     *lines, pending = pending.split(b"\n")
-                    write_lines(target, prefixed(prefix, lines))
+                    if noise is not None:
+                        lines = [ln for ln in lines if not noise.match(ln)]
+                    if lines:
+                        write_lines(target, prefixed(prefix, lines))
                 if len(pending) >= MAX_PENDING_BYTES:
                     write_lines(target, prefixed(prefix, [pending]))
                     pending = b""
@@ -111,7 +133,7 @@ def child_env(env: Mapping[str, str], user_env: Mapping[str, str], piped: bool) 
     not hold its output back in a buffer.
     """
     result = dict(env)
-    if "TF_CPP_MIN_LOG_LEVEL" not in user_env:
+    if hides_tf_startup(user_env):
         result["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if piped:
         result.setdefault("PYTHONUNBUFFERED", "1")

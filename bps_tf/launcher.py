@@ -31,7 +31,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from bps_tf import cluster, config
 from bps_tf.launch_args import build_parser, parse_args  # noqa: F401 (the CLI's API)
-from bps_tf.launch_output import (PROG, ChildOutput, child_env, end_line, health_ports, plural,
+from bps_tf.launch_output import (PROG, ChildOutput, child_env, end_line, health_ports,
+                                  hides_tf_startup, plural,
                                   say, token_source)
 from bps_tf.launch_procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, catch_stop_signals, Child,
@@ -166,7 +167,7 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     _check_local_sizes(num_workers, num_servers, command)
     environ = os.environ if environ is None else environ
     health = _health_base(health_port, environ)
-    job = Job(grace, ChildOutput() if prefix_output else None)
+    job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
     deadline = time.monotonic() + timeout if timeout else None
     workdir = tempfile.mkdtemp(prefix="bpslaunch-")
     try:
@@ -345,7 +346,7 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
             "(or DMLC_ROLE and the other DMLC_* variables) to give this process its place "
             "in a cluster")
         return EXIT_USAGE
-    job = Job(grace, ChildOutput() if prefix_output else None)
+    job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
     env = child_env(environ, environ, job.output is not None)
     health = ""
     if cfg.role in ("server", "scheduler"):

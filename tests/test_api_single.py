@@ -138,6 +138,15 @@ def test_fp16_compression_round_trip(op_calls):
     compressed, ctx = api.Compression.fp16.compress(ints)
     assert compressed.dtype == tf.int32 and ctx is None
     assert api.push_pull(ints, op=api.Sum, compression=api.Compression.fp16).numpy()[0] == 70000
+    # Out of float16's range: scaled on the way, never turned into inf.
+    big = tf.constant([70000.0, -1e5, 1e-6, 0.0], tf.float32)
+    out = api.push_pull(big, op=api.Sum, compression=api.Compression.fp16, name="fp16/big")
+    assert np.all(np.isfinite(out.numpy())), out
+    np.testing.assert_allclose(out.numpy(), big.numpy(), rtol=2.0 ** -10, atol=0)
+    # An inf in the input stays inf; the other values are not hurt by it.
+    out = api.push_pull(tf.constant([np.inf, 3.0]), op=api.Sum,
+                        compression=api.Compression.fp16, name="fp16/inf")
+    assert out.numpy()[0] == np.inf and out.numpy()[1] == 3.0
     f64, ctx = api.Compression.fp16.compress(tf.constant([0.5], tf.float64))
     assert f64.dtype == tf.float16
     assert api.Compression.fp16.decompress(f64, ctx).dtype == tf.float64

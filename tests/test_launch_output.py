@@ -136,6 +136,33 @@ def test_child_env_hides_tensorflow_noise_unless_chosen():
     assert launch_output.child_env({}, {}, piped=False) == {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+TF_STARTUP = [
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"I0000 00:00:1795437200.078561   11944 port.cc:153] oneDNN custom operations are on. "
+    b"You may see slightly different numerical results.",
+    b"I0000 00:00:1795434898.899314   15359 cpu_feature_guard.cc:227] This TensorFlow binary "
+    b"is optimized to use available CPU instructions in performance-critical operations.",
+    b"To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+    b"TensorFlow with the appropriate compiler flags.",
+]
+
+
+@pytest.mark.parametrize("hide", [True, False])
+def test_tensorflow_startup_lines_are_dropped_unless_the_user_chose_a_level(hide, capfdbinary):
+    read_fd, write_fd = os.pipe()
+    ours = [b"epoch 1: loss 0.5", b"I0000 a line of the user's own that looks similar",
+            b"WARNING: a real warning"]
+    os.write(write_fd, b"\n".join(TF_STARTUP[:2] + ours[:1] + TF_STARTUP[2:] + ours[1:]) + b"\n")
+    os.close(write_fd)
+    env = {} if hide else {"TF_CPP_MIN_LOG_LEVEL": "0"}
+    assert launch_output.hides_tf_startup(env) == hide
+    launch_output.ChildOutput._copy(os.fdopen(read_fd, "rb"), b"[worker 0] ", "stdout",
+                                    launch_output.TF_STARTUP_NOISE if hide else None)
+    got = capfdbinary.readouterr().out.splitlines()
+    kept = ours if hide else TF_STARTUP[:2] + ours[:1] + TF_STARTUP[2:] + ours[1:]
+    assert got == [b"[worker 0] " + line for line in kept]
+
+
 @pytest.mark.parametrize("env, local, expected", [
     ({}, True, "job token generated for this job"),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, False, "job token from BYTEPS_JOB_TOKEN"),

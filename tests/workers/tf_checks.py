@@ -141,6 +141,12 @@ def check_fp16_compression_and_unnamed_calls(rank, size):
     got = api.push_pull(x, op=api.Sum, compression=api.Compression.fp16, name="fp16")
     assert got.dtype == tf.float32, got.dtype
     expect_equal("fp16 compressed sum", got.numpy(), expected_sum(n, size).astype(np.float32))
+    # Each worker's values fit float16, their sum does not: scaled, never inf.
+    big = tf.fill([5], 40000.0 + rank)
+    got = api.push_pull(big, op=api.Sum, compression=api.Compression.fp16, name="fp16/big")
+    want = 40000.0 * size + size * (size - 1) / 2
+    assert np.all(np.isfinite(got.numpy())), got.numpy()
+    assert np.allclose(got.numpy(), want, rtol=2.0 ** -9, atol=0), (got.numpy(), want)
     # Unnamed eager calls are numbered per process: same order, same names.
     for i in range(3):
         got = api.push_pull(tf.constant([float(rank + i)]), op=api.Sum)
