@@ -30,6 +30,7 @@ import tensorflow as tf
 from bps_tf import basics, collectives, naming
 from bps_tf.collectives import SUPPORTED_DTYPES, require_init
 from bps_tf.naming import variable_name
+from bps_tf.process_sets import check_process_set, global_process_set
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -139,7 +140,7 @@ GATHERED_OPS = {Min: ("min", "AllreduceMin"), Max: ("max", "AllreduceMax"),
 # --------------------------------------------------------------------------
 def push_pull(tensor, average=None, name=None, compression=Compression.none,
               op=None, priority=0, device_dense="", device_sparse="",
-              prescale_factor=1.0, postscale_factor=1.0):
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduces ``tensor`` across all workers (``op=Average`` by default).
 
     ``Sum``/``Average`` go through the servers' sum; ``Min``, ``Max`` and
@@ -151,6 +152,7 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     gathered (its values and indices concatenated over workers, values divided
     by ``size()`` for Average), as Horovod does.
     """
+    check_process_set(process_set, "push_pull")
     require_init()
     op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
@@ -214,9 +216,10 @@ def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor):
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, name=None, ignore_name_scope=False,
-              priority=0):
+              priority=0, process_set=global_process_set):
     """``push_pull`` under Horovod's name and argument order.
     ``ignore_name_scope`` is accepted for compatibility and has no effect."""
+    check_process_set(process_set, "allreduce")
     del ignore_name_scope
     return push_pull(tensor, average=average, name=name, compression=compression,
                      op=op, priority=priority, device_dense=device_dense,
@@ -226,8 +229,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, name=None):
+                      postscale_factor=1.0, name=None, process_set=global_process_set):
     """``allreduce`` of a list; the ops run concurrently inside a tf.function."""
+    check_process_set(process_set, "grouped_allreduce")
     names = [None] * len(tensors) if name is None else \
         [f"{name}/{i}" for i in range(len(tensors))]
     return [allreduce(t, average=average, device_dense=device_dense,
@@ -240,12 +244,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 # --------------------------------------------------------------------------
 # allgather
 # --------------------------------------------------------------------------
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenates ``tensor`` over workers along the first dimension, in
     rank order. The first dimension may differ between workers; the others
     must agree. Exact for every supported dtype, except that a float -0.0
     comes back as +0.0 (see ``bps_tf.collectives.allgather``).
     """
+    check_process_set(process_set, "allgather")
+    del ignore_name_scope
     require_init()
     tensor = tf.convert_to_tensor(tensor)
     collectives.check_dtype(tensor, "allgather", collectives.GATHER_DTYPES)
@@ -260,8 +266,10 @@ def allgather(tensor, name=None):
 # --------------------------------------------------------------------------
 # broadcast
 # --------------------------------------------------------------------------
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
     """Every worker gets ``root_rank``'s value of ``tensor``."""
+    check_process_set(process_set, "broadcast")
     del ignore_name_scope
     require_init()
     root_rank = collectives.check_root(root_rank)
@@ -269,7 +277,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     return collectives.broadcast(tensor, naming.op_key("Broadcast", name, tensor), root_rank)
 
 
-def broadcast_variables(variables, root_rank=0):
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     """Assigns ``root_rank``'s values to ``variables`` in place, on every worker.
 
     All broadcasts run inside one ``tf.function`` so they overlap (100
@@ -277,6 +285,7 @@ def broadcast_variables(variables, root_rank=0):
     variable's Keras 3 ``.path`` (or ``.name``), so workers must build the
     same variables under the same names.
     """
+    check_process_set(process_set, "broadcast_variables")
     require_init()
     root_rank = collectives.check_root(root_rank)
     variables = list(variables)

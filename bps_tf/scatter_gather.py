@@ -20,6 +20,7 @@ import tensorflow as tf
 from bps_tf import basics, collectives, naming
 from bps_tf.api import Average, Compression, ReduceOp, Sum, allgather, sum_exact
 from bps_tf.collectives import require_init
+from bps_tf.process_sets import check_process_set, global_process_set
 
 __all__ = ["grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
            "scatter_rows"]
@@ -30,9 +31,10 @@ def grouped_names(name, count):
     return [None] * count if name is None else [f"{name}/{i}" for i in range(count)]
 
 
-def grouped_allgather(tensors, name=None):
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """``allgather`` of each tensor of a list; inside a tf.function the
     gathers run concurrently."""
+    check_process_set(process_set, "grouped_allgather")
     return [allgather(t, name=n) for t, n in zip(tensors, grouped_names(name, len(tensors)))]
 
 
@@ -53,12 +55,13 @@ def scatter_rows(rows, rank: int, size: int):
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average,
                   name=None, ignore_name_scope=False, prescale_factor=1.0,
-                  postscale_factor=1.0):
+                  postscale_factor=1.0, process_set=global_process_set):
     """Reduces ``tensor`` over all workers (``op``: Sum or Average), then
     returns this rank's rows of the result: the first dimension is split as
     evenly as possible, lower ranks getting one row more when it does not
     divide. ``prescale_factor`` multiplies before the reduction,
     ``postscale_factor`` after it. Every worker must pass the same shape."""
+    check_process_set(process_set, "reducescatter")
     del ignore_name_scope
     require_init()
     op = ReduceOp(op)
@@ -82,8 +85,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none,
-                          op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
+                          op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """``reducescatter`` of each tensor of a list."""
+    check_process_set(process_set, "grouped_reducescatter")
     return [reducescatter(t, device_dense=device_dense, compression=compression, op=op,
                           name=n, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor)
@@ -120,12 +124,13 @@ def _checked_splits(tensor, splits, size):
         return tf.identity(splits)
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Sends ``splits[i]`` rows of ``tensor`` (in order) to rank ``i`` and
     returns ``(received, received_splits)``: the rows every rank sent to
     this one, concatenated in rank order, and how many came from each rank
     (int32). ``splits=None`` splits the first dimension evenly. A rank may
     send or receive nothing (zeros in the splits, or an empty tensor)."""
+    check_process_set(process_set, "alltoall")
     del ignore_name_scope
     require_init()
     tensor = tf.convert_to_tensor(tensor)

@@ -14,14 +14,16 @@ import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
 from bps_tf.collectives import BLOCKING_PRIORITY, require_init
+from bps_tf.process_sets import check_process_set, global_process_set
 
 __all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op"]
 
 
-def barrier(name=None):
+def barrier(name=None, process_set=global_process_set):
     """Blocks until every worker reaches the barrier. In eager mode it
     returns None once all have arrived; inside a tf.function it returns a
     tensor (the number of workers) that later ops can depend on."""
+    check_process_set(process_set, "barrier")
     require_init()
     if name is None and not tf.executing_eagerly():
         name = "barrier"
@@ -35,11 +37,12 @@ def barrier(name=None):
     return tf.reshape(arrived, [])
 
 
-def broadcast_(variables, root_rank, name=None):
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assigns ``root_rank``'s values to ``variables`` (one variable or a
     list) in place on every worker and returns them (eager) or the assigned
     values (inside a tf.function). Keys come from ``name`` and the variables'
     paths, so every worker must pass the same variables in the same order."""
+    check_process_set(process_set, "broadcast_")
     require_init()
     root_rank = collectives.check_root(root_rank)
     single = isinstance(variables, tf.Variable) or not isinstance(variables, (list, tuple))

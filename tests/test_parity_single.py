@@ -227,3 +227,23 @@ def test_sync_batch_norm_trains_in_fit():
     x = np.random.RandomState(0).randn(32, 4).astype("float32")
     history = model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_the_global_process_set_is_accepted_and_subsets_are_refused():
+    gps = bps_tf.global_process_set
+    assert gps.size() == 1 and gps.rank() == 0 and gps.included()
+    x = tf.constant([1.0, 2.0])
+    np.testing.assert_array_equal(api.allreduce(x, op=api.Sum, process_set=gps).numpy(), [1, 2])
+    np.testing.assert_array_equal(api.allgather(x, process_set=gps).numpy(), [1, 2])
+    np.testing.assert_array_equal(api.broadcast(x, 0, process_set=gps).numpy(), [1, 2])
+    np.testing.assert_array_equal(
+        scatter_gather.reducescatter(x, op=api.Sum, process_set=gps).numpy(), [1, 2])
+    # A set naming every rank is the global one; anything smaller is refused.
+    assert bps_tf.add_process_set([0]) is gps
+    subset = bps_tf.ProcessSet([0, 1])
+    for call in (lambda: api.allreduce(x, process_set=subset),
+                 lambda: scatter_gather.alltoall(x, process_set=subset),
+                 lambda: bps_tf.add_process_set([0, 1])):
+        with pytest.raises(NotImplementedError, match="process sets other than the global one"):
+            call()
+    assert bps_tf.remove_process_set(gps) is False

@@ -25,6 +25,7 @@ DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size"
               "broadcast_variables", "broadcast_object", "DistributedGradientTape",
               "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product",
               "DistributedOptimizer", "BytePSStrategy", "gather_predictions",
+              "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
               "grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
               "barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
               "SyncBatchNormalization", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
