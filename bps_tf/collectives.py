@@ -37,6 +37,9 @@ WIDEN = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.
 # end-of-data agreement, metrics) block the step that issues them: send
 # them before any gradient (gradients get 0, -1, -2, ... from their order).
 BLOCKING_PRIORITY = 1
+# Updates of non-trainable state (BatchNormalization's moving statistics):
+# nothing in the step waits for them, so they go after every gradient.
+STATE_PRIORITY = -(1 << 20)
 
 
 def _ops():
