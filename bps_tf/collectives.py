@@ -45,6 +45,9 @@ GATHER_REDUCTIONS = {"min": tf.reduce_min, "max": tf.reduce_max, "product": tf.r
 # end-of-data agreement, metrics) block the step that issues them: send
 # them before any gradient (gradients get 0, -1, -2, ... from their order).
 BLOCKING_PRIORITY = 1
+# Updates of non-trainable state (BatchNormalization's moving statistics):
+# nothing in the step waits for them, so they go after every gradient.
+STATE_PRIORITY = -(1 << 20)
 
 
 def _ops():

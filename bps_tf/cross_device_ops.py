@@ -41,9 +41,10 @@ from tensorflow.python.framework import indexed_slices
 from bps_tf import collectives, graph_priorities, naming
 
 
-def _push_pull(tensor, key: str):
-    """Cross-worker sum of any numeric tensor, sent first; returns (sum, op)."""
-    summed = collectives.push_pull_sum(tensor, key, collectives.BLOCKING_PRIORITY, widen=True)
+def _push_pull(tensor, key: str, priority: int = collectives.BLOCKING_PRIORITY):
+    """Cross-worker sum of any numeric tensor (sent first by default);
+    returns (sum, op)."""
+    summed = collectives.push_pull_sum(tensor, key, priority, widen=True)
     return summed, collectives.push_pull_op(summed)
 
 
@@ -98,8 +99,23 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
                 local = _move_axis_back(gathered, axis)
         return self.broadcast(local, _destinations_or_devices(destinations, per_replica_value))
 
+    # -- non-trainable state --------------------------------------------
+    def reduce_state(self, reduce_op, value, variable):
+        """The MEAN/SUM of a replica-context update of a non-trainable
+        variable (moving statistics) over every replica of every worker,
+        on the variable's devices. Sent after the gradients
+        (``collectives.STATE_PRIORITY``); not ranked as a gradient."""
+        return self._reduce_all(reduce_op, [(value, variable)],
+                                priority=collectives.STATE_PRIORITY)[0]
+
+    def broadcast_state(self, tensor):
+        """Rank 0's value of ``tensor`` (ONLY_FIRST_REPLICA updates)."""
+        name = self._namer.batch(1)[0]
+        return collectives.broadcast(tf.convert_to_tensor(tensor), name, root_rank=0,
+                                     priority=collectives.STATE_PRIORITY)
+
     # -- the work ------------------------------------------------------
-    def _reduce_all(self, reduce_op, pairs):
+    def _reduce_all(self, reduce_op, pairs, priority=None):
         names = self._namer.batch(len(pairs))
         results = []
         for (value, destinations), name in zip(pairs, names):
@@ -110,18 +126,20 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             if any(isinstance(v, indexed_slices.IndexedSlices) for v in values):
                 reduced, pp_ops = self._reduce_sparse(reduce_op, values, name, total)
             else:
-                reduced, pp_ops = self._reduce_dense(reduce_op, values, name, total)
+                reduced, pp_ops = self._reduce_dense(reduce_op, values, name, total, priority)
             result = self.broadcast(reduced, dests)
-            self._remember(result, pp_ops)
+            if priority is None:   # state updates are not gradients
+                self._remember(result, pp_ops)
             results.append(result)
         return results
 
-    def _reduce_dense(self, reduce_op, values, name, total):
+    def _reduce_dense(self, reduce_op, values, name, total, priority=None):
         with tf.device(values[0].device):
             # SyncOnRead variables arrive as their per-replica variables.
             tensors = [tf.convert_to_tensor(v) for v in values]
             local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
-            summed, op = _push_pull(local, name)
+            summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
+                                    if priority is None else priority)
             if reduce_op == reduce_util.ReduceOp.MEAN:
                 summed = collectives.divide(summed, total)
             elif reduce_op != reduce_util.ReduceOp.SUM:

@@ -1,4 +1,4 @@
-"""Keras 3 behaviour that BytePSStrategy adjusts: XLA and checkpoint callbacks.
+"""Keras 3 behaviour that BytePSStrategy adjusts: XLA, predict, checkpoint callbacks.
 
 Keras 3 knows nothing of multi-worker jobs outside TensorFlow's own
 MultiWorkerMirroredStrategy, so under BytePSStrategy with several workers:
@@ -12,7 +12,9 @@ MultiWorkerMirroredStrategy, so under BytePSStrategy with several workers:
 * ``BackupAndRestore`` restores on rank 0 and sends the restored weights,
   optimizer state and epoch to the others, so a worker that cannot see the
   backup directory resumes too;
-* ``jit_compile`` reads False: the push_pull op has no XLA kernel.
+* ``jit_compile`` reads False: the push_pull op has no XLA kernel;
+* ``predict(x)`` returns the predictions of all of ``x`` on every worker
+  (Keras would return each worker's shard of every batch).
 
 ``install(is_ours)`` wraps these methods once (``bps_tf.keras`` and
 BytePSStrategy call it). ``is_ours(strategy)`` is a predicate telling a
@@ -31,7 +33,7 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf import api, basics, collectives, config, naming
+from bps_tf import api, basics, collectives, config, naming, predictions
 
 _installed = False
 _lock = threading.Lock()
@@ -69,6 +71,37 @@ def _patch_jit_compile(trainer_cls):
 
     trainer_cls.jit_compile = property(jit_compile, original.fset, original.fdel,
                                        original.__doc__)
+
+
+# --------------------------------------------------------------------------
+# predict
+# --------------------------------------------------------------------------
+def _patch_predict(trainer_cls):
+    """``model.predict(x)`` under a multi-worker BytePSStrategy returns every
+    row of ``x``, in order, on every worker (bps_tf.predictions), unless the
+    strategy was made with ``predict="shard"``. Inputs that cannot be split
+    by rows (datasets, generators) or a ``steps`` limit keep Keras' per-shard
+    behaviour, with a warning."""
+    original = trainer_cls.predict
+
+    @functools.wraps(original)
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        strategy = _multi_worker(self)
+        if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
+            return original(self, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                            callbacks=callbacks)
+        if steps is not None or not predictions.is_row_data(x):
+            warnings.warn("BytePSStrategy: model.predict on a dataset, a generator or with "
+                          "steps= returns this worker's shard only; pass arrays (or use "
+                          "bps_tf.gather_predictions) for every row.", stacklevel=2)
+            return original(self, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                            callbacks=callbacks)
+        if callbacks:
+            warnings.warn("BytePSStrategy: model.predict(x) gathers the predictions of every "
+                          "worker; callbacks are not called.", stacklevel=2)
+        return predictions.gather_predictions(self, x, batch_size=batch_size)
+
+    trainer_cls.predict = predict
 
 
 # --------------------------------------------------------------------------
@@ -210,6 +243,8 @@ def install(is_ours=None) -> None:
         import keras
         from keras.src.trainers import trainer as trainer_module
         _patch_jit_compile(trainer_module.Trainer)
+        from keras.src.backend.tensorflow import trainer as tf_trainer_module
+        _patch_predict(tf_trainer_module.TensorFlowTrainer)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)
         backup = keras.callbacks.BackupAndRestore
         backup.on_train_begin = _restore_from_rank0(backup.on_train_begin)

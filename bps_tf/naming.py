@@ -57,8 +57,11 @@ When it is not
 --------------
 Two workers sending different tensors under one key is detected by the
 engine: a size or dtype mismatch fails the op with an error naming the key.
-A key that only some workers send never completes: the others wait, and
-the job ends when ``BYTEPS_OP_TIMEOUT`` (or a lost peer) is reached.
+A key that only some workers send never completes: the others wait. For a
+key's first use the scheduler reports it on every worker, with the missing
+ranks, after ``BYTEPS_STALL_CHECK_TIME_SECONDS`` and stops the job after
+``BYTEPS_STALL_SHUTDOWN_TIME_SECONDS``; otherwise the job ends when
+``BYTEPS_OP_TIMEOUT`` (or a lost peer) is reached.
 """
 from __future__ import annotations
 

@@ -34,13 +34,15 @@ and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
 Rules: create the model *and* the optimizer under ``scope()``; every worker
 creates the same variables in the same order; shuffle with the same seed on
 every worker (``keras.utils.set_random_seed``) so the shards partition the
-data. ``model.predict`` returns this worker's shard only: use
-:func:`gather_predictions` for all rows.
+data. ``model.predict(x)`` returns the predictions of all of ``x`` on every
+worker (:func:`gather_predictions`; ``predict="shard"`` for this worker's
+shard only). Non-trainable variables that Keras updates in the step
+(BatchNormalization's moving statistics) are averaged over every replica of
+every worker, so every weight is identical on every worker.
 """
 from __future__ import annotations
 
 import sys
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -52,7 +54,10 @@ from tensorflow.python.trackable import base as trackable_base
 
 from bps_tf import basics, cluster, collectives, keras_patches, naming
 from bps_tf.cluster_resolver import make_cluster_resolver
-from bps_tf.cross_device_ops import PushPullCrossDeviceOps, allgather_rows
+from bps_tf.cross_device_ops import PushPullCrossDeviceOps
+from bps_tf.predictions import gather_predictions
+
+PREDICT_MODES = ("all", "shard")
 
 __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather_predictions"]
 
@@ -60,8 +65,9 @@ __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather
 class BytePSExtended(mirrored_strategy.MirroredExtended):
     """MirroredExtended for one worker of a between-graph BytePS job."""
 
-    def __init__(self, container_strategy, devices=None):
+    def __init__(self, container_strategy, devices=None, sync_state=True):
         _join_cluster()
+        self._sync_state = bool(sync_state)
         self._num_workers = basics.size()
         self._rank = basics.rank()
         ops = PushPullCrossDeviceOps(self._num_workers, self._rank)
@@ -108,9 +114,15 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Keras passes nested structures (its first batch) to reduce().
+        state = _is_state_variable(destinations)
+
         def reduce_one(v):
             if distribute_utils.is_mirrored(v) and reduce_op == reduce_util.ReduceOp.MEAN:
                 return v
+            if state:
+                # A replica-context update of a non-trainable variable
+                # (moving statistics): sent after every gradient.
+                return self._push_pull_ops.reduce_state(reduce_op, v, destinations)
             if not isinstance(v, values_lib.DistributedValues):
                 if self._num_workers == 1:
                     return cdo_lib.reduce_non_distributed_value(
@@ -132,9 +144,18 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         return self._cross_device_ops._gather(value, destinations=destinations,  # pylint: disable=protected-access
                                               axis=axis, options=options)
 
+    def _broadcast_to(self, tensor, destinations):
+        # ONLY_FIRST_REPLICA updates in replica context: the first replica of
+        # rank 0, not of each worker, so every worker holds the same value.
+        if self._num_workers > 1 and _is_state_variable(destinations, trainable_too=True) \
+                and not isinstance(tensor, (int, float)):
+            tensor = self._push_pull_ops.broadcast_state(tensor)
+        return super()._broadcast_to(tensor, destinations)
+
     def _update(self, var, fn, args, kwargs, group):
         # The optimizer applies a reduced gradient: rank its push_pull.
-        self._push_pull_ops.on_apply(var, args)
+        if getattr(var, "trainable", True):
+            self._push_pull_ops.on_apply(var, args)
         return super()._update(var, fn, args, kwargs, group)
 
     # -- input -------------------------------------------------------------
@@ -171,6 +192,15 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         return distribute_utils.regroup(per_replica, always_wrap=True)
 
     # -- variables -----------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        if self._sync_state and self._num_replicas_in_sync > 1 and _unaggregated_state(kwargs):
+            # Keras 3 creates BatchNormalization's moving statistics (and any
+            # add_weight(trainable=False)) with aggregation NONE: each replica
+            # would keep its own. tf.keras declared them MEAN, which makes
+            # their replica-context updates an average over all replicas.
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return super()._create_variable(next_creator, **kwargs)
+
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         # Replica 0 of every worker takes rank 0's initial value; the other
         # local replicas copy replica 0 (MirroredExtended). SyncOnRead
@@ -195,6 +225,32 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         return initial_value_fn
 
 
+def _unaggregated_state(kwargs) -> bool:
+    """A non-trainable floating ON_WRITE variable without an aggregation."""
+    synchronization = kwargs.get("synchronization") or tf.VariableSynchronization.AUTO
+    aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+    dtype = kwargs.get("dtype")
+    initial_value = kwargs.get("initial_value")
+    if dtype is None and initial_value is not None and not callable(initial_value):
+        dtype = getattr(initial_value, "dtype", None)
+        if dtype is None:   # a Python number or list: float32, as tf.Variable makes it
+            dtype = tf.float32 if np.asarray(initial_value).dtype.kind == "f" else None
+    return (kwargs.get("trainable") is False and aggregation == tf.VariableAggregation.NONE
+            and synchronization in (tf.VariableSynchronization.AUTO,
+                                    tf.VariableSynchronization.ON_WRITE)
+            and dtype is not None and tf.as_dtype(dtype).is_floating)
+
+
+def _is_state_variable(destinations, trainable_too: bool = False) -> bool:
+    """True if ``destinations`` is a mirrored (ON_WRITE) variable being
+    updated with an aggregation: the merge step of a replica-context assign."""
+    if not isinstance(destinations, values_lib.DistributedVariable):
+        return False
+    if isinstance(destinations, values_lib.SyncOnReadVariable):
+        return False
+    return trainable_too or not destinations.trainable
+
+
 def _join_cluster() -> None:
     """bps_tf.init(), unless done; a server task serves instead, then exits.
 
@@ -217,10 +273,25 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     ``devices``: this worker's devices (default: its GPUs, else its CPU).
     The cluster comes from ``bps_tf.init()`` (bpslaunch's ``DMLC_*`` or
     ``TF_CONFIG``), called here if the script has not called it.
+
+    ``predict``: ``"all"`` (default) -- ``model.predict(x)`` returns the
+    predictions of every row of ``x``, in order, on every worker;
+    ``"shard"`` -- Keras' own behaviour under a distribution strategy: each
+    worker gets the predictions of its shard of every batch.
+
+    ``sync_state``: True (default) averages the replica-context updates of
+    non-trainable floating variables created without an aggregation
+    (BatchNormalization's moving statistics) over all replicas of all
+    workers, so every worker holds the same model; False keeps each
+    replica's own (Keras 3 under MirroredStrategy).
     """
 
-    def __init__(self, devices=None):
-        extended = BytePSExtended(self, devices=devices)
+    def __init__(self, devices=None, predict="all", sync_state=True):
+        if predict not in PREDICT_MODES:
+            raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
+                             f"{', '.join(map(repr, PREDICT_MODES))}.")
+        self.predict_mode = predict
+        extended = BytePSExtended(self, devices=devices, sync_state=sync_state)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
@@ -249,54 +320,3 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
 
 def _is_bps_strategy(strategy) -> bool:
     return isinstance(strategy, BytePSStrategy)
-
-
-# --------------------------------------------------------------------------
-# Predictions from every worker
-# --------------------------------------------------------------------------
-def gather_predictions(model, x, batch_size: int = 256):
-    """``model``'s predictions for all rows of ``x``, in order, on every worker.
-
-    ``model.predict`` under the strategy returns only this worker's shard.
-    Here each worker predicts a contiguous block of rows (worker r: rows
-    ``[r*n/N, (r+1)*n/N)``) by calling the model in batches, and the blocks
-    are gathered in rank order. ``x``: an array, a tensor, or a
-    structure of them; every worker must pass the same ``x`` and call this
-    at the same point of the program. Returns numpy arrays (the model's
-    output structure).
-    """
-    flat_x = [np.asarray(a) for a in tf.nest.flatten(x)]
-    n = len(flat_x[0])
-    size, rank = (basics.size(), basics.rank()) if basics.is_initialized() else (1, 0)
-    lo, hi = rank * n // size, (rank + 1) * n // size
-    predict = _predict_function(model)
-    outputs, structure = [], None
-    for start in range(lo, hi, batch_size):
-        batch = tf.nest.pack_sequence_as(x, [a[start:min(hi, start + batch_size)]
-                                             for a in flat_x])
-        structure = predict(batch)
-        outputs.append([np.asarray(o) for o in tf.nest.flatten(structure)])
-    if not outputs:   # this worker has no rows: learn the output shapes
-        structure = predict(tf.nest.pack_sequence_as(x, [a[:1] for a in flat_x]))
-        outputs.append([np.asarray(o)[:0] for o in tf.nest.flatten(structure)])
-    local = [np.concatenate(parts, axis=0) for parts in zip(*outputs)]
-    if size == 1:
-        return tf.nest.pack_sequence_as(structure, local)
-    gathered = [allgather_rows(tf.convert_to_tensor(a), naming.strategy_key("predict", i),
-                               rank, size)[0].numpy() for i, a in enumerate(local)]
-    return tf.nest.pack_sequence_as(structure, gathered)
-
-
-# model -> its prediction function. The function holds the model weakly, so
-# the cache does not keep models alive (and nothing is set on the model,
-# where Keras would track it).
-_predict_functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _predict_function(model):
-    fn = _predict_functions.get(model)
-    if fn is None:
-        ref = weakref.ref(model)
-        fn = tf.function(lambda batch: ref()(batch, training=False), reduce_retracing=True)
-        _predict_functions[model] = fn
-    return fn

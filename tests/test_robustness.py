@@ -58,6 +58,45 @@ def test_an_idle_worker_exits_when_a_peer_dies(tmp_path):
         assert "worker 1" in c.log("worker0")
 
 
+def test_a_stalled_push_pull_is_reported_then_stops_the_job(tmp_path):
+    """Worker 0 push_pulls 'only_on_rank0', worker 1 'only_on_rank1': after
+    BYTEPS_STALL_CHECK_TIME_SECONDS every worker logs both names and the
+    missing ranks; after BYTEPS_STALL_SHUTDOWN_TIME_SECONDS their
+    push_pulls fail with that message and the processes exit non-zero."""
+    env = dict(FAST_FAILURE, BYTEPS_STALL_CHECK_TIME_SECONDS="2",
+               BYTEPS_STALL_SHUTDOWN_TIME_SECONDS="5")
+    start = time.time()
+    with ManualCluster(2, 1, [WORKER, "stall", str(tmp_path)], env=env) as c:
+        assert c.wait_all(c.workers + c.servers, timeout=60)
+        elapsed = time.time() - start
+        warning = ("tensor 'only_on_rank0' submitted by worker(s) 0 but not by worker(s) 1; "
+                   "tensor 'only_on_rank1' submitted by worker(s) 1 but not by worker(s) 0")
+        for r in range(2):
+            log = c.log(f"worker{r}")
+            assert c.workers[r].returncode == 3, log
+            # the warning first, then the failure of the push_pull
+            first = log.index(warning)
+            assert "BYTEPS_STALL_CHECK_TIME_SECONDS=2" in log
+            failure = log.index("push_pull failed: ")
+            assert first < failure, log
+            assert warning in log[failure:], log
+            assert "BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=5" in log[failure:], log
+        assert c.servers[0].returncode != 0
+    assert elapsed < 40
+
+
+def test_no_stall_check_when_it_is_off(tmp_path):
+    """BYTEPS_STALL_CHECK_TIME_SECONDS=0: no report and no shutdown; the
+    lone push_pulls still wait when the workers give up (after 6 s)."""
+    env = dict(FAST_FAILURE, BYTEPS_STALL_CHECK_TIME_SECONDS="0",
+               BYTEPS_STALL_SHUTDOWN_TIME_SECONDS="2")
+    with ManualCluster(2, 1, [WORKER, "stall", str(tmp_path), "6"], env=env) as c:
+        assert c.wait_all(c.workers, timeout=60)
+        for r in range(2):
+            log = c.log(f"worker{r}")
+            assert "push_pull failed" in log and "stalled for" not in log, log
+
+
 def test_a_worker_that_left_fails_the_others_push_pulls_instead_of_hanging(tmp_path):
     with ManualCluster(2, 1, [WORKER, "leave", str(tmp_path)], env=FAST_FAILURE) as c:
         assert c.wait_all(c.workers, timeout=40)

@@ -3,9 +3,10 @@
 Three kinds of runs, each paid for once:
 
 * one 2-worker x 2-logical-device cluster (2 servers) running
-  tests/workers/strategy_checks.py: SGD, Adam and Dropout scenarios (Embedding,
-  synchronized BatchNormalization, validation data, steps_per_execution=2),
-  compared across workers and with a single-process reference;
+  tests/workers/strategy_checks.py: SGD, Adam, Dropout and unsynchronized
+  BatchNormalization scenarios (Embedding, validation data,
+  steps_per_execution=2), compared across workers and with a single-process
+  reference; replica-context variable updates; model.predict gathering;
 * one single process (tests/workers/strategy_single.py): gradient priorities
   in a traced Keras train step, XLA turned off;
 * two 2-worker launches of tests/workers/strategy_backup.py: a crash in the
@@ -108,7 +109,7 @@ def test_reductions_go_across_workers(cluster):
         assert p["int32_sum"] == 4                          # int32 is not left local
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam", "dropout"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "dropout", "bn"])
 def test_workers_end_with_identical_weights(cluster, name):
     entries, arrays = _scenario(cluster, name)
     init0, init1 = _weights(arrays[0], "init_w"), _weights(arrays[1], "init_w")
@@ -121,6 +122,96 @@ def test_workers_end_with_identical_weights(cluster, name):
     # training happened
     assert max(float(np.abs(a - b).max()) for a, b in zip(final0, init0)) > 1e-3
     assert entries[0]["history"] == entries[1]["history"]
+
+
+def test_replica_context_assignments_reach_every_worker(cluster):
+    """A variable assigned in strategy.run ends with the same value on every
+    replica of every worker, per its aggregation (4 replicas, ids 0..3)."""
+    _, _, reports = cluster
+    for report in reports:
+        assigned = report["primitives"]["assigned"]
+        assert assigned["mean"] == [1.5, 1.5]          # mean of the replica ids
+        assert assigned["sum"] == [4.0, 4.0]           # 1 from each replica
+        assert assigned["first"] == [10.0, 10.0]       # rank 0's first replica
+        # non-trainable float without an aggregation: averaged (as MEAN)
+        assert assigned["state"] == [1.5, 1.5]
+
+
+def _bn_data():
+    # tests/workers/strategy_checks.py make_data(): the training features
+    rng = np.random.RandomState(1234)
+    return rng.randn(96 + 44, 8).astype("float32")[:96].astype("float64")
+
+
+def test_all_weights_identical_with_unsynchronized_batch_norm(cluster):
+    """Adam + Embedding + two BatchNormalization(synchronized=False): every
+    weight, moving statistics included, is bitwise the same on both workers
+    (test_workers_end_with_identical_weights[bn]) and on both local replicas,
+    and the moving statistics did move."""
+    entries, arrays = _scenario(cluster, "bn")
+    for entry in entries:
+        assert entry["replica_spread"] == 0.0
+    for rank in range(2):
+        assert np.abs(arrays[rank]["inbn_mean"]).max() > 1e-3       # moved from 0
+        np.testing.assert_array_equal(arrays[rank]["inbn_mean"], arrays[0]["inbn_mean"])
+        np.testing.assert_array_equal(arrays[rank]["inbn_var"], arrays[0]["inbn_var"])
+
+
+def test_moving_statistics_follow_the_global_batches(cluster):
+    """What equality holds, and why. Each of the 4 replicas (2 workers x 2
+    devices) normalizes its quarter of the global batch of 16 and computes
+    m_r = 0.99*m + 0.01*mean_r; the update written is their MEAN over all
+    replicas (TensorFlow's aggregation MEAN), i.e. 0.99*m + 0.01*mean(mean_r).
+
+    * moving mean: the mean of equal-size quarters' means is the global
+      batch mean, so it equals one process trained on the global batches
+      (the reference run);
+    * moving variance: the mean of the quarters' variances is not the
+      global batch variance (it lacks the spread between the quarters'
+      means), so it equals that average computed here with numpy, and not
+      the one-process value.
+    The input BatchNormalization sees the raw features (no trained layer
+    before it), which makes both computable from the data alone."""
+    _, out, _ = cluster
+    _, arrays = _scenario(cluster, "bn")
+    reference = np.load(out / "bn.reference.npz")
+    feats = _bn_data()
+    mean, var_quarters, var_global = np.zeros(8), np.ones(8), np.ones(8)
+    for _ in range(3):                                   # epochs
+        for k in range(6):                               # global batches of 16
+            batch = feats[16 * k:16 * (k + 1)]
+            quarters = batch.reshape(4, 4, 8)
+            mean = 0.99 * mean + 0.01 * quarters.mean(axis=1).mean(axis=0)
+            var_quarters = 0.99 * var_quarters + 0.01 * quarters.var(axis=1).mean(axis=0)
+            var_global = 0.99 * var_global + 0.01 * batch.var(axis=0)
+    got_mean, got_var = arrays[0]["inbn_mean"], arrays[0]["inbn_var"]
+    np.testing.assert_allclose(got_mean, reference["inbn_mean"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_mean, mean, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(reference["inbn_var"], var_global, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got_var, var_quarters, rtol=0, atol=1e-5)
+    assert np.abs(got_var - var_global).max() > 1e-3
+
+
+def test_model_predict_returns_every_row_in_order(cluster):
+    """model.predict(x) with 10 rows on 2 workers (5 each, batch_size=4: a
+    full and a partial batch) returns the 10 rows on every worker, equal to
+    a plain model.predict on one process with the same weights."""
+    _, out, _ = cluster
+    _, arrays = _scenario(cluster, "sgd")
+    plain = np.load(out / "sgd.plain_predict.rank0.npy")
+    assert plain.shape == (10, 3)
+    for rank in range(2):
+        np.testing.assert_array_equal(arrays[rank]["predict10"], arrays[0]["predict10"])
+        np.testing.assert_allclose(arrays[rank]["predict10"], plain, rtol=0, atol=1e-6)
+        # one row, two workers: rank 0 predicts none, rank 1 the row
+        np.testing.assert_allclose(arrays[rank]["predict1"], plain[:1], rtol=0, atol=1e-6)
+
+
+def test_predict_shard_option_keeps_the_per_worker_shard(cluster):
+    """BytePSStrategy(predict="shard"): Keras' own behaviour, each worker's
+    shard of every batch (10 rows, batches of 4 split 2+2, 2+2, 1+1)."""
+    _, arrays = _scenario(cluster, "dropout")
+    assert [arrays[r]["predict10"].shape[0] for r in range(2)] == [5, 5]
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
@@ -229,6 +320,8 @@ def test_priority_scheduling_can_be_turned_off():
 def test_single_process_strategy(single):
     assert single["replicas"] == 2 and single["should_checkpoint"] and single["trained"]
     assert single["jit_compile"] is False      # compiled with jit_compile=True
+    assert single["bad_predict"] == ("BytePSStrategy(predict='gather'): expected one of "
+                                     "'all', 'shard'.")
 
 
 # --------------------------------------------------------------------------

@@ -30,8 +30,9 @@ enum class MsgType : uint16_t {
   kShutdown = 12,      // scheduler -> server: every worker has left
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
   kPeerLeft = 14,      // scheduler -> worker: another worker shut down
+  kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
 };
-constexpr uint16_t kMaxMsgType = 14;
+constexpr uint16_t kMaxMsgType = 15;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 

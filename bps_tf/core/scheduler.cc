@@ -20,6 +20,8 @@ Scheduler::Scheduler(const Config& cfg)
       num_servers_(static_cast<int>(cfg.GetInt("num_servers", 1))),
       partition_bytes_(cfg.GetInt("partition_bytes", 4096000)),
       timeout_s_(cfg.GetDouble("timeout_s", 30)),
+      stall_check_s_(cfg.GetDouble("stall_check_s", 60)),
+      stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),
       server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0) {}
 
 Outgoing Scheduler::Reply(const Peer& to, MsgType type, const std::string& payload,
@@ -283,6 +285,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     return;
   }
   auto& waiting = pending_[name];
+  if (waiting.empty()) pending_since_[name] = Clock::now();
   waiting[rank] = Pending{sig, from, h.request_id};
   if (waiting.size() < static_cast<size_t>(num_workers_)) return;
 
@@ -314,6 +317,58 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(w.second.peer, MsgType::kDeclared, payload, w.second.request_id));
   }
   pending_.erase(name);
+  pending_since_.erase(name);
+  stall_reported_.erase(name);
+}
+
+// A declaration waits at the scheduler until every worker has made it, so
+// a tensor that only some workers push_pull (a call under a rank-dependent
+// branch) waits here forever. Checked on the scheduler's timer, from the
+// declarations it holds anyway: nothing is added to a push_pull's path.
+void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
+  if (stall_check_s_ <= 0 || pending_.empty()) return;
+  auto age_of = [this](const std::string& name) {
+    auto since = pending_since_.find(name);
+    return since == pending_since_.end() ? 0.0 : SecondsSince(since->second);
+  };
+  bool shutdown = false;
+  for (const auto& p : pending_) {
+    if (stall_shutdown_s_ > 0 && age_of(p.first) >= stall_shutdown_s_) shutdown = true;
+  }
+  std::string report;
+  double oldest = 0;
+  for (const auto& p : pending_) {
+    double age = age_of(p.first);
+    if (age < stall_check_s_) continue;
+    if (!shutdown && stall_reported_.count(p.first)) continue;
+    oldest = std::max(oldest, age);
+    std::string have, missing;
+    for (int r = 0; r < num_workers_; ++r) {
+      std::string& list = p.second.count(r) ? have : missing;
+      list += (list.empty() ? "" : ", ") + std::to_string(r);
+    }
+    report += (report.empty() ? "" : "; ") + std::string("tensor '") + p.first +
+              "' submitted by worker(s) " + have + " but not by worker(s) " + missing;
+    stall_reported_.insert(p.first);
+  }
+  if (report.empty()) return;
+  std::string message = "stalled for " + std::to_string(static_cast<int>(oldest)) + " s: " +
+                        report +
+                        " (every worker must make the same push_pull/broadcast calls; "
+                        "BYTEPS_STALL_CHECK_TIME_SECONDS=" +
+                        std::to_string(static_cast<int>(stall_check_s_)) + ")";
+  if (shutdown) {
+    Fail(message + "; stopping the job after BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=" +
+             std::to_string(static_cast<int>(stall_shutdown_s_)),
+         out);
+    return;
+  }
+  BPS_LOG(kWarning, message);
+  for (const auto& kv : nodes_) {
+    if (!kv.second.departed && kv.second.role == Role::kWorker) {
+      out->push_back(Reply(kv.first, MsgType::kStall, message));
+    }
+  }
 }
 
 void Scheduler::Tick(std::vector<Outgoing>* out) {
@@ -330,6 +385,7 @@ void Scheduler::Tick(std::vector<Outgoing>* out) {
       return;
     }
   }
+  CheckStalls(out);
 }
 
 }  // namespace bps

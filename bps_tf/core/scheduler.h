@@ -71,6 +71,7 @@ class Scheduler {
   Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
+  void CheckStalls(std::vector<Outgoing>* out);
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
 
   Config cfg_;
@@ -78,10 +79,14 @@ class Scheduler {
   int num_servers_;
   int64_t partition_bytes_;
   double timeout_s_;
+  double stall_check_s_;     // report a declaration some workers never made (0: off)
+  double stall_shutdown_s_;  // ... and stop the job after this long (0: never)
   std::map<Peer, Node> nodes_;
   bool welcomed_ = false;
   std::set<Peer> barrier_;
   std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
+  std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
+  std::set<std::string> stall_reported_;
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::set<uint64_t> used_keys_;
   std::vector<uint64_t> server_load_;

@@ -107,6 +107,9 @@ void WorkerEngine::HandleControl(const Message& m) {
     case MsgType::kError:
       Fatal(m.payload.str(), BPS_ERR_UNAVAILABLE);
       break;
+    case MsgType::kStall:
+      BPS_LOG(kWarning, m.payload.str());
+      break;
     case MsgType::kPeerLeft: {
       // In async mode nobody waits for a partner: a departure changes nothing.
       if (cfg_.GetInt("async", 0) != 0) break;

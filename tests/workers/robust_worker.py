@@ -3,6 +3,7 @@
 Usage: robust_worker.py MODE OUT_DIR [N]
   loop   push_pull until an error, then exit 3 with the error on stderr
   idle   join, then sleep (never calls push_pull again)
+  stall  each worker push_pulls a name the other never uses
   leave  worker 1 shuts down at once; worker 0 records its push_pull errors
   exact  N rounds of random sizes/dtypes, all checked; writes rank<r>.json
 """
@@ -62,6 +63,19 @@ if MODE == "leave":
             errors.append(str(exc))
     with open(os.path.join(OUT, "leave.json"), "w") as f:
         json.dump({"errors": errors, "seconds": time.time() - start}, f)
+    sys.exit(0)
+
+if MODE == "stall":
+    # Each worker push_pulls a tensor the other never does: both wait at
+    # the scheduler until the stall check reports, then stops, the job.
+    name = "only_on_rank0" if rank == 0 else "only_on_rank1"
+    a = np.ones(10, np.float32)
+    try:
+        core.push_pull_async(name, a, np.empty_like(a), 0, "").wait(N or 120)
+        print("push_pull returned", file=sys.stderr, flush=True)
+    except RuntimeError as exc:
+        print(f"push_pull failed: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
     sys.exit(0)
 
 if MODE == "idle":

@@ -15,6 +15,14 @@ global batch k is rows [16k, 16k+16) and the workers' shards of batch k are
 exactly those rows). It writes OUT_DIR/<scenario>.reference.npz and
 OUT_DIR/<scenario>.reference.json.
 
+Scenario "bn": BatchNormalization(synchronized=False), one on the raw
+features ("in_bn"), Adam and Embedding: every weight, moving statistics
+included, must end identical on both workers and both local replicas, and
+in_bn's moving statistics are compared with the reference and with numpy.
+model.predict(x[:10]) is recorded in every scenario ("dropout" uses
+BytePSStrategy(predict="shard")); after the references every worker also
+predicts those rows with a plain model holding the sgd model's weights.
+
 Dropout: the "dropout" scenario uses rate 0.5 and is only compared across
 workers (and, to save time, runs without validation data) (the seed-generator state is a mirrored variable, so every worker
 draws the same masks); a single process drawing one mask for the global
@@ -56,14 +64,17 @@ def make_data():
     return ({"feats": ft, "tokens": tt}, yt), ({"feats": fv, "tokens": tv}, yv)
 
 
-def make_model(dropout):
+def make_model(dropout, sync_bn=True, input_bn=False):
     feats = keras.Input((FEATURES,), name="feats")
     tokens = keras.Input((TOKENS,), name="tokens", dtype="int32")
     embedded = keras.layers.Embedding(VOCAB, 4)(tokens)           # sparse gradient
     pooled = keras.layers.GlobalAveragePooling1D()(embedded)
-    h = keras.layers.Concatenate()([feats, pooled])
+    # in_bn sees the raw features: its moving statistics depend on the data
+    # only, so they can be checked against one process on the global batches.
+    f = keras.layers.BatchNormalization(name="in_bn")(feats) if input_bn else feats
+    h = keras.layers.Concatenate()([f, pooled])
     h = keras.layers.Dense(16, activation="relu")(h)
-    h = keras.layers.BatchNormalization(synchronized=True)(h)
+    h = keras.layers.BatchNormalization(synchronized=sync_bn)(h)
     h = keras.layers.Dropout(dropout, seed=7)(h)
     out = keras.layers.Dense(CLASSES)(h)
     return keras.Model({"feats": feats, "tokens": tokens}, out)
@@ -79,9 +90,16 @@ def compile_model(model, optimizer):
                   metrics=["accuracy"], steps_per_execution=2)
 
 
-# (name, optimizer, dropout rate, compared with the reference)
+# (name, optimizer, dropout rate, has a reference run)
 SCENARIOS = [("sgd", "sgd", 0.0, True), ("adam", "adam", 0.0, True),
-             ("dropout", "sgd", 0.5, False)]
+             ("dropout", "sgd", 0.5, False), ("bn", "adam", 0.0, True)]
+# "bn": BatchNormalization NOT synchronized (each replica normalizes with its
+# own batch moments), one on the raw features: the moving statistics are
+# updated per replica and averaged over all replicas of all workers.
+MODEL_OPTIONS = {"bn": {"sync_bn": False, "input_bn": True}}
+# "dropout" keeps Keras' per-shard predict, to check the option.
+STRATEGY_OPTIONS = {"dropout": {"predict": "shard"}}
+PREDICT_ROWS = 10          # model.predict(x[:10], batch_size=4): odd counts per worker
 
 
 class Recorder(keras.callbacks.Callback):
@@ -115,15 +133,50 @@ def primitives(strategy, rank):
     out["gather"] = [float(v) for v in strategy.gather(ids, axis=0).numpy()]
     ones = strategy.run(lambda: tf.constant(1, tf.int32))
     out["int32_sum"] = int(strategy.reduce("SUM", ones, axis=None))
+    # Variables assigned in replica context, by aggregation; "state": a
+    # non-trainable float variable without one (as Keras 3 makes them).
+    agg = tf.VariableAggregation
+    with strategy.scope():
+        variables = {"mean": tf.Variable(0.0, aggregation=agg.MEAN),
+                     "sum": tf.Variable(0.0, aggregation=agg.SUM),
+                     "first": tf.Variable(0.0, aggregation=agg.ONLY_FIRST_REPLICA),
+                     "state": tf.Variable(0.0, trainable=False)}
+
+    def assign_all():
+        rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        variables["mean"].assign(rid)
+        variables["sum"].assign(rid * 0.0 + 1.0)      # a per-replica 1
+        variables["first"].assign(rid + 10.0 * (rank + 1))
+        variables["state"].assign(rid)
+    strategy.run(tf.function(assign_all))
+    out["assigned"] = {k: [float(c.numpy()) for c in v.values] for k, v in variables.items()}
     return out
+
+
+def replica_spread(model):
+    """Largest difference between the local replicas' copies of any weight."""
+    spread = 0.0
+    for w in model.weights:
+        parts = getattr(getattr(w, "value", w), "values", None) or ()
+        for part in parts[1:]:
+            spread = max(spread, float(np.max(np.abs(np.asarray(part) - np.asarray(parts[0])))))
+    return spread
+
+
+def in_bn_stats(model):
+    try:
+        layer = model.get_layer("in_bn")
+    except ValueError:
+        return {}
+    return {"inbn_mean": np.asarray(layer.moving_mean), "inbn_var": np.asarray(layer.moving_variance)}
 
 
 def weights_of(model):
     return {f"w{i}": np.asarray(v) for i, v in enumerate(model.get_weights())}
 
 
-def new_strategy():
-    return BytePSStrategy(devices=["/cpu:0", "/cpu:1"])
+def new_strategy(**options):
+    return BytePSStrategy(devices=["/cpu:0", "/cpu:1"], **options)
 
 
 def main(out_dir):
@@ -152,9 +205,9 @@ def main(out_dir):
         try:
             # A strategy per scenario: its gradient priorities are this
             # scenario's alone (and several strategies in one process work).
-            strategy = new_strategy()
+            strategy = new_strategy(**STRATEGY_OPTIONS.get(name, {}))
             with strategy.scope():
-                model = make_model(dropout)
+                model = make_model(dropout, **MODEL_OPTIONS.get(name, {}))
                 compile_model(model, optimizer)
             initial = weights_of(model)
             saves = []
@@ -171,9 +224,15 @@ def main(out_dir):
                                      model.evaluate(xv, yv, batch_size=GLOBAL_BATCH, verbose=0)]
             entry["saves"] = saves
             preds = gather_predictions(model, xv, batch_size=8) if compared else np.zeros(0)
+            x10 = {k: v[:PREDICT_ROWS] for k, v in xv.items()}
+            predicted = {"predict10": model.predict(x10, batch_size=4, verbose=0)}
+            if name == "sgd":     # fewer rows than workers: rank 1 predicts none
+                predicted["predict1"] = model.predict({k: v[:1] for k, v in xv.items()},
+                                                      verbose=0)
+            entry["replica_spread"] = replica_spread(model)
             np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"),
                      preds=preds, **{f"init_{k}": v for k, v in initial.items()},
-                     **weights_of(model))
+                     **weights_of(model), **predicted, **in_bn_stats(model))
             entry["priorities"] = strategy.extended._push_pull_ops.gradient_priorities()
             entry["ok"] = True
         except Exception as exc:  # recorded, asserted by the test
@@ -189,7 +248,7 @@ def main(out_dir):
         result = {}
         try:
             start = np.load(os.path.join(out_dir, f"{name}.rank{rank}.npz"))
-            model = make_model(dropout)
+            model = make_model(dropout, **MODEL_OPTIONS.get(name, {}))
             compile_model(model, optimizer)
             model.set_weights([start[f"init_w{i}"] for i in range(len(model.weights))])
             history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
@@ -198,12 +257,22 @@ def main(out_dir):
             result["evaluate"] = [float(v) for v in model.evaluate(
                 xv, yv, batch_size=GLOBAL_BATCH, verbose=0)]
             np.savez(os.path.join(out_dir, f"{name}.reference.npz"),
-                     preds=model.predict(xv, verbose=0), **weights_of(model))
+                     preds=model.predict(xv, verbose=0), **weights_of(model),
+                     **in_bn_stats(model))
         except Exception as exc:  # recorded, asserted by the test
             result["error"] = f"{exc}\n{traceback.format_exc()[-4000:]}"
         result["seconds"] = time.time() - started
         with open(os.path.join(out_dir, f"{name}.reference.json"), "w") as f:
             json.dump(result, f)
+    # A plain model (no strategy) with the distributed sgd model's final
+    # weights: what model.predict on one process returns.
+    if report["scenarios"]["sgd"].get("ok"):
+        final = np.load(os.path.join(out_dir, f"sgd.rank{rank}.npz"))
+        model = make_model(0.0)
+        model.set_weights([final[f"w{i}"] for i in range(len(model.weights))])
+        x10 = {k: v[:PREDICT_ROWS] for k, v in xv.items()}
+        np.save(os.path.join(out_dir, f"sgd.plain_predict.rank{rank}.npy"),
+                model.predict(x10, batch_size=3, verbose=0))
     report["done"] = True
     write()
 

@@ -10,7 +10,8 @@ must be configured before TensorFlow starts. Prints one JSON line:
   reverse of the order they are called in;
 * ``forward_order``: the variables in the order the model reads them;
 * ``jit_compile``: the model's jit_compile after compile(jit_compile=True);
-* ``replicas``, ``should_checkpoint``, ``trained``.
+* ``replicas``, ``should_checkpoint``, ``trained``;
+* ``bad_predict``: the error of ``BytePSStrategy(predict="gather")``.
 """
 import json
 import os
@@ -63,7 +64,13 @@ def main():
             for op_name in entry.op_names:
                 priorities.setdefault(names[id(entry.variable)], set()).add(
                     graph.get_operation_by_name(op_name).get_attr("priority"))
+    try:
+        BytePSStrategy(devices=["/cpu:0"], predict="gather")
+        bad_predict = "no error"
+    except ValueError as exc:
+        bad_predict = str(exc)
     print(json.dumps({
+        "bad_predict": bad_predict,
         "priorities": {k: sorted(v) for k, v in priorities.items()},
         "forward_order": ["embed/embeddings", "middle/kernel", "middle/bias", "bn/gamma",
                           "bn/beta", "out/kernel", "out/bias"],
