@@ -215,20 +215,25 @@ struct Analysis {
   // The variables whose updates `pp`'s value reaches (see the file comment).
   std::set<int> UpdatedVariables(const Node* pp) {
     std::set<int> roots;
-    std::unordered_set<int> seen{pp->id()};
-    std::vector<const Node*> todo{pp};
-    auto push = [&](const Node* n) {
-      if (seen.insert(n->id()).second) todo.push_back(n);
+    // (node, the only output followed, or -1 for all): an IdentityN carries
+    // many gradients, and only the one that came in is followed out.
+    std::unordered_set<int64_t> seen;
+    std::vector<std::pair<const Node*, int>> todo;
+    auto push = [&](const Node* n, int port) {
+      if (seen.insert((static_cast<int64_t>(n->id()) << 24) + port + 1).second) {
+        todo.push_back({n, port});
+      }
     };
+    push(pp, -1);
     while (!todo.empty() && seen.size() < 4096) {
-      const Node* n = todo.back();
+      auto [n, port] = todo.back();
       todo.pop_back();
       for (const Edge* e : n->out_edges()) {
-        if (e->IsControlEdge()) continue;
+        if (e->IsControlEdge() || (port >= 0 && e->src_output() != port)) continue;
         const Node* d = e->dst();
         const std::string& t = d->type_string();
         if (IsUpdate(t)) {
-          if (!seen.insert(d->id()).second) continue;
+          if (!seen.insert(static_cast<int64_t>(d->id()) << 24).second) continue;
           for (const Edge* in : d->in_edges()) {
             if (in->IsControlEdge() || !IsHandle(d->input_type(in->dst_input()))) continue;
             const Node* root = HandleRoot(in->src(), in->src_output());
@@ -237,11 +242,11 @@ struct Analysis {
             auto r = reads.find(root->id());
             if (r == reads.end()) continue;
             for (const Node* read : r->second) {
-              if (pos[read->id()] > pos[d->id()]) push(read);
+              if (pos[read->id()] > pos[d->id()]) push(read, -1);
             }
           }
         } else if (t != kPushPull && PassesThrough(t)) {
-          push(d);
+          push(d, t == "IdentityN" ? e->dst_input() : -1);
         }
       }
     }
