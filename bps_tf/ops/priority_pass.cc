@@ -7,7 +7,8 @@
 // `priority` attr from the topological position of its variable's first
 // read: after a step, the next forward pass reads the first layer's
 // variables first, so their gradients are needed first. Variables are
-// ranked by (first read, name) and get 0, -1, -2, ... (higher leaves first).
+// ranked by (first read, smallest tensor_name of their push_pulls) and get
+// 0, -1, -2, ... (higher leaves first); never-read variables go last.
 //
 // What counts as a gradient push_pull (the others keep their priority):
 //  * its output flows, through value-forwarding and elementwise ops, into a
@@ -353,12 +354,19 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     if (options.graph == nullptr || !*options.graph) return absl::OkStatus();
     auto start = std::chrono::steady_clock::now();
     Graph* g = options.graph->get();
+    // The early exit is this scan: one string compare per node, which
+    // rejects on the length for almost every op type.
+    static const std::string* kType = new std::string(kPushPull);
     std::vector<Node*> pps;
     for (Node* n : g->op_nodes()) {
-      if (n->type_string() == kPushPull) pps.push_back(n);
+      if (n->type_string() == *kType) pps.push_back(n);
     }
     bool has = !pps.empty();
-    if (has && Enabled()) Assign(*g, pps);
+    if (has && Enabled()) {
+      Assign(*g, pps);
+    } else if (has) {
+      Keep(pps);
+    }
     int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                      std::chrono::steady_clock::now() - start).count();
     PassStats::Get().Record(has, g->num_op_nodes(), ns);
@@ -366,6 +374,13 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
   }
 
  private:
+  // Turned off: the kernels receive the priorities the graph was built with.
+  static void Keep(const std::vector<Node*>& pps) {
+    std::vector<std::pair<std::string, int64_t>> kept;
+    for (const Node* pp : pps) kept.emplace_back(TensorName(pp), GetPriority(pp));
+    PassStats::Get().RecordDecisions(kept);
+  }
+
   static void Assign(const Graph& g, const std::vector<Node*>& pps) {
     Analysis a(g);
     a.FindReads();
@@ -384,14 +399,19 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
       }
       variable_of[pp] = best;
     }
-    // Rank the variables by (first read, name).
+    // Rank the variables by (first read, name), the name being the smallest
+    // tensor_name of the variable's push_pulls: the same on every worker.
+    std::unordered_map<int, std::string> name_of;
+    for (const auto& kv : variable_of) {
+      std::string n = TensorName(kv.first);
+      auto it = name_of.find(kv.second);
+      if (it == name_of.end() || n < it->second) name_of[kv.second] = n;
+    }
     std::vector<int> vars;
-    for (const auto& kv : variable_of) vars.push_back(kv.second);
-    std::sort(vars.begin(), vars.end());
-    vars.erase(std::unique(vars.begin(), vars.end()), vars.end());
+    for (const auto& kv : name_of) vars.push_back(kv.first);
     std::sort(vars.begin(), vars.end(), [&](int x, int y) {
-      return std::make_pair(a.FirstRead(x), g.FindNodeId(x)->name()) <
-             std::make_pair(a.FirstRead(y), g.FindNodeId(y)->name());
+      return std::make_pair(a.FirstRead(x), name_of[x]) <
+             std::make_pair(a.FirstRead(y), name_of[y]);
     });
     std::unordered_map<int, int64_t> rank;
     for (size_t i = 0; i < vars.size(); ++i) rank[vars[i]] = -static_cast<int64_t>(i);

@@ -18,6 +18,9 @@ void PassStats::Record(bool has_push_pull, int64_t nodes, int64_t ns) {
   c.graphs++;
   c.total_ns += ns;
   c.max_nodes = std::max(c.max_nodes, nodes);
+  if (samples_.size() < 3 * 20000) {
+    samples_.insert(samples_.end(), {has_push_pull ? 1 : 0, nodes, ns});
+  }
   if (ns > c.max_ns) {
     c.max_ns = ns;
     c.max_ns_nodes = nodes;
@@ -34,6 +37,7 @@ void PassStats::Reset() {
   without_ = Cost();
   with_ = Cost();
   priorities_.clear();
+  samples_.clear();
 }
 
 std::string PassStats::Json() {
@@ -51,7 +55,12 @@ std::string PassStats::Json() {
     out += (first ? "" : ",") + bps::JsonString(p.first) + ":" + std::to_string(p.second);
     first = false;
   }
-  return out + "}}";
+  out += "},\"samples\":[";
+  for (size_t i = 0; i + 2 < samples_.size(); i += 3) {
+    out += (i ? ",[" : "[") + std::to_string(samples_[i]) + "," +
+           std::to_string(samples_[i + 1]) + "," + std::to_string(samples_[i + 2]) + "]";
+  }
+  return out + "]}";
 }
 
 }  // namespace bps_tf

@@ -29,13 +29,16 @@ class PassStats {
   };
   std::mutex mu_;
   Cost without_, with_;
+  // (has push_pull, nodes, ns) of the first graphs, for percentiles
+  std::vector<int64_t> samples_;
   std::map<std::string, int64_t> priorities_;
 };
 
 }  // namespace bps_tf
 
 extern "C" {
-// JSON {"without_push_pull": {...}, "with_push_pull": {...}, "priorities": {...}}
+// JSON {"without_push_pull": {...}, "with_push_pull": {...}, "priorities": {...},
+//       "samples": [[has_push_pull, nodes, ns], ...] (the first 20000 graphs)}
 // into buf (truncated to len); returns the length it needs, terminator included.
 size_t bps_priority_pass_stats_json(char* buf, size_t len);
 void bps_priority_pass_stats_reset(void);
