@@ -21,7 +21,8 @@
 //    whole step and keeps the priority its creator gave it.
 // A push_pull that feeds another one only through integer tensors (the row
 // counts of a sparse gradient's allgather, which size the rows' buffer)
-// takes the priority of the push_pull it feeds.
+// takes the priority of the push_pull it feeds. A push_pull whose node has
+// `_bps_keep_priority` = true (a user's priority_fn chose it) is left alone.
 //
 // The pass only changes `priority` attrs (never a result), computes them
 // from scratch each time (idempotent), and returns at once on graphs without
@@ -327,6 +328,13 @@ int64_t GetPriority(const Node* n) {
   return v ? v->i() : 0;
 }
 
+// Push_pulls built with an explicit priority choice (a priority_fn) carry
+// the node attr `_bps_keep_priority`; the pass leaves them alone.
+bool KeepsPriority(const Node* n) {
+  const tensorflow::AttrValue* v = n->attrs().Find("_bps_keep_priority");
+  return v && v->b();
+}
+
 std::string TensorName(const Node* n) {
   const tensorflow::AttrValue* v = n->attrs().Find("tensor_name");
   return v && !v->s().empty() ? v->s() : n->name();
@@ -389,6 +397,7 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     // gradient push_pull -> its variable (root id)
     std::unordered_map<const Node*, int> variable_of;
     for (const Node* pp : pps) {
+      if (KeepsPriority(pp)) continue;  // chosen by the user (priority_fn)
       if (feeds[pp->id()]) continue;   // forward-pass reduction: keep
       std::set<int> roots = a.UpdatedVariables(pp);
       if (roots.empty()) continue;     // not traced to a variable: keep
@@ -419,7 +428,7 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     for (const auto& kv : variable_of) priority[kv.first] = rank[kv.second];
     // Integer feeders (sparse row counts) take the priority of what they feed.
     for (const Node* pp : pps) {
-      if (priority.count(pp) || !feeds[pp->id()]) continue;
+      if (priority.count(pp) || !feeds[pp->id()] || KeepsPriority(pp)) continue;
       int64_t best = std::numeric_limits<int64_t>::min();
       for (const Node* fed : IntegerFed(pp)) {
         auto it = priority.find(fed);
