@@ -1,7 +1,9 @@
-"""bps_tf.DistributedOptimizer with tf.compat.v1.train optimizers in TF1
-sessions (2 workers): an MLP with an embedding lookup (sparse gradient) ends
-with the same weights on both workers, within 1e-6 of one process trained on
+"""TF1 sessions on 2 workers: bps_tf.DistributedOptimizer wrapping a
+tf.compat.v1.train optimizer (an MLP with an embedding lookup: a sparse
+gradient), and a plain optimizer with bps_tf.compat.v1.enable_graph_rewrite().
+Weights end equal on both workers and within 1e-6 of one process trained on
 the concatenated batches. SGD, Momentum and Adam; resource and ref variables.
+Under the rewrite a sparse update is refused with an error naming the op.
 One cluster runs tests/workers/tf1_checks.py once."""
 import os
 import sys
@@ -13,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_runner import ROOT, launch  # noqa: E402
 
 CHECKS = os.path.join(ROOT, "tests", "workers", "tf1_checks.py")
-CASES = [f"{o}_{v}" for o in ("adam", "sgd", "momentum") for v in ("resource", "ref")]
+CASES = [f"{m}_{o}_{v}" for m in ("wrap", "rewrite") for o in ("adam", "sgd", "momentum")
+         for v in ("resource", "ref")]
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +40,12 @@ def test_workers_agree_and_match_one_process(run, case):
         np.testing.assert_array_equal(results[0][f"got_{name}"], results[1][f"got_{name}"])
         np.testing.assert_allclose(results[0][f"got_{name}"], results[0][f"ref_{name}"],
                                    rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_the_graph_rewrite_refuses_a_sparse_update_naming_it(run):
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        message = (out / f"sparse_refused.rank{rank}.txt").read_text()
+        assert "sparse gradient" in message and "ResourceScatterAdd" in message, message
+        assert "bps_tf.DistributedOptimizer" in message

@@ -9,6 +9,13 @@ before ``apply_gradients`` uses it: dense gradients through push_pull,
 and indices, so sparse optimizer updates see every worker's rows. Names come
 from the variables (the same on every worker that builds the same graph);
 priorities are set by the C++ priority pass when the session runs the graph.
+
+Or, with no change to the training script but one line,
+``bps_tf.compat.v1.enable_graph_rewrite()`` before the session is created:
+the pass then inserts a push_pull between every dense gradient and the
+``Apply*``/``ResourceApply*`` op applying it, in every graph a TF1 session
+runs. Sparse updates are refused with an error naming the op (wrap the
+optimizer instead).
 """
 from __future__ import annotations
 
@@ -70,6 +77,25 @@ class DistributedOptimizer(_V1Optimizer):
 
     def variables(self, *args, **kwargs):
         return self._optimizer.variables(*args, **kwargs)
+
+
+def enable_graph_rewrite(average: bool = True) -> None:
+    """From now on, graphs run by TF1 sessions (not tf.function) get a
+    push_pull between each dense gradient and the optimizer op applying it,
+    averaged over the workers unless ``average=False``; priorities from the
+    graph. Call after ``bps_tf.init()`` and before creating the session: a
+    session rewrites its graph when it first runs it."""
+    from bps_tf import basics
+    from bps_tf.ops import pass_record
+    if not basics.is_initialized():
+        raise RuntimeError("call bps_tf.init() before bps_tf.compat.v1.enable_graph_rewrite()")
+    pass_record.configure_graph_rewrite(True, basics.size(), average)
+
+
+def disable_graph_rewrite() -> None:
+    """Sessions created from now on run their graphs as built."""
+    from bps_tf.ops import pass_record
+    pass_record.configure_graph_rewrite(False)
 
 
 def is_v1_optimizer(optimizer) -> bool:

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "common.h"
+#include "graph_rewrite.h"
 #include "priority_pass_stats.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
 #include "tensorflow/core/graph/graph.h"
@@ -362,6 +363,9 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     if (options.graph == nullptr || !*options.graph) return absl::OkStatus();
     auto start = std::chrono::steady_clock::now();
     Graph* g = options.graph->get();
+    // TF1 sessions with the graph rewrite on: insert push_pulls first.
+    absl::Status inserted = InsertPushPulls(g, options.is_function_graph);
+    if (!inserted.ok()) return inserted;
     // The early exit is this scan: one string compare per node, which
     // rejects on the length for almost every op type.
     static const std::string* kType = new std::string(kPushPull);

@@ -2,11 +2,17 @@
 
     bpslaunch -np 2 --servers 1 python tests/workers/tf1_checks.py OUT_DIR
 
-A tf.compat.v1 MLP with an embedding lookup, trained 20 steps in a Session
-with bps_tf.DistributedOptimizer(<TF1 optimizer>) on this worker's half of
-each global batch; then the same graph trained by this process alone on the
-whole global batches (the reference). Writes OUT_DIR/<case>.rank<r>.npz with
-both sets of final weights.
+A tf.compat.v1 MLP trained 20 steps in a Session on this worker's half of
+each global batch, then the same graph trained by this process alone on the
+whole global batches (the reference):
+
+* ``wrap``: with an embedding lookup and
+  bps_tf.DistributedOptimizer(<TF1 optimizer>);
+* ``rewrite``: a plain optimizer, bps_tf.compat.v1.enable_graph_rewrite()
+  (the table used densely: the rewrite refuses sparse updates, which is
+  checked last, ``sparse_refused``).
+
+Writes OUT_DIR/<mode>_<case>.rank<r>.npz with both sets of final weights.
 """
 import os
 import sys
@@ -34,7 +40,7 @@ def data():
     return tokens, labels
 
 
-def train(case, distributed, rows, use_resource=True):
+def train(case, distributed, rows, use_resource=True, embedding=True):
     graph = tf.Graph()
     with graph.as_default():
         tokens = tf.compat.v1.placeholder(tf.int32, [None, TOKENS], name="tokens")
@@ -45,12 +51,15 @@ def train(case, distributed, rows, use_resource=True):
         w1 = tf.compat.v1.get_variable("w1", [4, 8], initializer=init, use_resource=use_resource)
         table = tf.compat.v1.get_variable("table", [VOCAB, 4], initializer=init,
                                           use_resource=use_resource)
-        h = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1)
+        if embedding:
+            h = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1)
+        else:   # dense use of the table: a dense gradient
+            h = tf.reduce_mean(tf.tensordot(tf.one_hot(tokens, VOCAB), table, axes=1), axis=1)
         logits = tf.matmul(tf.nn.relu(tf.matmul(h, w1)), w2)
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
         opt = CASES[case]()
-        if distributed:
+        if distributed == "wrap":
             opt = bps_tf.DistributedOptimizer(opt)
         train_op = opt.minimize(loss)
         init_op = tf.compat.v1.global_variables_initializer()
@@ -69,18 +78,35 @@ def main():
     rank, size = bps_tf.rank(), bps_tf.size()
     half = GLOBAL_BATCH // size
     mine = slice(rank * half, (rank + 1) * half)
-    for case in CASES:
-        for use_resource in (True, False):
-            name = f"{case}_{'resource' if use_resource else 'ref'}"
-            try:
-                got = train(case, True, mine, use_resource)
-                ref = train(case, False, slice(0, GLOBAL_BATCH), use_resource)
-                np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"),
-                         **{f"got_{k}": v for k, v in got.items()},
-                         **{f"ref_{k}": v for k, v in ref.items()})
-            except Exception:  # noqa: BLE001 - reported to the test
-                with open(os.path.join(out_dir, f"{name}.rank{rank}.error"), "w") as f:
-                    f.write(traceback.format_exc())
+    from bps_tf.compat import v1 as bps_v1
+    for mode in ("wrap", "rewrite"):
+        for case in CASES:
+            for use_resource in (True, False):
+                name = f"{mode}_{case}_{'resource' if use_resource else 'ref'}"
+                try:
+                    if mode == "rewrite":
+                        bps_v1.enable_graph_rewrite()
+                    got = train(case, mode, mine, use_resource, embedding=mode == "wrap")
+                    bps_v1.disable_graph_rewrite()
+                    ref = train(case, None, slice(0, GLOBAL_BATCH), use_resource,
+                                embedding=mode == "wrap")
+                    np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"),
+                             **{f"got_{k}": v for k, v in got.items()},
+                             **{f"ref_{k}": v for k, v in ref.items()})
+                except Exception:  # noqa: BLE001 - reported to the test
+                    bps_v1.disable_graph_rewrite()
+                    with open(os.path.join(out_dir, f"{name}.rank{rank}.error"), "w") as f:
+                        f.write(traceback.format_exc())
+    # A sparse update under the rewrite: refused, naming the op.
+    bps_v1.enable_graph_rewrite()
+    try:
+        train("sgd", "rewrite", mine, True, embedding=True)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        message = str(exc)
+    bps_v1.disable_graph_rewrite()
+    with open(os.path.join(out_dir, f"sparse_refused.rank{rank}.txt"), "w") as f:
+        f.write(message)
     bps_tf.shutdown()
 
 
