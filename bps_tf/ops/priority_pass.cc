@@ -405,9 +405,11 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
       if (feeds[pp->id()]) continue;   // forward-pass reduction: keep
       std::set<int> roots = a.UpdatedVariables(pp);
       if (roots.empty()) continue;     // not traced to a variable: keep
+      auto key = [&](int id) {
+        return std::make_pair(a.FirstRead(id), g.FindNodeId(id)->name());
+      };
       int best = *roots.begin();
       for (int r : roots) {
-        auto key = [&](int id) { return std::make_pair(a.FirstRead(id), g.FindNodeId(id)->name()); };
         if (key(r) < key(best)) best = r;
       }
       variable_of[pp] = best;
