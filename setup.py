@@ -23,7 +23,7 @@ CORE_SOURCES = ["api.cc", "auth.cc", "common.cc", "protocol.cc", "reduce.cc", "s
                 "worker_engine.cc"]
 OP_SOURCES = ["bps_tf/ops/push_pull_ops.cc", "bps_tf/ops/priority_pass.cc",
               "bps_tf/ops/priority_pass_stats.cc", "bps_tf/ops/graph_rewrite.cc",
-              "bps_tf/kernels/push_pull_kernels.cc"]
+              "bps_tf/ops/sparse_gather.cc", "bps_tf/kernels/push_pull_kernels.cc"]
 WARNINGS = ["-Wall", "-Wno-sign-compare"]
 
 

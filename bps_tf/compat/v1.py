@@ -14,8 +14,9 @@ Or, with no change to the training script but one line,
 ``bps_tf.compat.v1.enable_graph_rewrite()`` before the session is created:
 the pass then inserts a push_pull between every dense gradient and the
 ``Apply*``/``ResourceApply*`` op applying it, in every graph a TF1 session
-runs. Sparse updates are refused with an error naming the op (wrap the
-optimizer instead).
+runs, and gathers sparse gradients (embedding lookups) exactly; a sparse update
+it cannot trace to tf.gradients' output is refused with an error naming the op
+(wrap the optimizer instead).
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def enable_graph_rewrite(average: bool = True) -> None:
     from bps_tf.ops import pass_record
     if not basics.is_initialized():
         raise RuntimeError("call bps_tf.init() before bps_tf.compat.v1.enable_graph_rewrite()")
-    pass_record.configure_graph_rewrite(True, basics.size(), average)
+    pass_record.configure_graph_rewrite(True, basics.size(), basics.rank(), average)
 
 
 def disable_graph_rewrite() -> None:

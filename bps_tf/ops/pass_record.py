@@ -37,7 +37,9 @@ def reset() -> None:
     _LIB.bps_priority_pass_stats_reset()
 
 
-def configure_graph_rewrite(on: bool, num_workers: int = 1, average: bool = True) -> None:
+def configure_graph_rewrite(on: bool, num_workers: int = 1, rank: int = 0,
+                            average: bool = True) -> None:
     """Switches the TF1 graph rewrite of the pass (bps_tf/ops/graph_rewrite.cc);
     use bps_tf.compat.v1.enable_graph_rewrite()."""
-    _LIB.bps_graph_rewrite_configure(int(bool(on)), int(num_workers), int(bool(average)))
+    _LIB.bps_graph_rewrite_configure(int(bool(on)), int(num_workers), int(rank),
+                                     int(bool(average)))
