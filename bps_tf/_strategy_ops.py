@@ -39,12 +39,12 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
 from bps_tf import ops as bps_ops
-from bps_tf import rewriter
 
 PREFIX = "bps.strategy"
 # Reductions that are not a variable's gradient (SyncBatchNorm statistics,
 # end-of-data agreement, metrics) block the step that issues them: send
-# them before any gradient (gradients get 0, -1, -2, ... from the rewriter).
+# them before any gradient (gradients get 0, -1, -2, ... from the C++
+# priority pass, bps_tf/ops/priority_pass.cc).
 BLOCKING_PRIORITY = 1
 
 # dtypes the op lacks, carried exactly in a wider one
@@ -244,7 +244,11 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
         return result, pp_ops
 
-    # -- priorities ----------------------------------------------------
+    # -- which push_pulls serve which gradient --------------------------
+    # Priorities are not set here: the C++ priority pass in the op library
+    # (bps_tf/ops/priority_pass.cc) ranks the push_pulls of the graph
+    # TensorFlow runs. This only records, for inspection, which push_pulls
+    # carry the value the optimizer applies to each variable.
     def _remember(self, result, pp_ops):
         if not pp_ops:
             return
@@ -256,9 +260,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
 
     def on_apply(self, var, args) -> None:
         """Called when the optimizer applies a reduced value to ``var``
-        (``extended.update``): finds the push_pulls behind the value and
-        re-ranks the priorities of all gradients applied so far in this
-        graph by the first read of their variables (see bps_tf.rewriter)."""
+        (``extended.update``): records the push_pulls behind the value."""
         if tf.executing_eagerly():
             return
         graph = tf.compat.v1.get_default_graph()
@@ -272,30 +274,21 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         if not found:
             return
         primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
-        applied = self._applied.setdefault(graph, [])
-        applied.append(_Applied(primary, sorted(set(found)),
-                                rewriter.variable_position(graph, primary), len(applied)))
-        # Re-rank everything applied so far in this graph; after the last
-        # gradient the ranks are final. Only changed attrs are rewritten.
-        ranks = rewriter.rank_priorities([a.key for a in applied],
-                                         {a.key: a.position for a in applied
-                                          if a.position is not None})
-        for entry in applied:
-            if entry.priority != ranks[entry.key]:
-                entry.priority = ranks[entry.key]
-                for op_name in entry.op_names:
-                    rewriter.set_priority(graph.get_operation_by_name(op_name), entry.priority)
+        self._applied.setdefault(graph, []).append(_Applied(primary, sorted(set(found))))
 
     def gradient_priorities(self):
         """[(variable name, push_pull tensor_name, priority)] of the gradients
-        applied in each traced graph so far, for inspection and tests."""
+        applied in each traced graph so far; the priority is the one the
+        kernel receives, as the priority pass decided it (None before the
+        graph first ran)."""
+        from bps_tf.ops import pass_record
+        decided = pass_record.priorities()
         out = []
         for graph, applied in list(self._applied.items()):
             for entry in applied:
                 for op_name in entry.op_names:
-                    op = graph.get_operation_by_name(op_name)
-                    out.append((entry.label, op.get_attr("tensor_name").decode(),
-                                op.get_attr("priority")))
+                    name = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
+                    out.append((entry.label, name, decided.get(name)))
         return out
 
 
@@ -303,17 +296,23 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
 # Small helpers
 # --------------------------------------------------------------------------
 class _Applied:
-    """A gradient the optimizer applied: its variable, push_pulls and rank."""
+    """A gradient the optimizer applied: its variable and push_pulls."""
 
-    __slots__ = ("variable", "label", "key", "op_names", "position", "priority")
+    __slots__ = ("variable", "label", "op_names")
 
-    def __init__(self, variable, op_names, position, index):
+    def __init__(self, variable, op_names):
         self.variable = variable
-        self.label = rewriter.variable_label(variable)
-        self.key = f"{self.label}#{index}"     # unique; sorts by name on ties
+        self.label = _variable_label(variable)
         self.op_names = op_names
-        self.position = position              # first read; None: never read
-        self.priority = None
+
+
+def _variable_label(var) -> str:
+    """A variable's name for reports: Keras path or tf name."""
+    path = getattr(var, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    name = getattr(var, "name", "") or ""
+    return name[:-2] if name.endswith(":0") else name
 
 
 def _destinations_or_devices(destinations, value):

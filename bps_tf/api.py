@@ -31,6 +31,7 @@ floor-divided (``tf.math.floordiv``), which keeps their dtype: the average of
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import pickle
@@ -40,6 +41,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
 from bps_tf import basics
@@ -449,7 +451,9 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
     """Push-pulls a list of gradients named after their ``sources``.
 
     Priority is ``-index`` by default: earlier sources are needed earlier
-    in the next forward pass. ``priority_fn(index, source)`` overrides it.
+    in the next forward pass; inside a graph the C++ priority pass replaces
+    it with the order the graph reads the variables in. ``priority_fn(index,
+    source)`` chooses instead, and the pass keeps its choice.
     ``None`` gradients pass through.
     """
     names = _unique_names([f"{prefix}/{_source_name(s, i)}" for i, s in enumerate(sources)])
@@ -461,9 +465,21 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
         if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
         priority = -index if priority_fn is None else int(priority_fn(index, source))
-        out.append(push_pull(grad, name=name, compression=compression, op=op,
-                             priority=priority, postscale_factor=postscale_factor))
+        with _keep_priority(priority_fn is not None):
+            out.append(push_pull(grad, name=name, compression=compression, op=op,
+                                 priority=priority, postscale_factor=postscale_factor))
     return out
+
+
+def _keep_priority(keep: bool):
+    """Marks the push_pulls built inside (node attr ``_bps_keep_priority``)
+    so the priority pass (bps_tf/ops/priority_pass.cc) leaves their priority
+    as given. Set at creation: nothing changes op attributes afterwards."""
+    if not keep or tf.executing_eagerly():
+        return contextlib.nullcontext()
+    graph = tf.compat.v1.get_default_graph()
+    return graph._attr_scope(  # pylint: disable=protected-access
+        {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
 
 
 def _source_name(source, index: int) -> str:
