@@ -159,7 +159,7 @@ setup(
     packages=find_packages(include=["bps_tf", "bps_tf.*"]),
     # The op library's sources ship with the package: it is compiled where it
     # is used when the installed build does not match the TensorFlow there.
-    package_data={"bps_tf": ["core/*.h", "ops/*.cc", "kernels/*.cc", "kernels/*.h"]},
+    package_data={"bps_tf": ["core/*.h", "ops/*.cc", "ops/*.h", "kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.9",
     # grpcio serves the Kubernetes health probes (BYTEPS_HEALTH_PORT); imported only then.
     install_requires=["numpy", "pyzmq>=22", "grpcio", "grpcio-health-checking"],

@@ -340,7 +340,9 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
     """Push-pulls a list of gradients named after their ``sources``.
 
     Priority is ``-index`` by default: earlier sources are needed earlier
-    in the next forward pass. ``priority_fn(index, source)`` overrides it.
+    in the next forward pass; inside a graph the C++ priority pass replaces
+    it with the order the graph reads the variables in. ``priority_fn(index,
+    source)`` chooses instead, and the pass keeps its choice.
     ``None`` gradients pass through.
     """
     names = naming.unique_names([f"{prefix}/{naming.source_name(s, i)}"
@@ -353,6 +355,7 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
         if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
         priority = -index if priority_fn is None else int(priority_fn(index, source))
-        out.append(push_pull(grad, name=name, compression=compression, op=op,
-                             priority=priority, postscale_factor=postscale_factor))
+        with collectives.keep_priority(priority_fn is not None):
+            out.append(push_pull(grad, name=name, compression=compression, op=op,
+                                 priority=priority, postscale_factor=postscale_factor))
     return out

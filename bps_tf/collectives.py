@@ -23,7 +23,10 @@ The op library is loaded on first use, so importing this module (and
 """
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
 from bps_tf import basics, naming
@@ -133,6 +136,32 @@ def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False):
         raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
                         f"({key}); supported: {_supported_list()}.")
     return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority))
+
+
+def keep_priority(keep: bool):
+    """A context in which the push_pulls created are marked (node attr
+    ``_bps_keep_priority``) so the C++ priority pass (ops/priority_pass.cc)
+    leaves their priority as given, e.g. a user's ``priority_fn`` choice. Set
+    at creation: nothing changes op attributes afterwards."""
+    if not keep or tf.executing_eagerly():
+        return contextlib.nullcontext()
+    graph = tf.compat.v1.get_default_graph()
+    return graph._attr_scope(  # pylint: disable=protected-access
+        {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
+
+
+def decided_priorities() -> dict:
+    """tensor_name -> the priority the C++ priority pass gave that push_pull
+    in this process (what its kernel receives)."""
+    from bps_tf.ops import pass_record
+    return pass_record.priorities()
+
+
+def configure_graph_rewrite(on: bool, num_workers: int = 1, rank: int = 0,
+                            average: bool = True) -> None:
+    """Switches the TF1 graph rewrite of the priority pass (ops/graph_rewrite.cc)."""
+    from bps_tf.ops import pass_record
+    pass_record.configure_graph_rewrite(on, num_workers, rank, average)
 
 
 def push_pull_op(result):

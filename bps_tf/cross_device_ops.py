@@ -23,9 +23,10 @@ which therefore differ between a worker that built an extra model and one
 that did not. See ``bps_tf.naming``.
 
 Priorities. Reductions that are not gradients block their step
-(``collectives.BLOCKING_PRIORITY``); a gradient's priority is set when the
-optimizer applies it, from the first read of its variable in the traced
-graph (``bps_tf.graph_priorities``).
+(``collectives.BLOCKING_PRIORITY``); updates of non-trainable state go last
+(``collectives.STATE_PRIORITY``); a gradient's priority is set by the C++
+priority pass (bps_tf/ops/priority_pass.cc) from the first read of its
+variable in the graph TensorFlow runs.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
-from bps_tf import collectives, graph_priorities, naming
+from bps_tf import collectives, naming
 
 
 def _push_pull(tensor, key: str, priority: int = collectives.BLOCKING_PRIORITY):
@@ -105,14 +106,16 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         variable (moving statistics) over every replica of every worker,
         on the variable's devices. Sent after the gradients
         (``collectives.STATE_PRIORITY``); not ranked as a gradient."""
-        return self._reduce_all(reduce_op, [(value, variable)],
-                                priority=collectives.STATE_PRIORITY)[0]
+        with collectives.keep_priority(True):   # the priority pass leaves it last
+            return self._reduce_all(reduce_op, [(value, variable)],
+                                    priority=collectives.STATE_PRIORITY)[0]
 
     def broadcast_state(self, tensor):
         """Rank 0's value of ``tensor`` (ONLY_FIRST_REPLICA updates)."""
         name = self._namer.batch(1)[0]
-        return collectives.broadcast(tf.convert_to_tensor(tensor), name, root_rank=0,
-                                     priority=collectives.STATE_PRIORITY)
+        with collectives.keep_priority(True):
+            return collectives.broadcast(tf.convert_to_tensor(tensor), name, root_rank=0,
+                                         priority=collectives.STATE_PRIORITY)
 
     # -- the work ------------------------------------------------------
     def _reduce_all(self, reduce_op, pairs, priority=None):
@@ -167,7 +170,11 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
         return result, pp_ops
 
-    # -- priorities ----------------------------------------------------
+    # -- which push_pulls serve which gradient --------------------------
+    # Priorities are not set here: the C++ priority pass in the op library
+    # (bps_tf/ops/priority_pass.cc) ranks the push_pulls of the graph
+    # TensorFlow runs. This only records, for inspection, which push_pulls
+    # carry the value the optimizer applies to each variable.
     def _remember(self, result, pp_ops):
         if not pp_ops:
             return
@@ -179,9 +186,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
 
     def on_apply(self, var, args) -> None:
         """Called when the optimizer applies a reduced value to ``var``
-        (``extended.update``): finds the push_pulls behind the value and
-        re-ranks the priorities of all gradients applied so far in this
-        graph by the first read of their variables (bps_tf.graph_priorities)."""
+        (``extended.update``): records the push_pulls behind the value."""
         if tf.executing_eagerly():
             return
         graph = tf.compat.v1.get_default_graph()
@@ -195,31 +200,20 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         if not found:
             return
         primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
-        applied = self._applied.setdefault(graph, [])
-        applied.append(_Applied(primary, sorted(set(found)),
-                                graph_priorities.variable_position(graph, primary),
-                                len(applied)))
-        # Re-rank everything applied so far in this graph; after the last
-        # gradient the ranks are final. Only changed attrs are rewritten.
-        ranks = graph_priorities.rank_priorities([a.key for a in applied],
-                                         {a.key: a.position for a in applied
-                                          if a.position is not None})
-        for entry in applied:
-            if entry.priority != ranks[entry.key]:
-                entry.priority = ranks[entry.key]
-                for op_name in entry.op_names:
-                    graph_priorities.set_priority(graph.get_operation_by_name(op_name), entry.priority)
+        self._applied.setdefault(graph, []).append(_Applied(primary, sorted(set(found))))
 
     def gradient_priorities(self):
         """[(variable name, push_pull tensor_name, priority)] of the gradients
-        applied in each traced graph so far, for inspection and tests."""
+        applied in each traced graph so far; the priority is the one the
+        kernel receives, as the priority pass decided it (None before the
+        graph first ran)."""
+        decided = collectives.decided_priorities()
         out = []
         for graph, applied in list(self._applied.items()):
             for entry in applied:
                 for op_name in entry.op_names:
-                    op = graph.get_operation_by_name(op_name)
-                    out.append((entry.label, op.get_attr("tensor_name").decode(),
-                                op.get_attr("priority")))
+                    name = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
+                    out.append((entry.label, name, decided.get(name)))
         return out
 
 
@@ -227,17 +221,14 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
 # Small helpers
 # --------------------------------------------------------------------------
 class _Applied:
-    """A gradient the optimizer applied: its variable, push_pulls and rank."""
+    """A gradient the optimizer applied: its variable and push_pulls."""
 
-    __slots__ = ("variable", "label", "key", "op_names", "position", "priority")
+    __slots__ = ("variable", "label", "op_names")
 
-    def __init__(self, variable, op_names, position, index):
+    def __init__(self, variable, op_names):
         self.variable = variable
         self.label = naming.variable_name(variable)
-        self.key = f"{self.label}#{index}"     # unique; sorts by name on ties
         self.op_names = op_names
-        self.position = position              # first read; None: never read
-        self.priority = None
 
 
 def _destinations_or_devices(destinations, value):

@@ -24,8 +24,9 @@ and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
   and ``evaluate()`` are global and identical on every worker;
 * new variables start from rank 0's value (a broadcast inside the initial
   value), so no separate broadcast callback is needed;
-* gradients get push_pull priorities from the traced graph
-  (bps_tf.graph_priorities): the variable read first in the forward pass first;
+* gradients get push_pull priorities from the graph TensorFlow runs (the
+  C++ priority pass, bps_tf/ops/priority_pass.cc): the variable read first
+  in the forward pass first;
 * rank 0 alone is ``should_checkpoint`` / ``should_save_summary``; Keras'
   ``ModelCheckpoint`` and ``BackupAndRestore`` write on rank 0 only
   (bps_tf.keras_patches);
@@ -153,7 +154,8 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         return super()._broadcast_to(tensor, destinations)
 
     def _update(self, var, fn, args, kwargs, group):
-        # The optimizer applies a reduced gradient: rank its push_pull.
+        # The optimizer applies a reduced gradient: note which push_pulls
+        # carry it (for gradient_priorities(); the C++ pass ranks them).
         if getattr(var, "trainable", True):
             self._push_pull_ops.on_apply(var, args)
         return super()._update(var, fn, args, kwargs, group)

@@ -2,22 +2,24 @@
 
 :func:`rewrite_graph_def` takes a ``tf.compat.v1`` GraphDef and inserts a
 ``BytepsPushPull`` node between every dense gradient and the optimizer op
-that applies it, prioritised by the first read of its variable
-(``bps_tf.graph_priorities``) and named ``naming.graph_def_key``. Nothing
-here talks to the cluster; ``rewrite_graph_def`` only needs the number of
-workers for averaging.
+that applies it, named ``naming.graph_def_key``. Priorities are not computed
+here: the C++ priority pass in the op library (bps_tf/ops/priority_pass.cc)
+ranks those nodes by their variables' first reads when a session runs the
+graph. For a whole TF1 training script, ``bps_tf.compat.v1.enable_graph_rewrite()``
+makes that pass insert the push_pulls itself (dense and sparse updates).
+Nothing here talks to the cluster; ``rewrite_graph_def`` only needs the
+number of workers for averaging.
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from bps_tf import basics, naming
-from bps_tf.graph_priorities import first_reads, rank_priorities, topological_order
 
 log = logging.getLogger("bps_tf.tf1_rewriter")
 
@@ -54,25 +56,6 @@ def _grad_input_index(op_type: str) -> Optional[int]:
     return None
 
 
-def graph_def_read_positions(graph_def) -> Tuple[Dict[str, int], Dict[str, str]]:
-    """(first-read position of each variable node, variable -> its node type)."""
-    nodes, consumers, types = [], {}, {}
-    for node in graph_def.node:
-        types[node.name] = node.op
-        nodes.append((node.name, [_input_node(i) for i in node.input]))
-    for node in graph_def.node:
-        for inp in node.input:
-            if inp.startswith("^"):
-                continue
-            src = _input_node(inp)
-            consumers.setdefault(src, []).append((node.name, node.op))
-    order = topological_order(nodes, types)
-    variables = [n for n, t in types.items() if t in _VARIABLE_OPS]
-    # A ref variable is read through its "read" Identity and by ops taking it
-    # directly; an Assign (its initializer) or an apply op is not a read.
-    return first_reads(order, consumers, variables), types
-
-
 def _variable_of(graph_def_nodes: Mapping[str, node_def_pb2.NodeDef], name: str,
                  types: Mapping[str, str]) -> Optional[str]:
     """Follows Identity/ReadVariableOp-free handle chains to the variable node."""
@@ -95,8 +78,8 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
 
     * ``tensor_name`` is ``<name_prefix>/<variable node name>``: identical on
       every worker that builds the same graph.
-    * ``priority`` comes from the topological position of the variable's
-      first read (0, -1, -2, ...; see ``bps_tf.graph_priorities``).
+    * ``priority`` is left at 0: the C++ priority pass ranks the push_pulls
+      by their variables' first reads when a session runs the graph.
     * With ``average`` and more than one worker, the sum is multiplied by
       ``1/num_workers`` (a ``Mul`` node after the push_pull).
       ``num_workers`` defaults to ``bps_tf.size()`` (1 if not initialized).
@@ -111,7 +94,7 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
     out = graph_pb2.GraphDef()
     out.CopyFrom(graph_def)
     nodes = {n.name: n for n in out.node}
-    positions, types = graph_def_read_positions(out)
+    types = {n.name: n.op for n in out.node}
     taken = set(nodes)
 
     # (apply node, grad input index, variable node) for every dense apply op
@@ -130,7 +113,6 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
         var = _variable_of(nodes, _input_node(node.input[0]), types) or _input_node(node.input[0])
         targets.append((node, index, var))
 
-    priorities = rank_priorities([var for _, _, var in targets], positions)
     new_nodes = []
     for apply_node, index, var in targets:
         grad = apply_node.input[index]
@@ -140,7 +122,7 @@ def rewrite_graph_def(graph_def, num_workers: Optional[int] = None,
             op=PUSH_PULL_OP, input=[grad])
         pp.attr["T"].type = dtype
         pp.attr["tensor_name"].s = naming.graph_def_key(var, name_prefix).encode()
-        pp.attr["priority"].i = priorities[var]
+        pp.attr["priority"].i = 0   # ranked by the C++ priority pass
         new_nodes.append(pp)
         result = pp.name
         if average and num_workers > 1:

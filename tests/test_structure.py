@@ -91,7 +91,7 @@ def _imports(module, top_level_only):
 
 def test_modules_found():
     for name in ("bps_tf.collectives", "bps_tf.naming", "bps_tf.api", "bps_tf.strategy",
-                 "bps_tf.cross_device_ops", "bps_tf.keras_patches", "bps_tf.graph_priorities",
+                 "bps_tf.cross_device_ops", "bps_tf.keras_patches",
                  "bps_tf.tf1_rewriter"):
         assert name in MODULES
 

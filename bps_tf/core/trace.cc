@@ -35,14 +35,17 @@ int Trace::Row(const std::string& label) {
   return id;
 }
 
-void Trace::RecordOperation(const std::string& name, uint64_t step, uint64_t bytes,
+void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t step,
+                            uint64_t bytes,
                             Clock::time_point enqueued, Clock::time_point declared,
                             Clock::time_point finished, const std::vector<PartTimes>& parts) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string args = "{\"step\":" + std::to_string(step) + ",\"bytes\":" + std::to_string(bytes) +
                      ",\"partitions\":" + std::to_string(parts.size()) + "}";
+  std::string op_args = "{\"tensor_name\":" + JsonString(name) + ",\"priority\":" +
+                        std::to_string(priority) + "," + args.substr(1);
   int row = Row(name);
-  events_.push_back({name, "push_pull", Us(enqueued), Us(finished) - Us(enqueued), row, args});
+  events_.push_back({name, "push_pull", Us(enqueued), Us(finished) - Us(enqueued), row, op_args});
   if (declared > enqueued) {
     events_.push_back({"declare", "stage", Us(enqueued), Us(declared) - Us(enqueued), row, args});
   }

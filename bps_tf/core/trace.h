@@ -31,7 +31,9 @@ class Trace {
   bool Wants(uint64_t step) const {
     return on_ && static_cast<int64_t>(step) >= start_ && static_cast<int64_t>(step) <= end_;
   }
-  void RecordOperation(const std::string& name, uint64_t step, uint64_t bytes,
+  // The push_pull slice's args carry the tensor name and the priority the
+  // kernel received (what the graph's priority pass decided).
+  void RecordOperation(const std::string& name, int64_t priority, uint64_t step, uint64_t bytes,
                        Clock::time_point enqueued, Clock::time_point declared,
                        Clock::time_point finished, const std::vector<PartTimes>& parts);
   // Writes <dir>/bps_trace_rank<r>.json; returns the path ("" if off).

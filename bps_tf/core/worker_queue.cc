@@ -66,8 +66,8 @@ void WorkerEngine::Complete(Task* task) {
     status = task->status;
   }
   if (error.empty() && task->info && Trace::Get().Wants(task->round)) {
-    Trace::Get().RecordOperation(task->name, task->round, task->bytes, task->start,
-                                 task->scheduled, Clock::now(), task->times);
+    Trace::Get().RecordOperation(task->name, task->priority, task->round, task->bytes,
+                                 task->start, task->scheduled, Clock::now(), task->times);
   }
   if (error.empty()) {
     Stats::Get().ops_done++;

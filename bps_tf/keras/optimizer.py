@@ -95,7 +95,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          backward_passes_per_step=1,
                          average_aggregated_gradients=False, priority_fn=None):
     """Returns a copy of a Keras 3 ``optimizer`` (same class, same config)
-    that averages gradients across workers before applying them.
+    that averages gradients across workers before applying them. A
+    ``tf.compat.v1.train.Optimizer`` gets bps_tf.compat.v1.DistributedOptimizer.
 
     ``name`` prefixes the gradient names (default ``DistributedOptimizer``);
     gradients are named after the variables' ``.path`` and prioritised by
@@ -110,6 +111,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Keras' ``jit_compile="auto"`` turns XLA on, compile the model with
     ``jit_compile=False`` (the op refuses XLA with a message saying so).
     """
+    from bps_tf.compat import v1
+    if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
+        if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:
+            raise NotImplementedError("with a tf.compat.v1 optimizer, gradient_predivide_factor "
+                                      "and backward_passes_per_step must stay 1.")
+        return v1.DistributedOptimizer(
+            optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+            op=op, priority_fn=priority_fn)
     del device_dense, device_sparse
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer.")

@@ -22,10 +22,11 @@ def _load():
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = op_build.ensure_op_library(
         package_dir, core_lib_dir=os.path.dirname(os.path.abspath(core.__file__)))
-    return tf.load_op_library(path)
+    return path, tf.load_op_library(path)
 
 
-_ops = _load()
+# The op library in use: the installed one or a build in the cache (op_build).
+LIBRARY_PATH, _ops = _load()
 
 # Stateful ops are chained in program order by tf.function's automatic
 # control dependencies, which would serialise every push_pull of a step.

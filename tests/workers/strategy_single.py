@@ -5,8 +5,8 @@
 Runs in its own process because it needs 2 logical CPU devices, which
 must be configured before TensorFlow starts. Prints one JSON line:
 
-* ``priorities``: (variable, priority) of each gradient push_pull in the
-  traced Keras train step of a model whose layers are created in the
+* ``priorities``: (variable, priority the kernel receives) of each gradient
+  push_pull in the Keras train step of a model whose layers are created in the
   reverse of the order they are called in;
 * ``forward_order``: the variables in the order the model reads them;
 * ``jit_compile``: the model's jit_compile after compile(jit_compile=True);
@@ -26,6 +26,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 import keras  # noqa: E402
 
+from bps_tf.ops import pass_record  # noqa: E402
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 
 
@@ -58,12 +59,15 @@ def main():
     history = model.fit(tokens, labels, batch_size=8, epochs=1, verbose=0)
     names = {id(v.value.values[0]): v.path for v in model.trainable_variables}
     found = strategy.extended._push_pull_ops  # pylint: disable=protected-access
+    # the priority each push_pull kernel receives: set by the C++ priority pass
+    received = pass_record.priorities()
     priorities = {}
     for graph, applied in found._applied.items():  # pylint: disable=protected-access
         for entry in applied:
             for op_name in entry.op_names:
+                tensor_name = graph.get_operation_by_name(op_name).get_attr("tensor_name")
                 priorities.setdefault(names[id(entry.variable)], set()).add(
-                    graph.get_operation_by_name(op_name).get_attr("priority"))
+                    received[tensor_name.decode()])
     try:
         BytePSStrategy(devices=["/cpu:0"], predict="gather")
         bad_predict = "no error"

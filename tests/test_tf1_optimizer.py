@@ -1,0 +1,53 @@
+"""TF1 sessions on 2 workers: bps_tf.DistributedOptimizer wrapping a
+tf.compat.v1.train optimizer (an MLP with an embedding lookup: a sparse
+gradient), and a plain optimizer with bps_tf.compat.v1.enable_graph_rewrite().
+Weights end equal on both workers and within 1e-6 of one process trained on
+the concatenated batches. SGD, Momentum and Adam; resource and ref variables.
+Under the rewrite the embedding's sparse gradient is gathered exactly; a
+sparse update it cannot trace to tf.gradients' output is refused, naming it.
+One cluster runs tests/workers/tf1_checks.py once."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_runner import ROOT, launch  # noqa: E402
+
+CHECKS = os.path.join(ROOT, "tests", "workers", "tf1_checks.py")
+CASES = [f"{m}_{o}_{v}" for m in ("wrap", "rewrite") for o in ("adam", "sgd", "momentum")
+         for v in ("resource", "ref")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tf1")
+    proc = launch(2, 1, [CHECKS, str(out)], timeout=300)
+    return proc, out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_workers_agree_and_match_one_process(run, case):
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        error = out / f"{case}.rank{rank}.error"
+        assert not error.exists(), error.read_text()
+    results = [np.load(out / f"{case}.rank{rank}.npz") for rank in range(2)]
+    names = [k[4:] for k in results[0].files if k.startswith("got_")]
+    assert sorted(names) == ["table", "w1", "w2"]
+    for name in names:
+        np.testing.assert_array_equal(results[0][f"got_{name}"], results[1][f"got_{name}"])
+        np.testing.assert_allclose(results[0][f"got_{name}"], results[0][f"ref_{name}"],
+                                   rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_the_graph_rewrite_refuses_an_untraceable_sparse_update_naming_it(run):
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        message = (out / f"sparse_refused.rank{rank}.txt").read_text()
+        assert "sparse gradient" in message and "ResourceScatterAdd" in message, message
+        assert "cannot be traced" in message
+        assert "bps_tf.DistributedOptimizer" in message

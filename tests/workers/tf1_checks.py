@@ -1,0 +1,125 @@
+"""Worker script for test_tf1_optimizer.py (run under bpslaunch, 2 workers).
+
+    bpslaunch -np 2 --servers 1 python tests/workers/tf1_checks.py OUT_DIR
+
+A tf.compat.v1 MLP with an embedding lookup (a sparse gradient) trained 20
+steps in a Session on this worker's half of each global batch, then the same
+graph trained by this process alone on the whole global batches (the
+reference):
+
+* ``wrap``: bps_tf.DistributedOptimizer(<TF1 optimizer>);
+* ``rewrite``: the same graph with a plain optimizer and
+  bps_tf.compat.v1.enable_graph_rewrite();
+* ``sparse_refused``: a sparse update the rewrite cannot trace to
+  tf.gradients' output fails, naming the op.
+
+Writes OUT_DIR/<mode>_<case>.rank<r>.npz with both sets of final weights.
+"""
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import bps_tf  # noqa: E402
+
+STEPS, GLOBAL_BATCH, VOCAB, TOKENS = 20, 16, 30, 3
+CASES = {
+    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.01),
+    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.05, 0.9),
+}
+
+
+def data():
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, VOCAB, size=(STEPS, GLOBAL_BATCH, TOKENS)).astype("int32")
+    labels = rng.randint(0, 3, size=(STEPS, GLOBAL_BATCH)).astype("int32")
+    return tokens, labels
+
+
+def train(case, distributed, rows, use_resource=True):
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = tf.compat.v1.placeholder(tf.int32, [None, TOKENS], name="tokens")
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        init = tf.compat.v1.initializers.random_normal(stddev=0.3, seed=1)
+        # created in the reverse of the order they are used
+        w2 = tf.compat.v1.get_variable("w2", [8, 3], initializer=init, use_resource=use_resource)
+        w1 = tf.compat.v1.get_variable("w1", [4, 8], initializer=init, use_resource=use_resource)
+        table = tf.compat.v1.get_variable("table", [VOCAB, 4], initializer=init,
+                                          use_resource=use_resource)
+        h = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1)
+        logits = tf.matmul(tf.nn.relu(tf.matmul(h, w1)), w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
+        opt = CASES[case]()
+        if distributed == "wrap":
+            opt = bps_tf.DistributedOptimizer(opt)
+        train_op = opt.minimize(loss)
+        init_op = tf.compat.v1.global_variables_initializer()
+        x, y = data()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(init_op)
+            for step in range(STEPS):
+                sess.run(train_op, {tokens: x[step, rows], labels: y[step, rows]})
+            return {v.op.name: sess.run(v) for v in (table, w1, w2)}
+
+
+def untraceable_sparse_update(rows):
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = tf.compat.v1.placeholder(tf.int32, [None, TOKENS], name="tokens")
+        table = tf.compat.v1.get_variable("table", [VOCAB, 4], use_resource=True)
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(table, tokens))
+        grad = tf.gradients(loss, table)[0]
+        update = tf.compat.v1.scatter_add(table, grad.indices, -0.1 * tf.nn.softsign(grad.values))
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(update, {tokens: data()[0][0, rows]})
+
+
+def main():
+    out_dir = sys.argv[1]
+    tf.compat.v1.disable_eager_execution()
+    bps_tf.init()
+    rank, size = bps_tf.rank(), bps_tf.size()
+    half = GLOBAL_BATCH // size
+    mine = slice(rank * half, (rank + 1) * half)
+    from bps_tf.compat import v1 as bps_v1
+    for mode in ("wrap", "rewrite"):
+        for case in CASES:
+            for use_resource in (True, False):
+                name = f"{mode}_{case}_{'resource' if use_resource else 'ref'}"
+                try:
+                    if mode == "rewrite":
+                        bps_v1.enable_graph_rewrite()
+                    got = train(case, mode, mine, use_resource)
+                    bps_v1.disable_graph_rewrite()
+                    ref = train(case, None, slice(0, GLOBAL_BATCH), use_resource)
+                    np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"),
+                             **{f"got_{k}": v for k, v in got.items()},
+                             **{f"ref_{k}": v for k, v in ref.items()})
+                except Exception:  # noqa: BLE001 - reported to the test
+                    bps_v1.disable_graph_rewrite()
+                    with open(os.path.join(out_dir, f"{name}.rank{rank}.error"), "w") as f:
+                        f.write(traceback.format_exc())
+    # A sparse update the rewrite cannot trace to tf.gradients' IndexedSlices
+    # (a Softsign of the values): refused, naming the op.
+    bps_v1.enable_graph_rewrite()
+    try:
+        untraceable_sparse_update(mine)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        message = str(exc)
+    bps_v1.disable_graph_rewrite()
+    with open(os.path.join(out_dir, f"sparse_refused.rank{rank}.txt"), "w") as f:
+        f.write(message)
+    bps_tf.shutdown()
+
+
+if __name__ == "__main__":
+    main()
