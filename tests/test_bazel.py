@@ -76,6 +76,23 @@ def _require_bazel():
         pytest.skip(f"Bazel build not tested: `apt-get install {wanted}` failed:\n{log}")
 
 
+def _workspace():
+    """Where Bazel builds: the clone itself, or, when its path holds a space
+    (Bazel refuses those), a copy of the sources Bazel reads under OUTPUT_ROOT."""
+    if not any(c.isspace() for c in ROOT):
+        return ROOT
+    copy = os.path.join(OUTPUT_ROOT, "workspace", hashlib.sha256(ROOT.encode()).hexdigest()[:16])
+    shutil.rmtree(copy, ignore_errors=True)
+    os.makedirs(copy)
+    for name in ("WORKSPACE", "BUILD", ".bazelrc", ".bazelignore"):
+        if os.path.exists(os.path.join(ROOT, name)):
+            shutil.copy(os.path.join(ROOT, name), copy)
+    shutil.copytree(os.path.join(ROOT, "bazel"), os.path.join(copy, "bazel"))
+    shutil.copytree(os.path.join(ROOT, "bps_tf"), os.path.join(copy, "bps_tf"),
+                    ignore=shutil.ignore_patterns("*.so", "*.so.key", "__pycache__"))
+    return copy
+
+
 def _run_bazel_build():
     os.makedirs(LINKS, exist_ok=True)
     cmd = ["bazel", f"--output_user_root={OUTPUT_ROOT}", "--nohome_rc", "--batch", "build",
@@ -85,7 +102,7 @@ def _run_bazel_build():
            # Build against this interpreter's TensorFlow, whatever is on PATH.
            f"--repo_env=PYTHON_BIN_PATH={sys.executable}",
            "//:bps_tf_native"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=_workspace(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=BUILD_TIMEOUT_S)
