@@ -8,37 +8,33 @@
 
 // ---- element types: how a value is stored and in which type it adds up ----
 
-struct Half {
+// float16 and bfloat16: 16 bits stored, float to add in. Only the
+// conversions differ. They go through the __*_raw structs, whose conversions
+// are __host__ __device__ in every CUDA release, unlike some of the bit-cast
+// intrinsics.
+template <typename Raw, typename Value, typename Convert>
+struct Float16Like {
   using Storage = uint16_t;
   using Acc = float;
   static constexpr bool kInteger = false;
-  // Through __half_raw: its conversions are __host__ __device__ in every
-  // CUDA release, unlike some of the bit-cast intrinsics.
   static BPS_HD float ToAcc(uint16_t bits) {
-    __half_raw r;
+    Raw r;
     r.x = bits;
-    return __half2float(__half(r));
+    return Convert::ToFloat(Value(r));
   }
-  static BPS_HD uint16_t FromAcc(float f) {
-    __half_raw r = __float2half_rn(f);
-    return r.x;
-  }
+  static BPS_HD uint16_t FromAcc(float f) { return Raw(Convert::FromFloat(f)).x; }
 };
 
-struct BFloat16 {
-  using Storage = uint16_t;
-  using Acc = float;
-  static constexpr bool kInteger = false;
-  static BPS_HD float ToAcc(uint16_t bits) {
-    __nv_bfloat16_raw r;
-    r.x = bits;
-    return __bfloat162float(__nv_bfloat16(r));
-  }
-  static BPS_HD uint16_t FromAcc(float f) {
-    __nv_bfloat16_raw r = __float2bfloat16_rn(f);
-    return r.x;
-  }
+struct HalfConvert {
+  static BPS_HD float ToFloat(__half v) { return __half2float(v); }
+  static BPS_HD __half FromFloat(float f) { return __float2half_rn(f); }
 };
+struct BFloat16Convert {
+  static BPS_HD float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static BPS_HD __nv_bfloat16 FromFloat(float f) { return __float2bfloat16_rn(f); }
+};
+using Half = Float16Like<__half_raw, __half, HalfConvert>;
+using BFloat16 = Float16Like<__nv_bfloat16_raw, __nv_bfloat16, BFloat16Convert>;
 
 template <typename T>
 struct Plain {
