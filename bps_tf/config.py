@@ -35,6 +35,7 @@ def _bool(text: str) -> int:
 
 
 SETTINGS = (
+    # -- the data path --
     Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "4096000", _int,
             "Largest piece a tensor is cut into before it is pushed; each piece "
             "goes to one server. Must agree on every node."),
@@ -46,6 +47,7 @@ SETTINGS = (
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
             "Asynchronous mode: the server adds each push to its stored value "
             "and answers with the value at once. Must agree on every node."),
+    # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "
             "and every process stops with an error naming it."),
@@ -67,6 +69,7 @@ SETTINGS = (
             "react to the error before it exits with code 1 (0: never)."),
     Setting("BYTEPS_HEARTBEAT_INTERVAL", "heartbeat_s", "1", float,
             "Seconds between heartbeats each node sends to the scheduler."),
+    # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
     Setting("BYTEPS_JOB_TOKEN", "job_token", "", str,
@@ -74,6 +77,7 @@ SETTINGS = (
             "keyed by it, and frames without the right one are dropped. "
             "bpslaunch generates one for local clusters; set the same value "
             "on every node of a multi-host job. Empty: no authentication."),
+    # -- timeline and logs --
     Setting("BYTEPS_TRACE_ON", "trace_on", "0", _bool,
             "Write a timeline (Chrome trace / Perfetto JSON) per worker: one "
             "event per tensor and per partition per stage."),
@@ -85,6 +89,7 @@ SETTINGS = (
             "Last step recorded (-1: no limit; memory grows with the steps)."),
     Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
+    # -- read by Python only (strategy, launcher, server) --
     Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,
             "Rank gradient push_pulls by the forward pass's topological order "
             "(earliest layer first); 0 sends them first come, first served."),
@@ -95,6 +100,7 @@ SETTINGS = (
             "(grpc.health.v1, for Kubernetes `grpc` probes): NOT_SERVING until "
             "the cluster has met, SERVING while healthy, NOT_SERVING after a "
             "lost peer. 0: off. bpslaunch -np gives server i this port + i."),
+    # -- for tests and tuning --
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,
             "Record the order partitions leave a worker (read with "
             "bps_tf.basics.debug_send_log()); for tests and tuning."),
