@@ -150,6 +150,13 @@ def keep_priority(keep: bool):
         {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
 
 
+def label_tensor(key: str, label: str) -> None:
+    """Shows ``label`` (e.g. the variable's path) beside ``key`` in the core's
+    error messages and timeline; keys alone match tensors across workers."""
+    if basics.is_initialized():
+        basics.core().set_tensor_label(key, label)
+
+
 def decided_priorities() -> dict:
     """tensor_name -> the priority the C++ priority pass gave that push_pull
     in this process (what its kernel receives)."""

@@ -200,7 +200,11 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         if not found:
             return
         primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
-        self._applied.setdefault(graph, []).append(_Applied(primary, sorted(set(found))))
+        entry = _Applied(primary, sorted(set(found)))
+        self._applied.setdefault(graph, []).append(entry)
+        for op_name in entry.op_names:
+            key = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
+            collectives.label_tensor(key, entry.label)
 
     def gradient_priorities(self):
         """[(variable name, push_pull tensor_name, priority)] of the gradients

@@ -26,7 +26,7 @@ import bps_tf  # noqa: E402
 import bps_tf.ops as ops_pkg  # noqa: E402
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 
-_LIB = ctypes.CDLL(os.path.join(os.path.dirname(ops_pkg.__file__), "libbps_tf_ops.so"))
+_LIB = ctypes.CDLL(ops_pkg.LIBRARY_PATH)   # the op library in use (installed or cached)
 
 
 def stats(reset=False):

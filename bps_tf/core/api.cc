@@ -7,6 +7,7 @@
 #include "server_node.h"
 #include "stats.h"
 #include "worker_engine.h"
+#include "labels.h"
 
 namespace {
 void CopyError(const std::string& message, char* err, size_t err_len) {
@@ -44,6 +45,10 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   } catch (const std::exception& e) {
     done(ctx, BPS_ERR_INTERNAL, e.what());
   }
+}
+
+void bps_set_tensor_label(const char* name, const char* label) {
+  bps::TensorLabels::Get().Set(name ? name : "", label ? label : "");
 }
 
 void bps_debug_pause_sends(int paused) { bps::WorkerEngine::Get().PauseSends(paused != 0); }

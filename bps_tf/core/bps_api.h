@@ -60,6 +60,11 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape,
                            int ndim, const void* in, void* out,
                            int64_t priority, bps_done_fn done, void* ctx);
 
+// Gives tensor key `name` a label a person recognises (the variable it
+// carries); errors and the timeline show it beside the key. Never matched
+// across workers. An empty label removes it.
+void bps_set_tensor_label(const char* name, const char* label);
+
 // Runs a server (and the scheduler, when the config says so) until the job
 // ends. Returns the process exit code; a message in err when non-zero.
 int bps_server_run(const char* config, char* err, size_t err_len);

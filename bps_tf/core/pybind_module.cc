@@ -115,6 +115,9 @@ PYBIND11_MODULE(_core, m) {
     bps::HmacSha256(key, d.data(), d.size(), out);
     return py::bytes(reinterpret_cast<const char*>(out), 32);
   });
+  m.def("set_tensor_label", [](const std::string& name, const std::string& label) {
+    bps_set_tensor_label(name.c_str(), label.c_str());
+  });
   m.def("debug_pause_sends", [](bool paused) { bps_debug_pause_sends(paused ? 1 : 0); });
   m.def("stats_json", [] {
     size_t need = bps_stats_json(nullptr, 0);

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <sys/stat.h>
 
+#include "labels.h"
+
 namespace bps {
 
 Trace& Trace::Get() {
@@ -42,10 +44,17 @@ void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t 
   std::lock_guard<std::mutex> lock(mu_);
   std::string args = "{\"step\":" + std::to_string(step) + ",\"bytes\":" + std::to_string(bytes) +
                      ",\"partitions\":" + std::to_string(parts.size()) + "}";
+  // The key is what workers match on; a label (the variable) is what a person
+  // recognises, so it names the event and its rows when there is one.
+  std::string label = TensorLabels::Get().Of(name);
   std::string op_args = "{\"tensor_name\":" + JsonString(name) + ",\"priority\":" +
-                        std::to_string(priority) + "," + args.substr(1);
-  int row = Row(name);
-  events_.push_back({name, "push_pull", Us(enqueued), Us(finished) - Us(enqueued), row, op_args});
+                        std::to_string(priority) + "," +
+                        (label.empty() ? "" : "\"variable\":" + JsonString(label) + ",") +
+                        args.substr(1);
+  std::string shown = label.empty() ? name : label + " (" + name + ")";
+  int row = Row(shown);
+  events_.push_back({label.empty() ? name : label, "push_pull", Us(enqueued),
+                     Us(finished) - Us(enqueued), row, op_args});
   if (declared > enqueued) {
     events_.push_back({"declare", "stage", Us(enqueued), Us(declared) - Us(enqueued), row, args});
   }
@@ -56,7 +65,7 @@ void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t 
   };
   for (size_t p = 0; p < parts.size(); ++p) {
     const PartTimes& t = parts[p];
-    int tid = Row(name + " / part " + std::to_string(p));
+    int tid = Row(shown + " / part " + std::to_string(p));
     std::string pa = "{\"step\":" + std::to_string(step) + ",\"partition\":" + std::to_string(p) + "}";
     add("queue", declared, t.sent, tid, pa);
     Clock::time_point pushed = t.released < t.replied ? t.released : t.replied;

@@ -2,6 +2,7 @@
 // many bytes may be handed to libzmq before it has sent earlier ones.
 #include <algorithm>
 
+#include "labels.h"
 #include "stats.h"
 #include "trace.h"
 #include "worker_task.h"
@@ -43,7 +44,7 @@ bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>&
 void WorkerEngine::FailTask(Task* task, int status, const std::string& why) {
   std::lock_guard<std::mutex> lock(task->error_mu);
   if (task->error.empty()) {
-    task->error = why;
+    task->error = TensorLabels::Get().Annotate(task->name, why);
     task->status = status;
   }
   task->failed = true;

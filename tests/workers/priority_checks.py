@@ -16,7 +16,6 @@ kernels received are read afterwards from the timeline (BYTEPS_TRACE_DIR):
 Writes OUT_DIR/rank<r>.json: per scenario the tensor names of each variable's
 gradient push_pulls and the variables in call order, plus the pass's stats.
 """
-import ctypes
 import json
 import os
 import sys
@@ -34,12 +33,8 @@ from bps_tf.strategy import BytePSStrategy  # noqa: E402
 
 def pass_stats():
     """The priority pass's own record (see bps_tf/ops/priority_pass_stats.h)."""
-    import bps_tf.ops as ops_pkg
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(ops_pkg.__file__), "libbps_tf_ops.so"))
-    need = lib.bps_priority_pass_stats_json(None, 0)
-    buf = ctypes.create_string_buffer(need)
-    lib.bps_priority_pass_stats_json(buf, need)
-    return json.loads(buf.value.decode())
+    from bps_tf.ops import pass_record
+    return pass_record.stats()
 
 
 class Reversed(keras.Model):
