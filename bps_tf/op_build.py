@@ -34,7 +34,8 @@ from typing import Dict, List, Sequence
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # The op library's sources, relative to the package directory. They ship
 # with the package so the library can be compiled where it is used.
-OP_SOURCES = ("ops/push_pull_ops.cc", "kernels/push_pull_kernels.cc")
+OP_SOURCES = ("ops/push_pull_ops.cc", "kernels/push_pull_kernels.cc",
+              "ops/overlap_ops.cc", "kernels/overlap_kernels.cc")
 INCLUDE_DIRS = ("core", "kernels")
 LIBRARY_NAME = "libbps_tf_ops.so"
 STAMP_SUFFIX = ".key"
