@@ -271,3 +271,53 @@ def push_pull_sum_fp16(tensor, key: str, priority: int = 0):
     half = tf.cast(tensor * tf.cast(scale, tensor.dtype), tf.float16)
     summed = push_pull_sum(half, key, priority)
     return tf.cast(summed, tensor.dtype) / tf.cast(scale, tensor.dtype)
+
+
+# Split push_pull (cross-step overlap, bps_tf/overlap.py): the sum is started
+# now and taken later, possibly in the next tf.function call. The result
+# waits in a per-process table under its key.
+def push_pull_start(tensor, key: str, priority: int = 0):
+    """Starts the sum of ``tensor`` over all workers under ``key``; returns an
+    int64 token at once. Inside a traced function the op runs independently
+    of the other stateful ops (it is neither chained in program order nor
+    waited for by them), but always before the function returns. Starting a
+    key that is still pending fails at run time, naming the key."""
+    check_dtype(tensor, f"push_pull_start '{key}'")
+    token = _ops().push_pull_start(tensor, tensor_name=key, priority=int(priority))
+    if not tf.executing_eagerly():
+        manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+        if manager is not None:
+            manager.run_independently(token.op)
+    return token
+
+
+def push_pull_wait(like, key: str):
+    """``(sum, valid)`` of the sum started under ``key``: waits for it and takes
+    it out of the table. ``valid`` is False (and ``sum`` zeros shaped like
+    ``like``) when nothing is pending under ``key``; an engine failure of the
+    pending sum is raised by this op."""
+    check_dtype(like, f"push_pull_wait '{key}'")
+    summed, valid = _ops().push_pull_wait(like, tensor_name=key)
+    return summed, valid
+
+
+def pending_push_pulls() -> list:
+    """Keys started by :func:`push_pull_start` and not yet taken (eager only)."""
+    return [k.decode() for k in _ops().push_pull_pending_keys().numpy().tolist()]
+
+
+def debug_hold_push_pull(key: str, timeout_ms: int = 10000) -> None:
+    """Diagnostics for tests: the next push_pull started under ``key`` is
+    kept from its wait, once finished, until :func:`debug_marker` runs (or
+    ``timeout_ms`` passes); see :func:`debug_hold_log`."""
+    _ops().push_pull_debug_hold(tf.zeros([]), "hold", key, timeout_ms)
+
+
+def debug_marker(x):
+    """``x``, passing a marker that ends a :func:`debug_hold_push_pull`."""
+    return _ops().push_pull_debug_hold(x, "marker")[0]
+
+
+def debug_hold_log() -> str:
+    """Lines "<key> released-by marker|timeout" or "<key> in-flight-at marker"."""
+    return _ops().push_pull_debug_hold(tf.zeros([]), "log")[1].numpy().decode()

@@ -44,6 +44,9 @@ How a name is formed
   A new variable's initial value is the broadcast ``bps.strategy/init/<i>``
   (the i-th variable created: same program, same order), model state
   ``bps.strategy/state/<i>`` (by position in :func:`model_variables`).
+* **Overlapped gradients** (``bps_tf.overlap``): ``Overlap/<prefix>/<path>``,
+  variable names made unique as above; one key per variable, pending from
+  the end of one step to its first use in the next.
 * **Gradients of the ops themselves** (``tf.GradientTape`` through a
   push_pull): ``<key>/grad``.
 
@@ -173,6 +176,11 @@ def source_name(source, index: int) -> str:
     if isinstance(source, (tf.Variable,)) or hasattr(source, "path"):
         return variable_name(source)
     return tensor_op_name(source) or f"source{index}"
+
+
+def overlap_keys(variables: Sequence, prefix: str) -> List[str]:
+    """Keys of the split push_pulls of ``variables``' gradients (bps_tf.overlap)."""
+    return unique_names([f"Overlap/{prefix}/{variable_name(v)}" for v in variables])
 
 
 def model_variables(model, skip_on_read: bool = False) -> list:

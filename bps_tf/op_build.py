@@ -35,7 +35,8 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # The op library's sources, relative to the package directory. They ship
 # with the package so the library can be compiled where it is used.
 OP_SOURCES = ("ops/push_pull_ops.cc", "ops/priority_pass.cc", "ops/priority_pass_stats.cc",
-              "ops/graph_rewrite.cc", "ops/sparse_gather.cc", "kernels/push_pull_kernels.cc")
+              "ops/graph_rewrite.cc", "ops/sparse_gather.cc", "ops/overlap_ops.cc",
+              "kernels/push_pull_kernels.cc", "kernels/overlap_kernels.cc")
 INCLUDE_DIRS = ("core", "kernels", "ops")
 LIBRARY_NAME = "libbps_tf_ops.so"
 STAMP_SUFFIX = ".key"

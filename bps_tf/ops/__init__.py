@@ -13,7 +13,7 @@ from tensorflow.python.framework import auto_control_deps
 from bps_tf import basics, naming, op_build
 from bps_tf._loader import preload_libzmq
 
-OP_TYPES = ("BytepsPushPull", "BytepsBroadcast")
+OP_TYPES = ("BytepsPushPull", "BytepsBroadcast", "BytepsPushPullStart", "BytepsPushPullWait")
 
 
 def _load():
@@ -45,6 +45,36 @@ def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):
     """root_rank's value of `tensor`, on every worker."""
     return _ops.byteps_broadcast(tensor, tensor_name=tensor_name, root_rank=int(root_rank),
                                  priority=int(priority))
+
+
+def push_pull_start(tensor, tensor_name: str, priority: int = 0):
+    """Starts the sum of `tensor` under `tensor_name`; returns a token at once."""
+    return _ops.byteps_push_pull_start(tensor, tensor_name=tensor_name, priority=int(priority))
+
+
+def push_pull_wait(like, tensor_name: str):
+    """(sum, valid) of the sum started under `tensor_name` (see overlap_ops.cc)."""
+    return _ops.byteps_push_pull_wait(like, tensor_name=tensor_name)
+
+
+def push_pull_pending_keys():
+    """Names started and not yet waited for in this process."""
+    return _ops.byteps_push_pull_pending_keys()
+
+
+def push_pull_debug_hold(x, command: str, tensor_name: str = "", timeout_ms: int = 10000):
+    """Diagnostics (see overlap_ops.cc): returns (x, log of holds)."""
+    return _ops.byteps_push_pull_debug_hold(x, command=command, tensor_name=tensor_name,
+                                           timeout_ms=int(timeout_ms))
+
+
+tf.no_gradient("BytepsPushPullStart")
+tf.no_gradient("BytepsPushPullWait")
+
+
+@tf.RegisterGradient("BytepsPushPullDebugHold")
+def _debug_hold_grad(op, grad, _log_grad):
+    return [grad]   # y is x
 
 
 @tf.RegisterGradient("BytepsPushPull")
