@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
 from bps_tf.collectives import SUPPORTED_DTYPES, require_init
+from bps_tf.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from bps_tf.naming import variable_name
 from bps_tf.process_sets import check_process_set, global_process_set
 
@@ -62,53 +63,6 @@ Adasum = ReduceOp.ADASUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
-
-
-class Compressor:
-    """Turns a tensor into what travels, and back. ``ctx`` carries what
-    ``decompress`` needs (here: the original dtype)."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """float32/float64 travel as float16 (half the bytes); other dtypes are
-    left alone. Through ``push_pull``/``allreduce`` (and so the tape and the
-    optimizer) the values are first scaled by a power of two agreed across
-    workers, so no sum overflows float16's range (see
-    ``bps_tf.collectives.push_pull_sum_fp16``); ``compress`` alone is the plain
-    cast."""
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype in (tf.float32, tf.float64):
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
-
-
-class Compression:
-    none = NoneCompressor
-    fp16 = FP16Compressor
 
 
 # --------------------------------------------------------------------------

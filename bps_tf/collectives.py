@@ -260,7 +260,7 @@ def fp16_scale(bound):
     return tf.where(safe, scale, tf.constant(1.0, tf.float64))
 
 
-def push_pull_sum_fp16(tensor, key: str, priority: int = 0):
+def push_pull_sum_fp16(tensor, key: str, priority: int = 0, with_op: bool = False):
     """Sum of a float32/float64 ``tensor`` that travels as float16, scaled so
     that no sum overflows. Costs one extra 8-byte push_pull under
     ``<key>/range`` (both run concurrently with other tensors in a tf.function)."""
@@ -270,7 +270,8 @@ def push_pull_sum_fp16(tensor, key: str, priority: int = 0):
     scale = fp16_scale(bound)
     half = tf.cast(tensor * tf.cast(scale, tensor.dtype), tf.float16)
     summed = push_pull_sum(half, key, priority)
-    return tf.cast(summed, tensor.dtype) / tf.cast(scale, tensor.dtype)
+    result = tf.cast(summed, tensor.dtype) / tf.cast(scale, tensor.dtype)
+    return (result, push_pull_op(summed)) if with_op else result
 
 
 # Split push_pull (cross-step overlap, bps_tf/overlap.py): the sum is started

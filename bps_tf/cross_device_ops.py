@@ -40,6 +40,11 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
 from bps_tf import collectives, naming
+from bps_tf import compression as compression_lib
+
+# Tensors smaller than this travel uncompressed: they gain nothing, and they
+# are the scalars (metrics, loss) whose exact values users read.
+FP16_MIN_ELEMENTS = 1024
 
 
 def _push_pull(tensor, key: str, priority: int = collectives.BLOCKING_PRIORITY):
@@ -61,10 +66,12 @@ def allgather_rows(tensor, key: str, rank: int, size: int):
 class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
     """Reduces local replicas with add_n, then across workers with push_pull."""
 
-    def __init__(self, num_workers: int, rank: int):
+    def __init__(self, num_workers: int, rank: int, compression=None):
         super().__init__()
         self._num_workers = num_workers
         self._rank = rank
+        compression_lib.check_supported(compression, "BytePSStrategy")
+        self._fp16 = compression_lib.is_fp16(compression)
         self._namer = naming.StrategyNamer()
         collectives.load_op_library()   # fail at strategy creation if the library is missing
         # graph -> {output tensor name: [push_pull op names]}, to find the
@@ -141,13 +148,24 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             # SyncOnRead variables arrive as their per-replica variables.
             tensors = [tf.convert_to_tensor(v) for v in values]
             local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
-            summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
-                                    if priority is None else priority)
+            if self._compresses(local, priority):
+                summed, op = collectives.push_pull_sum_fp16(
+                    local, name, collectives.BLOCKING_PRIORITY, with_op=True)
+            else:
+                summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
+                                        if priority is None else priority)
             if reduce_op == reduce_util.ReduceOp.MEAN:
                 summed = collectives.divide(summed, total)
             elif reduce_op != reduce_util.ReduceOp.SUM:
                 raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
         return summed, [op] if op is not None else []
+
+    def _compresses(self, tensor, priority) -> bool:
+        """fp16 for the gradient-sized floating tensors only: state updates
+        (``priority`` set) and small values (metrics, counts) stay exact."""
+        size = tensor.shape.num_elements()
+        return (self._fp16 and priority is None and tensor.dtype in (tf.float32, tf.float64)
+                and size is not None and size >= FP16_MIN_ELEMENTS)
 
     def _reduce_sparse(self, reduce_op, values, name, total):
         if not all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
@@ -202,9 +220,10 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
         entry = _Applied(primary, sorted(set(found)))
         self._applied.setdefault(graph, []).append(entry)
+        label = getattr(var, "bps_label", None) or entry.label
         for op_name in entry.op_names:
             key = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
-            collectives.label_tensor(key, entry.label)
+            collectives.label_tensor(key, label)
 
     def gradient_priorities(self):
         """[(variable name, push_pull tensor_name, priority)] of the gradients

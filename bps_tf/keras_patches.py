@@ -231,6 +231,24 @@ def broadcast_model_state(model, root_rank: int = 0) -> None:
         assign_all()
 
 
+# --------------------------------------------------------------------------
+# Variable labels
+# --------------------------------------------------------------------------
+def _patch_variable_path(variable_cls):
+    """Keras 3 may create a variable's TensorFlow variable after the layer's
+    name scope is gone (deferred building), so its TensorFlow name is only
+    ``kernel``; the Keras path is known here, and errors and the timeline
+    show it (naming.display_path)."""
+    original = variable_cls._initialize  # pylint: disable=protected-access
+
+    @functools.wraps(original)
+    def _initialize(self, value):
+        with naming.creating_variable(getattr(self, "path", None)):
+            return original(self, value)
+
+    variable_cls._initialize = _initialize  # pylint: disable=protected-access
+
+
 def install(is_ours=None) -> None:
     """Wraps the Keras methods above (once per process); ``is_ours(strategy)``,
     if given, is added to the predicates telling a BytePSStrategy."""
@@ -245,6 +263,8 @@ def install(is_ours=None) -> None:
         _patch_jit_compile(trainer_module.Trainer)
         from keras.src.backend.tensorflow import trainer as tf_trainer_module
         _patch_predict(tf_trainer_module.TensorFlowTrainer)
+        from keras.src.backend.tensorflow import core as tf_core_module
+        _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)
         backup = keras.callbacks.BackupAndRestore
         backup.on_train_begin = _restore_from_rank0(backup.on_train_begin)

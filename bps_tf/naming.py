@@ -68,6 +68,7 @@ ranks, after ``BYTEPS_STALL_CHECK_TIME_SECONDS`` and stops the job after
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -263,3 +264,29 @@ def allgather_data_key(key: str, eager_total_rows: Optional[int] = None) -> str:
     call to call, so there the total row count joins the key (one key per size)."""
     data = part_key(key, "data")
     return data if eager_total_rows is None else f"{data}.rows{eager_total_rows}"
+
+
+# --------------------------------------------------------------------------
+# Names for people (never keys)
+# --------------------------------------------------------------------------
+_creating = threading.local()
+
+
+@contextlib.contextmanager
+def creating_variable(path: str):
+    """While a Keras variable creates its TensorFlow variable: its path, for
+    :func:`display_path` (set by bps_tf.keras_patches)."""
+    previous = getattr(_creating, "path", None)
+    _creating.path = path
+    try:
+        yield
+    finally:
+        _creating.path = previous
+
+
+def display_path(name) -> str:
+    """The path a person knows a variable being created now by (Keras 3's
+    ``model/layer/kernel``), for error messages and the timeline only: it is
+    this process's own business, so it never enters a key."""
+    path = getattr(_creating, "path", None)
+    return str(path) if path else str(name or "").split(":")[0]

@@ -66,12 +66,12 @@ __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather
 class BytePSExtended(mirrored_strategy.MirroredExtended):
     """MirroredExtended for one worker of a between-graph BytePS job."""
 
-    def __init__(self, container_strategy, devices=None, sync_state=True):
+    def __init__(self, container_strategy, devices=None, sync_state=True, compression=None):
         _join_cluster()
         self._sync_state = bool(sync_state)
         self._num_workers = basics.size()
         self._rank = basics.rank()
-        ops = PushPullCrossDeviceOps(self._num_workers, self._rank)
+        ops = PushPullCrossDeviceOps(self._num_workers, self._rank, compression)
         super().__init__(container_strategy, devices=devices, cross_device_ops=ops)
         self._push_pull_ops = ops
 
@@ -201,7 +201,10 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
             # would keep its own. tf.keras declared them MEAN, which makes
             # their replica-context updates an average over all replicas.
             kwargs["aggregation"] = tf.VariableAggregation.MEAN
-        return super()._create_variable(next_creator, **kwargs)
+        variable = super()._create_variable(next_creator, **kwargs)
+        # What errors and the timeline call its push_pulls (never a key).
+        variable.bps_label = naming.display_path(kwargs.get("name"))
+        return variable
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         # Replica 0 of every worker takes rank 0's initial value; the other
@@ -214,6 +217,8 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         initial_value = kwargs["initial_value"]
         dtype = kwargs.get("dtype")
         key = naming.next_init_key()   # claimed now, in creation order
+        if kwargs.get("name"):
+            collectives.label_tensor(key, naming.display_path(kwargs["name"]))
 
         def initial_value_fn():
             with tf.device(device):
@@ -286,14 +291,21 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     (BatchNormalization's moving statistics) over all replicas of all
     workers, so every worker holds the same model; False keeps each
     replica's own (Keras 3 under MirroredStrategy).
+
+    ``compression``: ``bps_tf.Compression.fp16`` sends float32/float64
+    reductions of at least 1,024 elements (the gradients) as float16, scaled
+    so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
+    ones and state updates stay exact. ``None`` or ``Compression.none``: no
+    compression. Any other compressor raises.
     """
 
-    def __init__(self, devices=None, predict="all", sync_state=True):
+    def __init__(self, devices=None, predict="all", sync_state=True, compression=None):
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
         self.predict_mode = predict
-        extended = BytePSExtended(self, devices=devices, sync_state=sync_state)
+        extended = BytePSExtended(self, devices=devices, sync_state=sync_state,
+                                  compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)

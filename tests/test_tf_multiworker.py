@@ -73,6 +73,10 @@ def test_fp16_compression_and_unnamed_eager_calls(ranks):
     _check(ranks, "fp16_and_unnamed")
 
 
+def test_strategy_fp16_compression_scales_and_refuses_the_optimizers(ranks):
+    _check(ranks, "strategy_fp16")
+
+
 def test_broadcast_from_rank_1(ranks):
     _check(ranks, "broadcast_from_rank1")
 

@@ -42,7 +42,17 @@ class _DistributedMixin:
     def _bps_should_reduce(self) -> bool:
         # Inside a strategy the strategy's own all-reduce runs in
         # _backend_update_step: reducing here too would count twice.
-        return not tf.distribute.has_strategy()
+        if not tf.distribute.has_strategy():
+            return True
+        if self._bps_compression not in (None, api.Compression.none):
+            # The strategy reduces the gradients, not this wrapper: a silent
+            # no-op here would send them uncompressed.
+            raise ValueError(
+                "DistributedOptimizer(compression=...) under a tf.distribute strategy: the "
+                "strategy reduces the gradients, so the wrapper's compression would be "
+                "ignored. Pass it to the strategy instead: "
+                "bps_tf.BytePSStrategy(compression=bps_tf.Compression.fp16).")
+        return False
 
     def _bps_accumulating(self) -> bool:
         steps = getattr(self, "gradient_accumulation_steps", None)

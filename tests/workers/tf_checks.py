@@ -300,6 +300,43 @@ def check_shape_mismatch_is_reported(rank, size):
     raise AssertionError("push_pull of different shapes under one name did not fail")
 
 
+def check_strategy_fp16_compression(rank, size):
+    """BytePSStrategy(compression=fp16): large float reductions travel as
+    float16 (values show float16 rounding), scaled so the sum of values that
+    fit float16 but whose sum does not stays finite; small ones stay exact;
+    a DistributedOptimizer's own compression under the strategy is refused."""
+    from bps_tf.strategy import BytePSStrategy
+    strategy = BytePSStrategy(compression=api.Compression.fp16)
+    big = strategy.run(lambda: tf.fill([2048], 40000.0 + rank))
+    got = strategy.reduce(tf.distribute.ReduceOp.SUM, big, axis=None).numpy()
+    want = 40000.0 * size + size * (size - 1) / 2
+    assert np.all(np.isfinite(got)) and np.allclose(got, want, rtol=2.0 ** -9, atol=0), got[:4]
+    # Values float16 cannot hold exactly: the sum shows its rounding.
+    values = [np.float32(1.0 / 3.0 + 0.1 * (r + 1)) for r in range(size)]
+    uneven = strategy.run(lambda: tf.fill([2048], values[rank]))
+    got = strategy.reduce(tf.distribute.ReduceOp.SUM, uneven, axis=None).numpy()
+    exact = np.float32(sum(np.float64(v) for v in values))
+    assert got[0] != exact and abs(got[0] - exact) <= exact * 2.0 ** -9, (got[0], exact)
+    small = strategy.run(lambda: tf.fill([10], 1.0 / 3.0))
+    got = strategy.reduce(tf.distribute.ReduceOp.SUM, small, axis=None).numpy()
+    assert np.all(got == np.float32(1.0 / 3.0) * size), got   # under 1,024 elements: exact
+    from bps_tf.keras import DistributedOptimizer
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        opt = DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                   compression=api.Compression.fp16)
+        model.compile(optimizer=opt, loss="mse")
+    try:
+        model.fit(np.ones((12, 3), np.float32), np.ones((12, 2), np.float32), epochs=1,
+                  batch_size=6, verbose=0)
+    except ValueError as exc:
+        assert "Pass it to the strategy instead" in str(exc), exc
+    else:
+        raise AssertionError("DistributedOptimizer(compression=fp16) under the strategy "
+                             "was silently ignored")
+    return "ok"
+
+
 def main(out_dir):
     bps_tf.init()
     rank, size = bps_tf.rank(), bps_tf.size()
@@ -318,6 +355,7 @@ def main(out_dir):
     checks.run("fit_distributed_optimizer",
                lambda: check_fit_with_distributed_optimizer(rank, size))
     parity_checks.run_all(checks, rank, size)
+    checks.run("strategy_fp16", lambda: check_strategy_fp16_compression(rank, size))
     checks.run("shape_mismatch", lambda: check_shape_mismatch_is_reported(rank, size))
     checks.results["finished"] = {"ok": True, "detail": ""}
     checks.write()
