@@ -299,6 +299,7 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
     source)`` chooses instead, and the pass keeps its choice.
     ``None`` gradients pass through.
     """
+    collectives.refuse_async_training(prefix)
     names = naming.unique_names([f"{prefix}/{naming.source_name(s, i)}"
                                  for i, s in enumerate(sources)])
     out = []

@@ -46,7 +46,9 @@ SETTINGS = (
             "Threads a server uses to sum the partitions it owns."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
             "Asynchronous mode: the server adds each push to its stored value "
-            "and answers with the value at once. Must agree on every node."),
+            "and answers with the value at once. Must agree on every node. "
+            "Numpy-level push_pull only: BytePSStrategy and the gradient API "
+            "refuse it (asynchronous training is not built yet)."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

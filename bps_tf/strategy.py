@@ -266,6 +266,7 @@ def _join_cluster() -> None:
     until the workers finish and ends the process with the server's exit
     code, as a ParameterServerStrategy ps task blocks in ``join()``.
     """
+    collectives.refuse_async_training("BytePSStrategy")
     if basics.is_initialized():
         return
     if cluster.resolve().role in ("server", "scheduler"):

@@ -526,3 +526,18 @@ def test_xla_compiled_code_is_refused_clearly():
 
     with pytest.raises(RuntimeError, match="jit_compile=False"):
         compiled(tf.ones([2]))
+
+
+def test_async_mode_is_refused_for_gradient_training(monkeypatch):
+    # The servers' async mode returns a running sum; applying it as this
+    # step's gradient would train a wrong model silently.
+    monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
+    from bps_tf.strategy import BytePSStrategy
+    from bps_tf.tape import DistributedGradientTape
+    with pytest.raises(NotImplementedError, match="BYTEPS_ENABLE_ASYNC=1"):
+        BytePSStrategy()
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w)
+    with pytest.raises(NotImplementedError, match="not built for gradient training"):
+        DistributedGradientTape(tape).gradient(loss, [w])
