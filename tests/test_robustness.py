@@ -114,10 +114,22 @@ def _hostile_frames(port, count, seed):
     zmq = pytest.importorskip("zmq")
     rng = random.Random(seed)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def dealer():
+        sock = ctx.socket(zmq.DEALER)
+        # close() waits until every queued frame has left (bounded): on a
+        # loaded machine frames still queued at close would otherwise be lost
+        # before the server can count them.
+        sock.setsockopt(zmq.LINGER, 60000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        return sock
+
+    sock = dealer()
+    # Frames over the server's size limit make libzmq drop the connection:
+    # they go on their own socket so the others' delivery does not depend on
+    # when that happens.
+    oversized = dealer()
     magic, version = 0x31535042, 1
     for i in range(count):
         kind = i % 6
@@ -138,10 +150,14 @@ def _hostile_frames(port, count, seed):
             frames = [hdr, payload]
         elif kind == 4:  # right size, random contents
             frames = [rng.randbytes(64), rng.randbytes(rng.randint(0, 300))]
-        else:  # more than the server accepts in one frame
-            frames = [b"\0" * 64, b"\0" * (PART + 8192)] if i % 60 == 5 else [b"x" * 64]
+        elif i % 60 == 5:  # more than the server accepts in one frame
+            oversized.send_multipart([b"\0" * 64, b"\0" * (PART + 8192)])
+            continue
+        else:
+            frames = [b"x" * 64]
         sock.send_multipart(frames)
     sock.close()
+    oversized.close(linger=0)
     ctx.term()
     # Plain TCP garbage too (not even ZMTP).
     for _ in range(20):
