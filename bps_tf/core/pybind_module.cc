@@ -43,6 +43,13 @@ class Handle {
       if (status != BPS_OK && error) (*self)->error_ = error;
     }
     (*self)->cv_.notify_all();
+    // This runs on the engine's thread, and the handle may hold the last
+    // references to its numpy arrays (Python may have dropped its own as soon
+    // as Wait returned): releasing them needs the GIL, or the interpreter's
+    // heap is corrupted under load. While Python shuts down the GIL cannot be
+    // taken: the handle is left to the process's exit instead.
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    py::gil_scoped_acquire gil;
     delete self;
   }
 
