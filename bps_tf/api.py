@@ -207,10 +207,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     check_process_set(process_set, "allgather")
     del ignore_name_scope
     require_init()
-    tensor = tf.convert_to_tensor(tensor)
-    collectives.check_dtype(tensor, "allgather", collectives.GATHER_DTYPES)
-    if tensor.shape.rank == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension.")
+    tensor = collectives.row_tensor(tensor, "allgather", collectives.GATHER_DTYPES)
     key = naming.op_key("Allgather", name, tensor)
     gathered, _ = collectives.allgather(tensor, key, basics.rank(), basics.size(),
                                         widen=True)

@@ -107,6 +107,16 @@ def check_dtype(tensor, what: str, allowed=SUPPORTED_DTYPES) -> None:
                         f"(supported: {names}).")
 
 
+def row_tensor(tensor, what: str, dtypes):
+    """``tensor`` as a tensor for a collective over rows (allgather, alltoall):
+    a dtype in ``dtypes`` and at least one dimension, else a clear error."""
+    tensor = tf.convert_to_tensor(tensor)
+    check_dtype(tensor, what, dtypes)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension.")
+    return tensor
+
+
 def check_root(root_rank: int) -> int:
     root_rank = int(root_rank)
     if not 0 <= root_rank < basics.size():

@@ -3,8 +3,7 @@
 TensorFlow's C++ ABI changes with every release, so an op library is only
 valid for the exact TensorFlow (version and compile flags) it was compiled
 against. Every build is therefore stamped with a *key*: a hash of the
-TensorFlow version, its compile and link flags, the compiler, and the op
-sources. At import, `ensure_op_library()` returns
+TensorFlow version, its compile and link flags, and the op sources. At import, `ensure_op_library()` returns
 
 1. the library built at install time, when its stamp matches this process's
    TensorFlow (the common case: `pip install --no-build-isolation .`), else
@@ -73,14 +72,6 @@ def compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _compiler_identity(cxx: str) -> str:
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return cxx
-    return (out.stdout.splitlines() or [cxx])[0]
-
-
 def _source_paths(package_dir: str) -> List[str]:
     paths = [os.path.join(package_dir, s) for s in OP_SOURCES]
     for d in INCLUDE_DIRS:
@@ -89,12 +80,13 @@ def _source_paths(package_dir: str) -> List[str]:
     return paths
 
 
-def build_key(tf_info: Dict, package_dir: str = PACKAGE_DIR, cxx: str = None) -> str:
+def build_key(tf_info: Dict, package_dir: str = PACKAGE_DIR) -> str:
     """What an op library must have been built with to load in this process."""
+    # The ABI a library must match is TensorFlow's (version and flags) and
+    # our sources'; the compiler on PATH today says nothing about a library
+    # built before, and asking it would cost every import a subprocess.
     h = hashlib.sha256()
-    cxx = cxx or compiler()
-    h.update(json.dumps([tf_info["version"], tf_info["cflags"], tf_info["lflags"],
-                         _compiler_identity(cxx)]).encode())
+    h.update(json.dumps([tf_info["version"], tf_info["cflags"], tf_info["lflags"]]).encode())
     for path in _source_paths(package_dir):
         h.update(os.path.relpath(path, package_dir).encode())
         with open(path, "rb") as f:
@@ -201,7 +193,7 @@ def ensure_op_library(package_dir: str = PACKAGE_DIR, tf_info: Dict = None,
     core_lib_dir = core_lib_dir or package_dir
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cxx = compiler()
-    key = build_key(tf_info, package_dir, cxx)
+    key = build_key(tf_info, package_dir)
     installed = os.path.join(package_dir, "ops", LIBRARY_NAME)
     if os.path.exists(installed) and read_stamp(installed).get("key") == key:
         return installed

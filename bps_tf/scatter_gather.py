@@ -133,10 +133,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     check_process_set(process_set, "alltoall")
     del ignore_name_scope
     require_init()
-    tensor = tf.convert_to_tensor(tensor)
-    collectives.check_dtype(tensor, "alltoall", collectives.GATHER_DTYPES)
-    if tensor.shape.rank == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension.")
+    tensor = collectives.row_tensor(tensor, "alltoall", collectives.GATHER_DTYPES)
     rank, size = basics.rank(), basics.size()
     key = naming.op_key("Alltoall", name, tensor)
     splits = _checked_splits(tensor, splits, size)

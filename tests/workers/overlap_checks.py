@@ -7,10 +7,8 @@ OUT_DIR/rank<r>.json ({"checks": {name: {"ok", "detail"}}}) after each one.
 A failed check ends the worker at once (exit 3). The engine-failure check
 runs last: it leaves a failed tensor behind in the cluster.
 """
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import tensorflow as tf
@@ -20,33 +18,9 @@ import bps_tf
 from bps_tf import collectives
 from bps_tf.overlap import OverlappedApply
 from bps_tf.tape import DistributedGradientTape
+from check_record import Checks  # noqa: E402
 
 STEPS = 6
-
-
-class Checks:
-    def __init__(self, out_dir, rank, size):
-        self.path = os.path.join(out_dir, f"rank{rank}.json")
-        self.rank, self.size = rank, size
-        self.results = {}
-
-    def run(self, name, fn):
-        try:
-            detail = fn()
-            self.results[name] = {"ok": True, "detail": detail or ""}
-        except Exception as exc:  # recorded, asserted by the test
-            self.results[name] = {"ok": False,
-                                  "detail": f"{exc}\n{traceback.format_exc()[-3000:]}"}
-            self.write()
-            print(f"rank {self.rank}: check {name} failed: {exc}", file=sys.stderr, flush=True)
-            os._exit(3)
-        self.write()
-
-    def write(self):
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "size": self.size, "checks": self.results}, f)
-        os.replace(tmp, self.path)
 
 
 class Marker(keras.layers.Layer):

@@ -12,10 +12,8 @@ The shape-mismatch check runs last: it leaves an error behind in the cluster.
 Values are integers that depend on the rank, so sums are exact in every
 dtype and a wrong or missing contribution changes the result.
 """
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import tensorflow as tf
@@ -26,33 +24,9 @@ from bps_tf import api, config
 from bps_tf.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
 import parity_checks
+from check_record import Checks  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
-
-
-class Checks:
-    def __init__(self, out_dir, rank, size):
-        self.path = os.path.join(out_dir, f"rank{rank}.json")
-        self.rank, self.size = rank, size
-        self.results = {}
-
-    def run(self, name, fn):
-        try:
-            detail = fn()
-            self.results[name] = {"ok": True, "detail": detail or ""}
-        except Exception as exc:  # recorded, asserted by the test
-            self.results[name] = {"ok": False,
-                                  "detail": f"{exc}\n{traceback.format_exc()[-3000:]}"}
-            self.write()
-            print(f"rank {self.rank}: check {name} failed: {exc}", file=sys.stderr, flush=True)
-            os._exit(3)
-        self.write()
-
-    def write(self):
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "size": self.size, "checks": self.results}, f)
-        os.replace(tmp, self.path)
 
 
 def expect_equal(what, got, want):
