@@ -36,6 +36,7 @@ _LAZY = {
     "broadcast": "bps_tf.api",
     "broadcast_variables": "bps_tf.api",
     "broadcast_object": "bps_tf.api",
+    "allgather_object": "bps_tf.api",
     "DistributedGradientTape": "bps_tf.tape",
     "Compression": "bps_tf.api",
     "Average": "bps_tf.api",

@@ -37,7 +37,8 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "Compression", "Compressor", "NoneCompressor", "FP16Compressor",
     "push_pull", "allreduce", "grouped_allreduce", "allgather", "broadcast",
-    "broadcast_variables", "broadcast_object", "reduce_gradients", "resolve_op",
+    "broadcast_variables", "broadcast_object", "allgather_object", "reduce_gradients",
+    "predivide_scales", "resolve_op",
     "variable_name", "SUPPORTED_DTYPES", "GATHERED_OPS", "sum_exact",
 ]
 
@@ -282,12 +283,51 @@ def broadcast_object(obj, root_rank=0, name=None):
     return pickle.loads(data.numpy().tobytes()[:nbytes])
 
 
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every worker's ``obj`` (any picklable object), as a list in rank order.
+
+    Eager only. The pickled bytes travel as uint8 rows of an allgather
+    (first dimension may differ per worker), after an allgather of their
+    lengths.
+    """
+    check_process_set(process_set, "allgather_object")
+    require_init()
+    if not tf.executing_eagerly():
+        raise RuntimeError("allgather_object works in eager mode only.")
+    base = naming.op_key("AllgatherObject", name)
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    lengths = allgather(tf.constant([payload.size], tf.int64),
+                        name=naming.part_key(base, "lengths")).numpy()
+    data = allgather(tf.constant(payload), name=naming.part_key(base, "data")).numpy()
+    out, start = [], 0
+    for length in lengths:
+        out.append(pickle.loads(data[start:start + int(length)].tobytes()))
+        start += int(length)
+    return out
+
+
 # --------------------------------------------------------------------------
 # Gradients: shared by DistributedGradientTape and the Keras optimizer
 # --------------------------------------------------------------------------
+def predivide_scales(op, gradient_predivide_factor, where: str):
+    """Horovod's ``gradient_predivide_factor``: (prescale, postscale) that
+    split the average into a division by the factor before the sum and the
+    rest after it, so large sums stay in range. Only for ``op=Average``."""
+    factor = float(gradient_predivide_factor)
+    if factor == 1.0:
+        return 1.0, 1.0
+    if factor <= 0.0:
+        raise ValueError(f"{where}: gradient_predivide_factor must be > 0, got {factor}.")
+    if op != Average:
+        raise ValueError(f"{where}: gradient_predivide_factor needs op=Average, got "
+                         f"op={ReduceOp(op).name.title()}.")
+    # Average divides the sum by size(): x/f summed, /size, *f == sum/size.
+    return 1.0 / factor, factor
+
+
 def reduce_gradients(grads, sources, prefix, compression=Compression.none,
                      sparse_as_dense=False, op=Average, priority_fn=None,
-                     postscale_factor=1.0):
+                     postscale_factor=1.0, prescale_factor=1.0):
     """Push-pulls a list of gradients named after their ``sources``.
 
     Priority is ``-index`` by default: earlier sources are needed earlier
@@ -309,5 +349,6 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
         priority = -index if priority_fn is None else int(priority_fn(index, source))
         with collectives.keep_priority(priority_fn is not None):
             out.append(push_pull(grad, name=name, compression=compression, op=op,
-                                 priority=priority, postscale_factor=postscale_factor))
+                                 priority=priority, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor))
     return out

@@ -193,7 +193,10 @@ def model_variables(model, skip_on_read: bool = False) -> list:
     """
     out, seen = [], set()
     optimizer = getattr(model, "optimizer", None)
-    for v in list(model.variables) + list(getattr(optimizer, "variables", []) or []):
+    optimizer_variables = getattr(optimizer, "variables", None) or []
+    if callable(optimizer_variables):   # tf_keras' legacy optimizers: a method
+        optimizer_variables = optimizer_variables()
+    for v in list(model.variables) + list(optimizer_variables):
         if id(v) in seen:
             continue
         if skip_on_read and getattr(v, "synchronization", None) == "on_read":

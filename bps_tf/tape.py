@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.api import Average, Compression, reduce_gradients, resolve_op
+from bps_tf.api import Average, Compression, predivide_scales, reduce_gradients, resolve_op
+from bps_tf.process_sets import check_process_set, global_process_set
 from bps_tf.collectives import require_init
 
 
@@ -24,8 +25,12 @@ class DistributedGradientTape(tf.GradientTape):
     The wrapper shares the wrapped tape's state, so it may also be made
     before or inside the ``with`` block. Gradient names come from the
     sources' variable paths; priorities from their position (earlier
-    first). ``device_dense``/``device_sparse`` are accepted for
-    compatibility.
+    first). ``gradient_predivide_factor`` (with ``op=Average``) divides by
+    the factor before the sum and by ``size / factor`` after it, as in
+    Horovod. ``device_dense``/``device_sparse`` are accepted for
+    compatibility; ``num_groups``/``groups`` (Horovod's grouping hint) are
+    accepted and change nothing here: bps_tf schedules each gradient by
+    priority and the engine batches what is ready together.
     """
 
     # Our settings live in a slot: the instance __dict__ is the wrapped tape's.
@@ -33,14 +38,21 @@ class DistributedGradientTape(tf.GradientTape):
 
     def __init__(self, gradtape, device_dense="", device_sparse="",
                  compression=Compression.none, sparse_as_dense=False, op=Average,
-                 priority_fn=None):
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                 process_set=global_process_set, priority_fn=None):
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(gradtape).__name__}.")
         # No super().__init__: this object *is* the wrapped tape, state shared.
+        check_process_set(process_set, "DistributedGradientTape")
+        del num_groups, groups
+        op = resolve_op(None, op)
+        prescale, postscale = predivide_scales(op, gradient_predivide_factor,
+                                               "DistributedGradientTape")
         object.__setattr__(self, "__dict__", gradtape.__dict__)
         self._bps = dict(compression=compression, sparse_as_dense=sparse_as_dense,
-                         op=resolve_op(None, op), priority_fn=priority_fn,
+                         op=op, priority_fn=priority_fn,
+                         prescale=prescale, postscale=postscale,
                          device_dense=device_dense, device_sparse=device_sparse)
 
     def gradient(self, target, sources, output_gradients=None,
@@ -55,5 +67,6 @@ class DistributedGradientTape(tf.GradientTape):
             reduced = reduce_gradients(
                 flat_grads, flat_sources, "DistributedGradientTape",
                 compression=opts["compression"], sparse_as_dense=opts["sparse_as_dense"],
-                op=opts["op"], priority_fn=opts["priority_fn"])
+                op=opts["op"], priority_fn=opts["priority_fn"],
+                prescale_factor=opts["prescale"], postscale_factor=opts["postscale"])
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)

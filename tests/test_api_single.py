@@ -541,3 +541,26 @@ def test_async_mode_is_refused_for_gradient_training(monkeypatch):
         loss = tf.reduce_sum(w * w)
     with pytest.raises(NotImplementedError, match="not built for gradient training"):
         DistributedGradientTape(tape).gradient(loss, [w])
+
+
+@pytest.mark.parametrize("obj", [{"a": [1, 2]}, "", None])
+def test_allgather_object_one_worker_is_a_list_of_one(obj):
+    assert api.allgather_object(obj) == [obj]
+
+
+def test_predivide_scales_split_the_average_and_refuse_other_ops():
+    assert api.predivide_scales(api.Average, 1.0, "x") == (1.0, 1.0)
+    assert api.predivide_scales(api.Average, 4.0, "x") == (0.25, 4.0)
+    with pytest.raises(ValueError, match="needs op=Average, got op=Sum"):
+        api.predivide_scales(api.Sum, 2.0, "DistributedOptimizer")
+    with pytest.raises(ValueError, match="must be > 0"):
+        api.predivide_scales(api.Average, 0.0, "DistributedOptimizer")
+
+
+def test_keras_distributed_optimizer_takes_gradient_predivide_factor():
+    import keras
+    from bps_tf.keras import DistributedOptimizer
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), gradient_predivide_factor=2.0)
+    assert (opt._bps_prescale, opt._bps_postscale) == (0.5, 2.0)
+    with pytest.raises(ValueError, match="op=Average"):
+        DistributedOptimizer(keras.optimizers.SGD(0.1), op=api.Sum, gradient_predivide_factor=2.0)

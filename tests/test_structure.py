@@ -22,7 +22,7 @@ KNOWN_LONG: set = set()
 OP_USERS = {"bps_tf.collectives"}
 DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
               "push_pull", "allreduce", "allgather", "grouped_allreduce", "broadcast",
-              "broadcast_variables", "broadcast_object", "DistributedGradientTape",
+              "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
               "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product",
               "DistributedOptimizer", "BytePSStrategy", "gather_predictions",
               "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

@@ -141,6 +141,14 @@ def test_parity_broadcast_in_place(ranks):
     _check(ranks, "parity_broadcast_in_place")
 
 
+def test_parity_allgather_object_uneven_sizes(ranks):
+    _check(ranks, "parity_allgather_object")
+
+
+def test_parity_gradient_predivide_factor_equals_the_average(ranks):
+    _check(ranks, "parity_gradient_predivide_factor")
+
+
 def test_parity_sync_batch_norm_equals_batch_norm_on_the_whole_batch(ranks):
     for detail in _check(ranks, "parity_sync_batch_norm"):
         assert float(detail.split()[-1]) <= 1e-5

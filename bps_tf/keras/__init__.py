@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bps_tf.basics import (init, is_initialized, local_rank, local_size, rank,
                            shutdown, size)
-from bps_tf.api import (Average, Compression, Sum, allgather, broadcast,
+from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, broadcast,
                         broadcast_object, broadcast_variables, push_pull)
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
@@ -26,7 +26,7 @@ keras_patches.install()
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
     "Average", "Sum", "Compression", "DistributedOptimizer", "allreduce", "push_pull",
-    "allgather", "broadcast", "broadcast_object", "broadcast_variables",
+    "allgather", "allgather_object", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
     "SyncBatchNormalization",
 ]

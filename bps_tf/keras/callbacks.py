@@ -1,5 +1,8 @@
 """Keras 3 callbacks with Horovod's names and arguments.
 
+They also run under tf_keras' ``fit`` (Keras 2, ``TF_USE_LEGACY_KERAS=1``):
+``_KerasCallback`` adds the three hooks tf_keras asks every callback for.
+
 Keras 3 differences that shape them:
 
 * the learning rate is ``optimizer.learning_rate``, a variable, set with
@@ -19,7 +22,22 @@ from bps_tf import api, basics
 from bps_tf.naming import model_variables
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class _KerasCallback(keras.callbacks.Callback):
+    """A Keras 3 callback that tf_keras' CallbackList also accepts: it asks
+    each callback which batch hooks it implements (True: we don't know, so
+    call them all; Keras 3 ignores these)."""
+
+    def _implements_train_batch_hooks(self):
+        return True
+
+    def _implements_test_batch_hooks(self):
+        return True
+
+    def _implements_predict_batch_hooks(self):
+        return True
+
+
+class BroadcastGlobalVariablesCallback(_KerasCallback):
     """Makes every worker start from ``root_rank``'s model and optimizer state.
 
     At train begin it broadcasts the variables that exist (``fit`` has built
@@ -59,7 +77,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._done_ids.update(id(v) for v in late)
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_KerasCallback):
     """Averages the epoch-end logs over workers, in place, so every worker
     (and later callbacks such as checkpoints) sees global metrics. Keys are
     sorted so every worker reduces the same vector; non-numeric entries are
@@ -85,6 +103,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[key] = float(value)
 
 
+def _is_schedule(rate) -> bool:
+    # Keras 3's and tf_keras' schedule classes share the name, not a base.
+    return any(cls.__name__ == "LearningRateSchedule" for cls in type(rate).__mro__)
+
+
 def _is_number(value) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return False
@@ -94,7 +117,7 @@ def _is_number(value) -> bool:
             and not value.dtype == bool)
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_KerasCallback):
     """Sets ``lr = initial_lr * multiplier(epoch)`` for
     ``start_epoch <= epoch < end_epoch``.
 
@@ -119,8 +142,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def _lr_variable(self):
         optimizer = self.model.optimizer
-        schedule_cls = keras.optimizers.schedules.LearningRateSchedule
-        if isinstance(getattr(optimizer, "_learning_rate", None), schedule_cls):
+        rate = getattr(optimizer, "_learning_rate", None)           # Keras 3, tf_keras
+        if rate is None:
+            rate = getattr(optimizer, "_hyper", {}).get("learning_rate")   # tf_keras legacy
+        if _is_schedule(rate):
             raise TypeError(
                 f"{type(self).__name__}: the optimizer's learning rate is a "
                 "LearningRateSchedule, which cannot be set; build the optimizer "

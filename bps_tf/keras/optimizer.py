@@ -25,6 +25,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf import api
+from bps_tf.keras import legacy_optimizer
 
 
 class _DistributedMixin:
@@ -38,6 +39,8 @@ class _DistributedMixin:
     _bps_op = api.Average
     _bps_priority_fn = None
     _bps_accum_scale = 1.0   # Horovod sums (not averages) aggregated passes
+    _bps_prescale = 1.0      # gradient_predivide_factor's split of the average
+    _bps_postscale = 1.0
 
     def _bps_should_reduce(self) -> bool:
         # Inside a strategy the strategy's own all-reduce runs in
@@ -63,7 +66,9 @@ class _DistributedMixin:
             list(grads), list(variables), self._bps_prefix,
             compression=self._bps_compression,
             sparse_as_dense=self._bps_sparse_as_dense, op=self._bps_op,
-            priority_fn=self._bps_priority_fn, postscale_factor=postscale_factor)
+            priority_fn=self._bps_priority_fn,
+            prescale_factor=self._bps_prescale,
+            postscale_factor=postscale_factor * self._bps_postscale)
 
     def apply(self, grads, trainable_variables=None):
         if self._bps_should_reduce() and not self._bps_accumulating() and len(grads):
@@ -83,7 +88,7 @@ class _DistributedMixin:
 
 def distributed_class(base, name=None, compression=api.Compression.none,
                       sparse_as_dense=False, op=api.Average, priority_fn=None,
-                      accum_scale=1.0):
+                      accum_scale=1.0, prescale=1.0, postscale=1.0):
     """A subclass of ``base`` that reduces gradients before applying them."""
     settings = dict(
         _bps_prefix=name or "DistributedOptimizer",
@@ -92,6 +97,8 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         _bps_op=api.resolve_op(None, op),
         _bps_priority_fn=staticmethod(priority_fn) if priority_fn else None,
         _bps_accum_scale=float(accum_scale),
+        _bps_prescale=float(prescale),
+        _bps_postscale=float(postscale),
         # Same name and module as the base: saved models name the plain class.
         __module__=base.__module__,
         __qualname__=base.__qualname__,
@@ -103,7 +110,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          compression=api.Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=api.Average,
                          backward_passes_per_step=1,
-                         average_aggregated_gradients=False, priority_fn=None):
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None, scale_local_gradients=True, priority_fn=None):
     """Returns a copy of a Keras 3 ``optimizer`` (same class, same config)
     that averages gradients across workers before applying them. A
     ``tf.compat.v1.train.Optimizer`` gets bps_tf.compat.v1.DistributedOptimizer.
@@ -113,15 +121,23 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     their position. ``backward_passes_per_step=N`` accumulates N batches
     locally (Keras 3 ``gradient_accumulation_steps``) and exchanges once;
     the N passes are summed as in Horovod unless
-    ``average_aggregated_gradients=True``. ``device_dense``,
-    ``device_sparse`` are accepted for compatibility.
-    ``gradient_predivide_factor`` other than 1.0 is not supported.
+    ``average_aggregated_gradients=True``. ``gradient_predivide_factor``
+    (with ``op=Average``) divides by the factor before the sum and by
+    ``size / factor`` after it, as in Horovod. ``device_dense``,
+    ``device_sparse``, ``num_groups``, ``groups`` and
+    ``scale_local_gradients`` are accepted for compatibility (the engine
+    batches what is ready on its own). A tf_keras (Keras 2,
+    ``TF_USE_LEGACY_KERAS=1``) optimizer gets the same wrapper for Keras 2
+    (``bps_tf.keras.legacy_optimizer``).
 
     XLA cannot compile the push_pull op: on a machine with a GPU, where
     Keras' ``jit_compile="auto"`` turns XLA on, compile the model with
     ``jit_compile=False`` (the op refuses XLA with a message saying so).
     """
     from bps_tf.compat import v1
+    from bps_tf.process_sets import check_process_set
+    check_process_set(process_set, "DistributedOptimizer")
+    del num_groups, groups, scale_local_gradients
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
         if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:
             raise NotImplementedError("with a tf.compat.v1 optimizer, gradient_predivide_factor "
@@ -132,12 +148,20 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     del device_dense, device_sparse
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer.")
+    if legacy_optimizer.is_tf_keras_optimizer(optimizer):   # Keras 2 (tf_keras)
+        return legacy_optimizer.DistributedOptimizer(
+            optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients,
+            priority_fn=priority_fn)
     if not _is_keras3_optimizer(optimizer):
-        raise TypeError("DistributedOptimizer wraps a Keras 3 optimizer "
-                        f"(keras.optimizers.*), got {type(optimizer).__name__}.")
-    if gradient_predivide_factor != 1.0:
-        raise NotImplementedError("gradient_predivide_factor is not supported; "
-                                  "use op=Sum with your own scaling.")
+        raise TypeError("DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), "
+                        "a tf_keras one or a tf.compat.v1 one, got "
+                        f"{type(optimizer).__name__}.")
+    op = api.resolve_op(None, op)
+    prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
+                                               "DistributedOptimizer")
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ValueError("backward_passes_per_step must be >= 1.")
@@ -152,7 +176,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     accum_scale = passes if passes > 1 and not average_aggregated_gradients else 1.0
     cls = distributed_class(type(optimizer), name=name, compression=compression,
                             sparse_as_dense=sparse_as_dense, op=op,
-                            priority_fn=priority_fn, accum_scale=accum_scale)
+                            priority_fn=priority_fn, accum_scale=accum_scale,
+                            prescale=prescale, postscale=postscale)
     return cls.from_config(config)
 
 

@@ -288,6 +288,42 @@ def check_sync_batch_norm(rank, size):
     return f"max difference {worst_all:.2e}"
 
 
+def check_allgather_object(rank, size):
+    mine = {"rank": rank, "payload": "x" * (10 + 1000 * rank)}   # lengths differ per rank
+    got = bps_tf.allgather_object(mine, name="parity_objects")
+    want = [{"rank": r, "payload": "x" * (10 + 1000 * r)} for r in range(size)]
+    if got != want:
+        raise AssertionError(f"allgather_object gave {[g['rank'] for g in got]}")
+    return "ok"
+
+
+def check_gradient_predivide_factor(rank, size):
+    """Dividing by the factor before the sum and by size/factor after it
+    gives the plain average (exactly, for a power-of-two factor); other ops
+    are refused."""
+    w = tf.Variable(np.arange(4, dtype=np.float32) + 1.0, name="predivide_w")
+    x = tf.constant(np.arange(4, dtype=np.float32) * (rank + 1))
+
+    def grad(**kw):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w * x)
+        return bps_tf.DistributedGradientTape(tape, **kw).gradient(loss, [w])[0].numpy()
+
+    plain = grad()
+    split = grad(gradient_predivide_factor=4.0)
+    want = np.mean([2 * w.numpy() * np.arange(4) * (r + 1) for r in range(size)], axis=0)
+    np.testing.assert_allclose(plain, want, rtol=1e-6)
+    expect_equal("predivide 4 vs plain average", split, plain)
+    try:
+        bps_tf.DistributedGradientTape(tf.GradientTape(), op=bps_tf.Sum,
+                                       gradient_predivide_factor=2.0)
+    except ValueError as exc:
+        assert "op=Average" in str(exc), exc
+    else:
+        raise AssertionError("gradient_predivide_factor with op=Sum was accepted")
+    return "ok"
+
+
 def run_all(checks, rank, size):
     """Runs every parity check through ``checks.run`` (tf_checks.Checks)."""
     checks.run("parity_allreduce", lambda: check_allreduce_every_dtype_and_op(rank, size))
@@ -298,3 +334,6 @@ def run_all(checks, rank, size):
     checks.run("parity_barrier", lambda: check_barrier(rank, size))
     checks.run("parity_broadcast_in_place", lambda: check_broadcast_in_place(rank, size))
     checks.run("parity_sync_batch_norm", lambda: check_sync_batch_norm(rank, size))
+    checks.run("parity_allgather_object", lambda: check_allgather_object(rank, size))
+    checks.run("parity_gradient_predivide_factor",
+               lambda: check_gradient_predivide_factor(rank, size))

@@ -1,0 +1,70 @@
+"""A Horovod Keras-2 script, run by bps_tf with one line changed: the import.
+
+    TF_USE_LEGACY_KERAS=1 bpslaunch -np 2 --servers 1 python examples/tf_keras_horovod_style.py
+
+Written the way Horovod's Keras-2 examples are (tf.keras is tf_keras when
+TF_USE_LEGACY_KERAS=1; `pip install tf_keras` matching your TensorFlow):
+scale the learning rate by the number of workers, wrap the optimizer,
+broadcast rank 0's weights, average the metrics, warm the learning rate up,
+let rank 0 alone checkpoint and print. Each worker trains on its own shard
+of scikit-learn's digits (nothing is downloaded).
+"""
+import argparse
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import bps_tf.keras as hvd   # was: import horovod.tensorflow.keras as hvd
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+
+    hvd.init()
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    order = np.random.RandomState(0).permutation(len(x))
+    x, y = x[order], y[order]
+    split = len(x) * 4 // 5
+    x_train, y_train = x[:split][hvd.rank()::hvd.size()], y[:split][hvd.rank()::hvd.size()]
+    x_test, y_test = x[split:], y[split:]
+
+    model = tf.keras.Sequential([
+        tf.keras.Input((64,)),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10, activation="softmax"),
+    ])
+    scaled_lr = 0.01 * hvd.size()
+    opt = tf.keras.optimizers.Adam(scaled_lr)
+    opt = hvd.DistributedOptimizer(opt)
+    model.compile(loss="sparse_categorical_crossentropy", optimizer=opt,
+                  metrics=["accuracy"])
+
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=1,
+                                                 verbose=1),
+    ]
+    if hvd.rank() == 0:
+        checkpoints = os.path.join(tempfile.mkdtemp(), "checkpoint-{epoch}.h5")
+        callbacks.append(tf.keras.callbacks.ModelCheckpoint(checkpoints))
+
+    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+              callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+    accuracy = float(hvd.allreduce(accuracy, name="test_accuracy"))
+    if hvd.rank() == 0:
+        print(f"final accuracy {accuracy:.4f}")
+
+
+if __name__ == "__main__":
+    main()

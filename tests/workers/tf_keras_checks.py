@@ -1,0 +1,117 @@
+"""Keras 2 (tf_keras) checks, run under TF_USE_LEGACY_KERAS=1 by
+tests/test_tf_keras.py: the Horovod Keras-2 way of training (tf.keras
+optimizers wrapped by bps_tf.keras.DistributedOptimizer, the callbacks,
+fit) must train one model, the same on every worker and equal to one
+process training on every worker's batches."""
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_record import Checks  # noqa: E402
+
+import bps_tf.keras as hvd  # noqa: E402
+
+BATCH, STEPS, FEATURES = 8, 6, 5
+
+
+def rank_data(rank):
+    rng = np.random.RandomState(100 + rank)
+    x = rng.normal(size=(BATCH * STEPS, FEATURES)).astype(np.float32)
+    y = (x @ np.arange(1, FEATURES + 1, dtype=np.float32)[:, None] * 0.1
+         + rng.normal(scale=0.01, size=(BATCH * STEPS, 1))).astype(np.float32)
+    return x, y
+
+
+def make_model(seed=7):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.Input((FEATURES,)),
+                                tf.keras.layers.Dense(4, activation="tanh"),
+                                tf.keras.layers.Dense(1)])
+
+
+def same_on_every_rank(what, values):
+    """Raises unless every rank holds exactly these values."""
+    flat = np.concatenate([np.ravel(v).astype(np.float64) for v in values])[None, :]
+    gathered = hvd.allgather(tf.constant(flat)).numpy()
+    for r in range(1, gathered.shape[0]):
+        if not np.array_equal(gathered[0], gathered[r]):
+            diff = np.max(np.abs(gathered[0] - gathered[r]))
+            raise AssertionError(f"{what}: rank {r} differs from rank 0 by up to {diff}")
+
+
+def reference_weights(size, optimizer, epochs=1):
+    """One process on the batches of every rank, side by side."""
+    data = [rank_data(r) for r in range(size)]
+    x = np.concatenate([np.concatenate([d[0][s * BATCH:(s + 1) * BATCH] for d in data])
+                        for s in range(STEPS)])
+    y = np.concatenate([np.concatenate([d[1][s * BATCH:(s + 1) * BATCH] for d in data])
+                        for s in range(STEPS)])
+    model = make_model()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=BATCH * size, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def check_is_tf_keras():
+    name = type(tf.keras.optimizers.SGD(0.1)).__module__
+    if not name.startswith("tf_keras."):
+        raise AssertionError(f"tf.keras is not tf_keras here: {name}")
+    return name
+
+
+def check_fit_equals_one_process(rank, size, make_optimizer, **wrap):
+    x, y = rank_data(rank)
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_optimizer(), **wrap)
+    model.compile(optimizer=opt, loss="mse")
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback()])
+    weights = model.get_weights()
+    same_on_every_rank("weights", weights)
+    same_on_every_rank("averaged loss", history.history["loss"])
+    want = reference_weights(size, make_optimizer(), epochs=2)
+    for got, ref in zip(weights, want):
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+    if "bps_tf" not in type(opt).__mro__[1].__module__:
+        raise AssertionError(f"not wrapped: {type(opt).__mro__}")
+    return f"{type(opt).__name__} from {type(opt).__module__}: loss {history.history['loss']}"
+
+
+def check_warmup_reaches_initial_lr(rank, size):
+    x, y = rank_data(rank)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
+    seen = []
+    record = tf.keras.callbacks.LambdaCallback(
+        on_batch_begin=lambda b, logs: seen.append(float(model.optimizer.learning_rate.numpy())))
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(
+                  initial_lr=0.04, warmup_epochs=1, steps_per_epoch=STEPS), record])
+    if abs(seen[0] - 0.04 / size) > 1e-7 or abs(seen[-1] - 0.04) > 1e-7:
+        raise AssertionError(f"warmup learning rates {seen}")
+    same_on_every_rank("weights after warmup", model.get_weights())
+    return seen
+
+
+def main():
+    out_dir = sys.argv[1]
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    checks = Checks(out_dir, rank, size)
+    checks.run("is_tf_keras", check_is_tf_keras)
+    checks.run("sgd_fit", lambda: check_fit_equals_one_process(
+        rank, size, lambda: tf.keras.optimizers.SGD(0.05)))
+    checks.run("legacy_momentum_fit", lambda: check_fit_equals_one_process(
+        rank, size, lambda: tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)))
+    checks.run("adam_predivide_fit", lambda: check_fit_equals_one_process(
+        rank, size, lambda: tf.keras.optimizers.Adam(0.01), gradient_predivide_factor=2.0))
+    checks.run("warmup", lambda: check_warmup_reaches_initial_lr(rank, size))
+    checks.run("finished", lambda: None)
+
+
+if __name__ == "__main__":
+    main()
