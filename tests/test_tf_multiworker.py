@@ -106,6 +106,12 @@ def test_shape_mismatch_error_names_tensor_and_both_shapes(ranks):
         assert len(shapes) >= 2 and shapes <= {"2", "3", "4"}, message
 
 
+def test_broadcast_root_mismatch_error_names_tensor_and_both_roots(ranks):
+    for message in _check(ranks, "root_mismatch"):
+        assert "mismatch/root" in message and "differs across workers" in message, message
+        assert "root=0" in message and "root=1" in message, message
+
+
 # Horovod parity (tests/workers/parity_checks.py), in the same cluster
 PARITY_DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64",
                  "float16", "bfloat16", "float32", "float64")

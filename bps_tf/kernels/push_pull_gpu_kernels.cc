@@ -177,6 +177,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
     if (broadcast_) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
     if (name_.empty()) name_ = def().name();
+    declared_name_ = broadcast_ ? BroadcastDeclaredName(name_, root_rank_) : name_;
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -201,7 +202,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     Call* c = new Call;
     c->ctx = ctx;
     c->done = std::move(done);
-    c->name = name_;
+    c->name = declared_name_;
     c->priority = priority_;
     c->dtype = CoreDType(first.dtype());
     for (int i = 0; i < first.dims(); ++i) c->shape.push_back(first.dim_size(i));
@@ -281,6 +282,7 @@ class PushPullGpuOp : public AsyncOpKernel {
 
   bool broadcast_;
   std::string name_;
+  std::string declared_name_;  // name_, plus the root for a broadcast
   tensorflow::int64 priority_ = 0;
   tensorflow::int64 root_rank_ = 0;
 };

@@ -109,7 +109,7 @@ class BroadcastOp : public AsyncOpKernel {
                   p->zeros.tensor_data().size());
       src = p->zeros.tensor_data().data();
     }
-    Enqueue(name_, priority_, p, src);
+    Enqueue(BroadcastDeclaredName(name_, root_rank_), priority_, p, src);
   }
 
  private:

@@ -7,7 +7,7 @@ and writes OUT_DIR/rank<r>.json: {"size": n, "checks": {name: {"ok", "detail"}}}
 The file is written after every check. A failed check ends the worker at
 once (exit 3): the other workers would otherwise wait for collectives it
 never issues, and bpslaunch stops the whole job on the first failure.
-The shape-mismatch check runs last: it leaves an error behind in the cluster.
+The shape- and root-mismatch checks run last: they leave errors behind in the cluster.
 
 Values are integers that depend on the rank, so sums are exact in every
 dtype and a wrong or missing contribution changes the result.
@@ -274,6 +274,15 @@ def check_shape_mismatch_is_reported(rank, size):
     raise AssertionError("push_pull of different shapes under one name did not fail")
 
 
+def check_broadcast_root_mismatch_is_reported(rank, size):
+    try:
+        api.broadcast(tf.constant([float(rank)]), root_rank=0 if rank == 0 else 1,
+                      name="mismatch/root")
+    except Exception as exc:   # the scheduler's error, on every rank
+        return str(exc)
+    raise AssertionError("broadcast with different roots under one name did not fail")
+
+
 def check_strategy_fp16_compression(rank, size):
     """BytePSStrategy(compression=fp16): large float reductions travel as
     float16 (values show float16 rounding), scaled so the sum of values that
@@ -331,6 +340,7 @@ def main(out_dir):
     parity_checks.run_all(checks, rank, size)
     checks.run("strategy_fp16", lambda: check_strategy_fp16_compression(rank, size))
     checks.run("shape_mismatch", lambda: check_shape_mismatch_is_reported(rank, size))
+    checks.run("root_mismatch", lambda: check_broadcast_root_mismatch_is_reported(rank, size))
     checks.results["finished"] = {"ok": True, "detail": ""}
     checks.write()
 
