@@ -6,6 +6,7 @@ the concatenated batches. SGD, Momentum and Adam; resource and ref variables.
 Under the rewrite the embedding's sparse gradient is gathered exactly; a
 sparse update it cannot trace to tf.gradients' output is refused, naming it.
 One cluster runs tests/workers/tf1_checks.py once."""
+import json
 import os
 import sys
 
@@ -41,6 +42,17 @@ def test_workers_agree_and_match_one_process(run, case):
         np.testing.assert_array_equal(results[0][f"got_{name}"], results[1][f"got_{name}"])
         np.testing.assert_allclose(results[0][f"got_{name}"], results[0][f"ref_{name}"],
                                    rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_gradients_of_every_collective_in_a_session_match_the_definition(run):
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        text = (out / f"gradients.rank{rank}.txt").read_text()
+        assert not text.startswith("error"), text
+        assert set(json.loads(text)) == {"allreduce_sum", "allreduce_average",
+                                         "broadcast_root1", "allgather",
+                                         "reducescatter_sum", "alltoall"}, text
 
 
 def test_the_graph_rewrite_refuses_an_untraceable_sparse_update_naming_it(run):

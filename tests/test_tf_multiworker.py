@@ -155,6 +155,13 @@ def test_parity_gradient_predivide_factor_equals_the_average(ranks):
     _check(ranks, "parity_gradient_predivide_factor")
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_parity_gradients_of_every_collective_match_the_definition(ranks, mode):
+    for detail in _check(ranks, f"parity_gradients_{mode}"):
+        assert set(detail) == {"allreduce_sum", "allreduce_average", "broadcast_root1",
+                               "allgather", "reducescatter_sum", "alltoall"}, detail
+
+
 def test_parity_sync_batch_norm_equals_batch_norm_on_the_whole_batch(ranks):
     for detail in _check(ranks, "parity_sync_batch_norm"):
         assert float(detail.split()[-1]) <= 1e-5

@@ -92,5 +92,9 @@ def _broadcast_grad(op, grad):
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
     summed = push_pull_sum(grad, name, op.get_attr("priority"))
     if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
-        return [tf.zeros_like(summed)]
+        # The zeros must still wait for the push_pull: the root waits for
+        # this worker's share, and in a TF1 session (or after Grappler folds
+        # zeros of a known shape) nothing else would make it run.
+        with tf.control_dependencies([summed]):
+            return [tf.zeros_like(grad)]
     return [summed]

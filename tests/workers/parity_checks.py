@@ -15,6 +15,7 @@ import keras
 
 import bps_tf
 from bps_tf import api
+import gradient_checks
 
 INTS = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64]
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -337,3 +338,5 @@ def run_all(checks, rank, size):
     checks.run("parity_allgather_object", lambda: check_allgather_object(rank, size))
     checks.run("parity_gradient_predivide_factor",
                lambda: check_gradient_predivide_factor(rank, size))
+    checks.run("parity_gradients_eager", lambda: gradient_checks.run("eager", rank, size))
+    checks.run("parity_gradients_function", lambda: gradient_checks.run("function", rank, size))

@@ -107,6 +107,15 @@ def main():
                     bps_v1.disable_graph_rewrite()
                     with open(os.path.join(out_dir, f"{name}.rank{rank}.error"), "w") as f:
                         f.write(traceback.format_exc())
+    # Gradients of every collective in a TF1 session (they once hung here).
+    try:
+        import json
+        import gradient_checks
+        result = json.dumps(gradient_checks.run("tf1", rank, size))
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = "error: " + traceback.format_exc()
+    with open(os.path.join(out_dir, f"gradients.rank{rank}.txt"), "w") as f:
+        f.write(result)
     # A sparse update the rewrite cannot trace to tf.gradients' IndexedSlices
     # (a Softsign of the values): refused, naming the op.
     bps_v1.enable_graph_rewrite()
