@@ -1,7 +1,8 @@
 """Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1): Horovod's Keras-2 scripts keep
 working with bps_tf.keras. One 2-worker cluster runs
-tests/workers/tf_keras_checks.py; the Horovod-style example runs with only
-its import line changed.
+tests/workers/tf_keras_checks.py; the Horovod-style example, with only its
+import line changed, runs on Keras 2 and on Keras 3; the BytePS-style
+DistributedGradientTape example runs too.
 
 tf_keras is fetched here, into a temporary folder, in the release that
 matches the installed TensorFlow: as a requirement, its dependency on the
@@ -19,7 +20,7 @@ from cluster_runner import ROOT, launch, results  # noqa: E402
 tf = pytest.importorskip("tensorflow")
 
 CHECKS = os.path.join(ROOT, "tests", "workers", "tf_keras_checks.py")
-EXAMPLE = os.path.join(ROOT, "examples", "tf_keras_horovod_style.py")
+EXAMPLE = os.path.join(ROOT, "examples", "keras_horovod_style.py")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,21 @@ def test_tf_keras_check(ranks, name):
         assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}"
 
 
-def test_horovod_style_keras2_example_runs_with_one_import_changed(legacy_env):
-    proc = launch(2, 1, [EXAMPLE, "--epochs", "2"], env=legacy_env, timeout=300)
+@pytest.mark.parametrize("keras_version", [2, 3])
+def test_horovod_style_keras_example_runs_with_one_import_changed(legacy_env, keras_version):
+    env = legacy_env if keras_version == 2 else {"BYTEPS_OP_TIMEOUT": "60"}
+    proc = launch(2, 1, [EXAMPLE, "--epochs", "2"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # Rank 0 prints the averaged accuracy; synthetic digits are learnable.
     lines = [ln for ln in proc.stdout.splitlines() if "final accuracy" in ln]
     assert len(lines) == 1, proc.stdout[-3000:]
     assert float(lines[0].rsplit(" ", 1)[1]) >= 0.9, lines[0]
+
+
+def test_byteps_style_tape_example_runs_with_one_import_changed():
+    example = os.path.join(ROOT, "examples", "tf2_digits_tape.py")
+    proc = launch(2, 1, [example, "--epochs", "5"], env={"BYTEPS_OP_TIMEOUT": "60"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "test accuracy:" in ln]
+    assert len(lines) == 1 and "(2 workers)" in lines[0], proc.stdout[-3000:]
+    assert float(lines[0].split("test accuracy:")[1].split()[0]) >= 0.8, lines[0]

@@ -1,9 +1,11 @@
-"""A Horovod Keras-2 script, run by bps_tf with one line changed: the import.
+"""A Horovod Keras script, run by bps_tf with one line changed: the import.
 
-    TF_USE_LEGACY_KERAS=1 bpslaunch -np 2 --servers 1 python examples/tf_keras_horovod_style.py
+    bpslaunch -np 2 --servers 1 python examples/keras_horovod_style.py     # Keras 3
+    TF_USE_LEGACY_KERAS=1 bpslaunch -np 2 --servers 1 python examples/keras_horovod_style.py
 
-Written the way Horovod's Keras-2 examples are (tf.keras is tf_keras when
-TF_USE_LEGACY_KERAS=1; `pip install tf_keras` matching your TensorFlow):
+The second line runs it on Keras 2 (tf.keras is tf_keras when
+TF_USE_LEGACY_KERAS=1; `pip install tf_keras` matching your TensorFlow).
+Written the way Horovod's Keras examples are:
 scale the learning rate by the number of workers, wrap the optimizer,
 broadcast rank 0's weights, average the metrics, warm the learning rate up,
 let rank 0 alone checkpoint and print. Each worker trains on its own shard
@@ -55,7 +57,8 @@ def main():
                                                  verbose=1),
     ]
     if hvd.rank() == 0:
-        checkpoints = os.path.join(tempfile.mkdtemp(), "checkpoint-{epoch}.h5")
+        suffix = "h5" if tf.keras.__name__.startswith("tf_keras") else "keras"
+        checkpoints = os.path.join(tempfile.mkdtemp(), "checkpoint-{epoch}." + suffix)
         callbacks.append(tf.keras.callbacks.ModelCheckpoint(checkpoints))
 
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
