@@ -253,11 +253,11 @@ int ServerNode::Run(std::string* error) {
       Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
            std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
     }
-    std::string refused = channel_->Refusal();  // only its link to the scheduler is opened
-    if (!refused.empty()) {
-      Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refused);
+    std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
+    if (!refusal.empty()) {
+      Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
     } else if (!membership_.welcomed() && !hosts_scheduler_ &&
-        SecondsSince(started) > rendezvous_timeout_s_) {
+               SecondsSince(started) > rendezvous_timeout_s_) {
       Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
            std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
            " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
