@@ -64,10 +64,3 @@ def core_values(token: str, encryption: int) -> Dict[str, str]:
     elif chosen == "plain":
         values["plain_credential"] = derive(token, "plain_credential").hex()
     return values
-
-
-def describe(token: str, encryption: int) -> str:
-    """How this process's connections are secured, for start-up lines."""
-    return {"curve": "connections authenticated and encrypted (CURVE)",
-            "plain": "connections authenticated by the token, not encrypted (BYTEPS_ENCRYPTION=0)",
-            "none": "connections neither authenticated nor encrypted"}[mode(token, encryption)]

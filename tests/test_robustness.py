@@ -262,9 +262,10 @@ def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path, encryption):
     ({"BYTEPS_JOB_TOKEN": ""}, "BYTEPS_JOB_TOKEN is not set"),
 ], ids=["wrong-token", "encryption-off", "no-token"])
 def test_a_worker_without_the_token_cannot_join(tmp_path, intruder, reason):
-    """A worker whose token or encryption setting differs from the servers'
-    fails its handshake: it stops at once with the reason (long before the
-    rendezvous timeout), and the server says it refused a connection."""
+    """A worker (then a server) whose token or encryption setting differs from
+    the scheduler's fails its handshake: it stops at once with the reason
+    (long before the rendezvous timeout), and the scheduler's server says it
+    refused a connection."""
     env = dict(FAST_FAILURE, BYTEPS_RENDEZVOUS_TIMEOUT="60")
     with ManualCluster(2, 1, [WORKER, "loop", str(tmp_path)], env=env) as c:
         # Replace worker 1 by one holding another token.
@@ -284,6 +285,18 @@ def test_a_worker_without_the_token_cannot_join(tmp_path, intruder, reason):
         assert "set BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION the same on every node" in log, log
         assert not os.path.exists(tmp_path / "joined1")
         assert "refused a connection on" in c.log("server0")
+        # A server with the same settings fails the same way.
+        started = time.time()
+        server = c._start("intruding_server", [sys.executable, "-m", "bps_tf.server"],
+                          {"DMLC_ROLE": "server", "BYTEPS_SERVER_ID": "0",
+                           "DMLC_PS_ROOT_PORT": str(c.port)})
+        c.servers.append(server)
+        assert c.wait_all([server], timeout=30)
+        assert time.time() - started < 20
+        assert server.returncode != 0
+        log = c.log("intruding_server")
+        assert "server 0 could not meet the cluster: the connection to tcp://127.0.0.1:" in log, log
+        assert reason in log, log
 
 
 def test_a_taken_port_is_a_clear_error(tmp_path):
