@@ -2,6 +2,7 @@
 same data movement and against TensorFlow's collective all-reduce.
 
     python benchmarks/push_pull_bandwidth.py [--quick] [--sizes 4KiB,64MiB] [--tf-op]
+        [--encryption on|off|both]
 
 Per tensor size, all measured in this run, one after the other:
 
@@ -13,6 +14,10 @@ Per tensor size, all measured in this run, one after the other:
 * bps_tf (TF op): the same through `push_pull_sum` in a tf.function (--tf-op);
 * TF ring: MultiWorkerMirroredStrategy, CommunicationImplementation.RING, W
   processes, all-reduce of the same tensor.
+
+bps_tf jobs run with a job token, so their connections are CURVE-encrypted
+unless --encryption off; --encryption both adds the numpy column with
+BYTEPS_ENCRYPTION=0, in the same rounds, to measure what encryption costs.
 
 Bus bandwidth per worker = (bytes pushed + bytes pulled) / time = 2M / t, the
 same formula for every column, so the ratios are ratios of times. Time = the
@@ -31,6 +36,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, fmt_size, median  # noqa: E402
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB,256MiB"
+UNENCRYPTED = "bps_tf numpy no-enc"
 QUICK_SIZES = "4KiB,1MiB,16MiB,64MiB"
 
 
@@ -66,11 +72,11 @@ def run_echo(cases, workers, servers):
     return case_times(results, len(cases))
 
 
-def run_bps(cases, workers, servers, script: str):
+def run_bps(cases, workers, servers, script: str, env=None):
     with common.processes() as procs:
         spec = common.write_spec(procs.log_dir, {"out_dir": str(procs.log_dir), "cases": cases})
         common.run_bps_job(procs, [PYTHON, str(WORKERS_DIR / script), str(spec)],
-                           num_workers=workers, num_servers=servers, timeout=1800)
+                           num_workers=workers, num_servers=servers, timeout=1800, env=env)
         return case_times(common.read_results(procs.log_dir, workers), len(cases))
 
 
@@ -124,21 +130,29 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-output", action="store_true",
                     help="also time numpy workers that allocate a new output every repetition "
                          "(what TensorFlow does), to separate page-fault cost from the engine")
+    ap.add_argument("--encryption", choices=("on", "off", "both"), default="on",
+                    help="BYTEPS_ENCRYPTION of the bps_tf jobs; both: an extra numpy column "
+                         "without encryption, interleaved with the others")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args(argv)
 
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     cases = make_cases(sizes, args.quick, args.warmup)
+    enc = {"BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
     runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers),
-               "bps_tf numpy": lambda: run_bps(cases, args.workers, args.servers, "bps_numpy.py")}
+               "bps_tf numpy": lambda: run_bps(cases, args.workers, args.servers,
+                                               "bps_numpy.py", enc)}
+    if args.encryption == "both":
+        runners[UNENCRYPTED] = lambda: run_bps(cases, args.workers, args.servers,
+                                               "bps_numpy.py", {"BYTEPS_ENCRYPTION": "0"})
     if args.fresh_output:
         fresh_cases = [dict(c, fresh_output=True) for c in cases]
         runners["bps_tf numpy fresh out"] = lambda: run_bps(fresh_cases, args.workers,
-                                                            args.servers, "bps_numpy.py")
+                                                            args.servers, "bps_numpy.py", enc)
     if args.tf_op:
         runners["bps_tf TF op"] = lambda: run_bps(cases, args.workers, args.servers,
-                                                  "bps_tf_op.py")
+                                                  "bps_tf_op.py", enc)
     if not args.no_tf:
         runners["TF ring"] = lambda: run_tf(cases, args.workers, args.tf_api)
 
@@ -158,6 +172,10 @@ def main(argv=None) -> int:
                "all_rounds_seconds": {n: times[n][c["label"]] for n in runners}}
         bps = t["bps_tf numpy"]
         row["bps_over_tcp_bound"] = t["tcp-echo bound"] / bps
+        if UNENCRYPTED in t:
+            # time with encryption / time without, per round then the median
+            pairs = zip(times["bps_tf numpy"][c["label"]], times[UNENCRYPTED][c["label"]])
+            row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
         if "TF ring" in t:
             row["speedup_over_tf_ring"] = t["TF ring"] / bps
         if "bps_tf TF op" in t:
@@ -168,17 +186,18 @@ def main(argv=None) -> int:
 
     names = list(runners)
     headers = ["size"] + [f"{n} ms" for n in names] + [f"{n} GB/s" for n in names] + \
-        ["bps/bound", "bps vs TF"]
+        ["bps/bound", "bps vs TF"] + (["enc/no-enc time"] if UNENCRYPTED in names else [])
     table = [[r["label"]] + [r["seconds"][n] * 1e3 for n in names] +
              [r["bus_GBps"][n] for n in names] +
-             [r["bps_over_tcp_bound"], r.get("speedup_over_tf_ring", float("nan"))]
+             [r["bps_over_tcp_bound"], r.get("speedup_over_tf_ring", float("nan"))] +
+             ([r["encrypted_over_unencrypted_time"]] if UNENCRYPTED in names else [])
              for r in rows]
     common.print_table(f"push_pull, {args.workers} workers x {args.servers} servers on loopback "
                        f"(median of repetitions; bus bandwidth = 2*size/time per worker)",
                        headers, table)
     out = common.write_json("push_pull_bandwidth", {
         "workers": args.workers, "servers": args.servers, "rounds": args.rounds,
-        "tf_api": args.tf_api,
+        "tf_api": args.tf_api, "encryption": args.encryption,
         "columns": names, "rows": rows,
         "targets": {"64MiB bps/bound": ">= 0.80", "64MiB bps vs TF ring": ">= 3.0"}},
         args.out_dir)

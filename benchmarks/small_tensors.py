@@ -2,11 +2,15 @@
 engine, which dominates models with many small gradients (biases, norms).
 
     python benchmarks/small_tensors.py [--quick] [--in-flight 1,16,256] [--no-tf-op]
+        [--encryption on|off|both] [--rounds R]
 
 2 workers x 1 server on loopback. Each repetition enqueues K push_pulls of
 distinct 4 KiB tensors at once and waits for all of them; push_pulls/s =
 K / (median repetition time). Measured through the numpy API (no
 TensorFlow) and through the TF op (K ops in one tf.function, all in flight).
+The jobs run with a job token, so CURVE-encrypted unless --encryption off;
+--encryption both adds the numpy path with BYTEPS_ENCRYPTION=0. With
+--rounds R every path runs R times, interleaved, and the median is reported.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 
+UNENCRYPTED = "numpy no-enc"
+
 
 def make_cases(in_flight, tensor_bytes: int, quick: bool):
     cases = []
@@ -30,11 +36,11 @@ def make_cases(in_flight, tensor_bytes: int, quick: bool):
     return cases
 
 
-def run(cases, script: str, workers: int, servers: int):
+def run(cases, script: str, workers: int, servers: int, env=None):
     with common.processes() as procs:
         spec = common.write_spec(procs.log_dir, {"out_dir": str(procs.log_dir), "cases": cases})
         common.run_bps_job(procs, [PYTHON, str(WORKERS_DIR / script), str(spec)],
-                           num_workers=workers, num_servers=servers, timeout=900)
+                           num_workers=workers, num_servers=servers, timeout=900, env=env)
         results = common.read_results(procs.log_dir, workers)
     out = {}
     for i, case in enumerate(cases):
@@ -56,35 +62,53 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-tf-op", action="store_true", help="numpy API only")
+    ap.add_argument("--encryption", choices=("on", "off", "both"), default="on",
+                    help="BYTEPS_ENCRYPTION of the jobs; both: the numpy path once more "
+                         "without encryption")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every path this many times, interleaved; report the median")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
 
     in_flight = [int(k) for k in args.in_flight.split(",")]
     cases = make_cases(in_flight, common.parse_size(args.bytes), args.quick)
-    paths = {"numpy": "bps_numpy.py"} if args.no_tf_op else \
-        {"numpy": "bps_numpy.py", "TF op": "bps_tf_op.py"}
-    measured = {}
+    enc = {"BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
+    paths = {"numpy": ("bps_numpy.py", enc)}
+    if not args.no_tf_op:
+        paths["TF op"] = ("bps_tf_op.py", enc)
+    if args.encryption == "both":
+        paths[UNENCRYPTED] = ("bps_numpy.py", {"BYTEPS_ENCRYPTION": "0"})
+    measured = {name: [] for name in paths}
     with common.stop_on_signals():
-        for name, script in paths.items():
-            print(f"{name} ...", flush=True)
-            measured[name] = run(cases, script, args.workers, args.servers)
+        for rnd in range(args.rounds):
+            for name, (script, env) in paths.items():
+                print(f"[round {rnd + 1}/{args.rounds}] {name} ...", flush=True)
+                measured[name].append(run(cases, script, args.workers, args.servers, env))
 
     rows = []
     for case in cases:
         k = case["in_flight"]
         row = {"in_flight": k}
         for name in paths:
-            m = measured[name][case["label"]]
-            row[name] = dict(m, push_pulls_per_s=k / m["median_s"],
-                             latency_ms=m["median_s"] * 1e3)
+            runs = [m[case["label"]] for m in measured[name]]
+            med = median([m["median_s"] for m in runs])
+            row[name] = {"median_s": med, "rounds_median_s": [m["median_s"] for m in runs],
+                         "reps": runs[0]["reps"], "push_pulls_per_s": k / med,
+                         "latency_ms": med * 1e3}
+        if UNENCRYPTED in paths:
+            pairs = zip(row["numpy"]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
+            row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
         rows.append(row)
+    both = UNENCRYPTED in paths
     headers = ["in flight"] + [f"{n} push_pulls/s" for n in paths] + \
-        [f"{n} ms per batch" for n in paths]
+        [f"{n} ms per batch" for n in paths] + (["enc/no-enc time"] if both else [])
     common.print_table(
         f"{args.bytes} push_pulls, {args.workers} workers x {args.servers} server on loopback",
         headers, [[r["in_flight"]] + [r[n]["push_pulls_per_s"] for n in paths] +
-                  [r[n]["latency_ms"] for n in paths] for r in rows])
+                  [r[n]["latency_ms"] for n in paths] +
+                  ([r["encrypted_over_unencrypted_time"]] if both else []) for r in rows])
     common.write_json("small_tensors", {
+        "encryption": args.encryption, "rounds": args.rounds,
         "workers": args.workers, "servers": args.servers, "tensor_bytes":
         common.parse_size(args.bytes), "rows": rows,
         "targets": {"push_pulls_per_s": ">= 5000"}}, args.out_dir)

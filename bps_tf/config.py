@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional
 
+from bps_tf import security
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -74,11 +76,18 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
-    Setting("BYTEPS_JOB_TOKEN", "job_token", "", str,
-            "Per-job secret: every frame carries an HMAC-SHA256 of its header "
-            "keyed by it, and frames without the right one are dropped. "
-            "bpslaunch generates one for local clusters; set the same value "
-            "on every node of a multi-host job. Empty: no authentication."),
+    Setting("BYTEPS_JOB_TOKEN", "", "", str,
+            "Per-job secret. Every ZeroMQ connection is authenticated with keys "
+            "derived from it, so a process without it cannot connect; with "
+            "BYTEPS_ENCRYPTION=1 (the default) the connections are also "
+            "encrypted (ZeroMQ CURVE). bpslaunch generates one for local "
+            "clusters; set the same value on every node of a multi-host job. "
+            "Empty: no authentication and no encryption."),
+    Setting("BYTEPS_ENCRYPTION", "encryption", "1", _bool,
+            "With a job token: 1 encrypts and authenticates every connection "
+            "(CURVE); 0, for a trusted network, sends in clear and only checks "
+            "a credential derived from the token (it keeps jobs apart, not an "
+            "eavesdropper out). Must agree on every node."),
     # -- timeline and logs --
     Setting("BYTEPS_TRACE_ON", "trace_on", "0", _bool,
             "Write a timeline (Chrome trace / Perfetto JSON) per worker: one "
@@ -123,7 +132,10 @@ def value(env: str, environ: Optional[Mapping[str, str]] = None):
 
 
 def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
-    return {s.core_key: value(s.env, environ) for s in SETTINGS if s.core_key}
+    values = {s.core_key: value(s.env, environ) for s in SETTINGS if s.core_key}
+    # The core gets the keys derived from the token, never the token.
+    values.update(security.core_values(value("BYTEPS_JOB_TOKEN", environ), values["encryption"]))
+    return values
 
 
 def to_core_text(values: Mapping[str, object]) -> str:

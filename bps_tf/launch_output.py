@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Iterable, List, Mapping, Optional
 
+from bps_tf import config
+
 PROG = "bpslaunch"
 
 # Output that never ends a line is still shown once this much has piled up.
@@ -142,13 +144,22 @@ def child_env(env: Mapping[str, str], user_env: Mapping[str, str], piped: bool) 
 
 def token_source(user_env: Mapping[str, str], local: bool) -> str:
     """Where the job token comes from, for the start line; never the token."""
+    clear = "connections are neither authenticated nor encrypted"
     if "BYTEPS_JOB_TOKEN" in user_env:
         if user_env["BYTEPS_JOB_TOKEN"]:
-            return "job token from BYTEPS_JOB_TOKEN"
-        return "no job token (BYTEPS_JOB_TOKEN is empty: frames are not authenticated)"
+            return "job token from BYTEPS_JOB_TOKEN" + _unencrypted(user_env)
+        return f"no job token (BYTEPS_JOB_TOKEN is empty: {clear})"
     if local:
-        return "job token generated for this job"
-    return "no job token (BYTEPS_JOB_TOKEN is not set: frames are not authenticated)"
+        return "job token generated for this job" + _unencrypted(user_env)
+    return f"no job token (BYTEPS_JOB_TOKEN is not set: {clear})"
+
+
+def _unencrypted(user_env: Mapping[str, str]) -> str:
+    try:
+        on = config.value("BYTEPS_ENCRYPTION", user_env)
+    except ValueError:
+        return ""  # every process refuses the value with its own clear error
+    return "" if on else " (BYTEPS_ENCRYPTION=0: connections are not encrypted)"
 
 
 def end_line(children, code: int, elapsed_s: float) -> str:

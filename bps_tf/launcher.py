@@ -74,7 +74,8 @@ def _clean_env(environ: Mapping[str, str]) -> Dict[str, str]:
 def _job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> Dict[str, str]:
     """What every process of a local job shares."""
     env = _clean_env(environ)
-    # One token per job lets the processes reject messages from another job.
+    # One token per job: the connections are encrypted with keys derived from
+    # it, and processes of another job are refused.
     env.setdefault("BYTEPS_JOB_TOKEN", secrets.token_hex(16))
     env.update({
         "DMLC_NUM_WORKER": str(num_workers),

@@ -12,7 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ManualCluster:
-    def __init__(self, num_workers, num_servers, worker_args, env=None, token=None):
+    def __init__(self, num_workers, num_servers, worker_args, env=None, token=None,
+                 server_env=None, before_workers=None):
+        """`server_env` is added to the servers' environment only;
+        `before_workers(port)`, if given, runs once the servers are up and
+        returns what to add to the workers' environment."""
         self.dir = tempfile.mkdtemp(prefix="bps_manual_")
         self.base = dict(os.environ)
         self.base.pop("TF_CONFIG", None)
@@ -28,8 +32,8 @@ class ManualCluster:
         ready = os.path.join(self.dir, "port")
         self.servers.append(self._start(
             "server0", [sys.executable, "-m", "bps_tf.server"],
-            {"DMLC_ROLE": "server", "BYTEPS_SERVER_ID": "0", "BYTEPS_HOST_SCHEDULER": "1",
-             "DMLC_PS_ROOT_PORT": "0", "BYTEPS_READY_FILE": ready}))
+            dict(server_env or {}, DMLC_ROLE="server", BYTEPS_SERVER_ID="0",
+                 BYTEPS_HOST_SCHEDULER="1", DMLC_PS_ROOT_PORT="0", BYTEPS_READY_FILE=ready)))
         deadline = time.time() + 30
         while self.port is None:
             if os.path.exists(ready):
@@ -42,13 +46,14 @@ class ManualCluster:
         for i in range(1, num_servers):
             self.servers.append(self._start(
                 f"server{i}", [sys.executable, "-m", "bps_tf.server"],
-                {"DMLC_ROLE": "server", "BYTEPS_SERVER_ID": str(i),
-                 "DMLC_PS_ROOT_PORT": str(self.port)}))
+                dict(server_env or {}, DMLC_ROLE="server", BYTEPS_SERVER_ID=str(i),
+                     DMLC_PS_ROOT_PORT=str(self.port))))
+        worker_env = before_workers(self.port) if before_workers else {}
         for r in range(num_workers):
             self.workers.append(self._start(
                 f"worker{r}", [sys.executable] + list(worker_args),
-                {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(r),
-                 "DMLC_PS_ROOT_PORT": str(self.port or 0)}))
+                dict(worker_env, DMLC_ROLE="worker", DMLC_WORKER_ID=str(r),
+                     DMLC_PS_ROOT_PORT=str(self.port or 0))))
 
     def _start(self, name, argv, extra):
         env = dict(self.base, **extra)

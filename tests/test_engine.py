@@ -88,12 +88,24 @@ def test_zmq_constants_match_pyzmq():
         text = f.read()
     ours = {m.group(1): int(m.group(2))
             for m in re.finditer(r"constexpr int k(\w+) = (\d+);", text)}
-    names = {"Dealer": zmq.DEALER, "Router": zmq.ROUTER, "DontWait": zmq.DONTWAIT,
+    names = {"Pair": zmq.PAIR, "Rep": zmq.REP,
+             "Dealer": zmq.DEALER, "Router": zmq.ROUTER, "DontWait": zmq.DONTWAIT,
              "SndMore": zmq.SNDMORE, "PollIn": zmq.POLLIN, "PollOut": zmq.POLLOUT,
              "RoutingId": zmq.ROUTING_ID, "SndBuf": zmq.SNDBUF, "RcvBuf": zmq.RCVBUF,
              "Linger": zmq.LINGER, "MaxMsgSize": zmq.MAXMSGSIZE, "SndHwm": zmq.SNDHWM,
              "RcvHwm": zmq.RCVHWM, "LastEndpoint": zmq.LAST_ENDPOINT,
-             "RouterMandatory": zmq.ROUTER_MANDATORY, "IoThreads": zmq.IO_THREADS}
+             "RouterMandatory": zmq.ROUTER_MANDATORY, "IoThreads": zmq.IO_THREADS,
+             "PlainServer": zmq.PLAIN_SERVER, "PlainUsername": zmq.PLAIN_USERNAME,
+             "PlainPassword": zmq.PLAIN_PASSWORD, "CurveServer": zmq.CURVE_SERVER,
+             "CurvePublicKey": zmq.CURVE_PUBLICKEY, "CurveSecretKey": zmq.CURVE_SECRETKEY,
+             "CurveServerKey": zmq.CURVE_SERVERKEY, "ZapDomain": zmq.ZAP_DOMAIN,
+             "EventHandshakeFailedNoDetail": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+             "EventHandshakeSucceeded": zmq.EVENT_HANDSHAKE_SUCCEEDED,
+             "EventHandshakeFailedProtocol": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+             "EventHandshakeFailedAuth": zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+             "ProtocolErrorCryptographic": zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC,
+             "ProtocolErrorMechanismMismatch": zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH}
+    assert set(names) | {"Hausnumero"} >= set(ours), "a constant the test does not check"
     for name, value in names.items():
         assert ours[name] == int(value), name
     assert ours["Hausnumero"] + 53 == int(zmq.ETERM)

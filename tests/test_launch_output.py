@@ -167,9 +167,14 @@ def test_tensorflow_startup_lines_are_dropped_unless_the_user_chose_a_level(hide
     ({}, True, "job token generated for this job"),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, False, "job token from BYTEPS_JOB_TOKEN"),
     ({"BYTEPS_JOB_TOKEN": ""}, True, "no job token (BYTEPS_JOB_TOKEN is empty"),
-    ({}, False, "no job token (BYTEPS_JOB_TOKEN is not set"),
+    ({}, False, "no job token (BYTEPS_JOB_TOKEN is not set: connections are neither"),
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, False,
+     "job token from BYTEPS_JOB_TOKEN (BYTEPS_ENCRYPTION=0: connections are not encrypted)"),
+    ({"BYTEPS_ENCRYPTION": "off"}, True,
+     "job token generated for this job (BYTEPS_ENCRYPTION=0: connections are not encrypted)"),
 ])
 def test_token_source_never_shows_the_token(env, local, expected):
     text = launch_output.token_source(env, local)
     assert text.startswith(expected)
+    assert ("not encrypted" in text) == (env.get("BYTEPS_ENCRYPTION") in ("0", "off"))
     assert "s3cr3t" not in text

@@ -109,9 +109,67 @@ def test_a_worker_that_left_fails_the_others_push_pulls_instead_of_hanging(tmp_p
         assert c.wait_all(c.servers, timeout=20)
 
 
-def _hostile_frames(port, count, seed):
-    """Random, truncated, oversized and unauthenticated frames at a server."""
-    zmq = pytest.importorskip("zmq")
+def _join_the_job(sock, token, encryption):
+    """Gives a pyzmq socket this job's credentials, as a process holding the
+    token derives them: its frames reach the server's frame checks."""
+    import zmq
+    from zmq.utils import z85
+
+    from bps_tf import security
+    if encryption == "1":
+        sock.curve_serverkey = zmq.curve_public(
+            z85.encode(security.derive(token, "curve_server_secret")))
+        secret = z85.encode(security.derive(token, "curve_client_secret"))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = zmq.curve_public(secret)
+    else:
+        sock.plain_username = b"anyone"
+        sock.plain_password = security.derive(token, "plain_credential").hex().encode()
+
+
+def _outsiders_are_refused(port, token, encryption):
+    """Processes without the token never get a frame through: one that knows
+    the server's public key but not the client key (or, encryption off, holds
+    a wrong credential) is refused by the server's ZAP handler; one with no
+    security at all fails the handshake."""
+    import zmq
+    from zmq.utils import z85
+    from zmq.utils.monitor import recv_monitor_message
+
+    from bps_tf import security
+    ctx = zmq.Context()
+    outcomes = {}
+    for who in ("knows the server key", "no security"):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if who == "knows the server key" and encryption == "1":
+            sock.curve_serverkey = zmq.curve_public(
+                z85.encode(security.derive(token, "curve_server_secret")))
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        elif who == "knows the server key":
+            sock.plain_username = b"anyone"
+            sock.plain_password = b"0" * 64
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"\0" * 64, b"payload"])
+        assert monitor.poll(10000), f"outsider ({who}): no handshake outcome in 10 s"
+        event = recv_monitor_message(monitor)
+        outcomes[who] = (event["event"], event["value"])
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+    ctx.term()
+    assert outcomes["knows the server key"] == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), outcomes
+    assert outcomes["no security"][0] in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL), outcomes
+
+
+def _hostile_frames(port, count, seed, token, encryption):
+    """Random, truncated, oversized and malformed frames at a server, from a
+    peer that passed the security handshake (a buggy process of the job)."""
+    import zmq
     rng = random.Random(seed)
     ctx = zmq.Context()
 
@@ -122,6 +180,7 @@ def _hostile_frames(port, count, seed):
         # before the server can count them.
         sock.setsockopt(zmq.LINGER, 60000)
         sock.setsockopt(zmq.SNDHWM, 0)
+        _join_the_job(sock, token, encryption)
         sock.connect(f"tcp://127.0.0.1:{port}")
         return sock
 
@@ -130,23 +189,23 @@ def _hostile_frames(port, count, seed):
     # they go on their own socket so the others' delivery does not depend on
     # when that happens.
     oversized = dealer()
-    magic, version = 0x31535042, 1
+    magic, version = 0x31535042, 2
     for i in range(count):
         kind = i % 6
         if kind == 0:  # random bytes, random frame count
             frames = [rng.randbytes(rng.randint(0, 200)) for _ in range(rng.randint(1, 4))]
         elif kind == 1:  # truncated header
             frames = [struct.pack("<IHH", magic, version, 7)[: rng.randint(0, 8)], b""]
-        elif kind == 2:  # a well-formed push claiming many GiB, no authenticator
+        elif kind == 2:  # a well-formed push claiming many GiB
             hdr = struct.pack("<IHHiHHQQQQ16s", magic, version, 7, rng.randint(0, 1), 0, 2,
                               rng.getrandbits(64), 0, 0, 40 << 30, b"\0" * 16)
             frames = [hdr, rng.randbytes(64)]
-        elif kind == 3:  # consistent sizes, forged authenticator
+        elif kind == 3:  # consistent sizes, reserved bytes not zero
             payload = rng.randbytes(rng.randint(0, 4096))
             hdr = struct.pack("<IHHiHHQQQQ16s", magic, version, rng.choice([1, 5, 7, 9, 11]),
                               rng.randint(-1, 3), rng.randint(0, 3), rng.randint(0, 9),
                               rng.getrandbits(64), rng.getrandbits(8), 0, len(payload),
-                              rng.randbytes(16))
+                              rng.randbytes(15) + b"\1")
             frames = [hdr, payload]
         elif kind == 4:  # right size, random contents
             frames = [rng.randbytes(64), rng.randbytes(rng.randint(0, 300))]
@@ -165,16 +224,19 @@ def _hostile_frames(port, count, seed):
             s.sendall(rng.randbytes(rng.randint(1, 5000)))
 
 
-def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path):
+@pytest.mark.parametrize("encryption", ["1", "0"])
+def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path, encryption):
     release = tmp_path / "attack_done"
     env = dict(FAST_FAILURE, BYTEPS_TIMEOUT="30", BYTEPS_LOG_LEVEL="WARNING",
-               ROBUST_WAIT_FOR_FILE=str(release))
+               BYTEPS_ENCRYPTION=encryption, ROBUST_WAIT_FOR_FILE=str(release))
     with ManualCluster(2, 1, [WORKER, "exact", str(tmp_path), "400"], env=env) as c:
+        token = c.base["BYTEPS_JOB_TOKEN"]
         wait_joined(tmp_path, 2)
         rss_before = rss_mb(c.servers[0].pid)
         # The workers finish their rounds and then wait for `release`, so the
         # server is still listening for every frame below, however fast they are.
-        _hostile_frames(c.port, 10000, seed=7)
+        _outsiders_are_refused(c.port, token, encryption)
+        _hostile_frames(c.port, 10000, seed=7, token=token, encryption=encryption)
         rss_after = rss_mb(c.servers[0].pid)
         release.touch()
         assert c.wait_all(c.workers, timeout=120)
@@ -187,23 +249,54 @@ def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path):
         log = c.log("server0")
         dropped = int(log.split("dropped ")[1].split()[0])
         assert dropped >= 9000, log
+        # the two outsiders (and the raw TCP garbage) never got a frame in
+        refused = int(log.split("refused ")[-1].split()[0])
+        assert refused >= 2, log
+        assert "refused a connection on tcp://127.0.0.1:" in log, log
         assert rss_after - rss_before < 100, (rss_before, rss_after)
 
 
-def test_a_worker_without_the_token_cannot_join(tmp_path):
-    env = dict(FAST_FAILURE, BYTEPS_RENDEZVOUS_TIMEOUT="4")
+@pytest.mark.parametrize("intruder, reason", [
+    ({"BYTEPS_JOB_TOKEN": "not-the-job-token"}, "holds another BYTEPS_JOB_TOKEN"),
+    ({"BYTEPS_ENCRYPTION": "0"}, "BYTEPS_ENCRYPTION=0"),
+    ({"BYTEPS_JOB_TOKEN": ""}, "BYTEPS_JOB_TOKEN is not set"),
+], ids=["wrong-token", "encryption-off", "no-token"])
+def test_a_worker_without_the_token_cannot_join(tmp_path, intruder, reason):
+    """A worker (then a server) whose token or encryption setting differs from
+    the scheduler's fails its handshake: it stops at once with the reason
+    (long before the rendezvous timeout), and the scheduler's server says it
+    refused a connection."""
+    env = dict(FAST_FAILURE, BYTEPS_RENDEZVOUS_TIMEOUT="60")
     with ManualCluster(2, 1, [WORKER, "loop", str(tmp_path)], env=env) as c:
         # Replace worker 1 by one holding another token.
         os.killpg(c.workers[1].pid, 9)
         c.workers[1].wait()
-        c.base["BYTEPS_JOB_TOKEN"] = "not-the-job-token"
+        c.base.update(intruder)
+        started = time.time()
         c.workers[1] = c._start("intruder", [sys.executable, WORKER, "loop", str(tmp_path)],
                                 {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1",
                                  "DMLC_PS_ROOT_PORT": str(c.port)})
         assert c.wait_all([c.workers[1]], timeout=30)
+        assert time.time() - started < 20
         assert c.workers[1].returncode != 0
-        assert "could not meet the cluster" in c.log("intruder")
+        log = c.log("intruder")
+        assert "could not meet the cluster: the connection to tcp://127.0.0.1:" in log, log
+        assert "was refused" in log and reason in log, log
+        assert "set BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION the same on every node" in log, log
         assert not os.path.exists(tmp_path / "joined1")
+        assert "refused a connection on" in c.log("server0")
+        # A server with the same settings fails the same way.
+        started = time.time()
+        server = c._start("intruding_server", [sys.executable, "-m", "bps_tf.server"],
+                          {"DMLC_ROLE": "server", "BYTEPS_SERVER_ID": "0",
+                           "DMLC_PS_ROOT_PORT": str(c.port)})
+        c.servers.append(server)
+        assert c.wait_all([server], timeout=30)
+        assert time.time() - started < 20
+        assert server.returncode != 0
+        log = c.log("intruding_server")
+        assert "server 0 could not meet the cluster: the connection to tcp://127.0.0.1:" in log, log
+        assert reason in log, log
 
 
 def test_a_taken_port_is_a_clear_error(tmp_path):

@@ -1,37 +1,68 @@
 // Channel over ZeroMQ: a DEALER per link this node opens and a ROUTER to
-// listen on.
+// listen on, each secured as LinkSecurity says and watched for failed
+// handshakes.
 #include "channel.h"
 
 #include <cerrno>
 #include <cstring>
 #include <vector>
 
-#include "auth.h"
 #include "common.h"
+#include "security.h"
 #include "stats.h"
 
 namespace bps {
 
 namespace {
 
+// A closed connection in the middle of a handshake has an innocent cause
+// now and then (the peer was restarting); the same failure again and again
+// means the two ends cannot agree.
+constexpr int kFailuresBeforeRefusal = 3;
+
+struct Link {
+  std::unique_ptr<Socket> socket;         // null once closed
+  std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
+  bool routed = false;                    // the listening link
+  std::string endpoint;
+  int failures_in_a_row = 0;
+};
+
 class ZmqChannel : public Channel {
  public:
-  ZmqChannel(int io_threads, Wakeup* wake) : ctx_(io_threads), wake_(wake) {}
-  ~ZmqChannel() override { links_.clear(); }  // sockets before the context
+  ZmqChannel(int io_threads, Wakeup* wake, const LinkSecurity& security)
+      : ctx_(io_threads), wake_(wake), security_(security) {}
+  ~ZmqChannel() override {  // sockets before the context
+    links_.clear();
+    zap_.reset();
+  }
 
   Peer Connect(const std::string& endpoint, const std::string& name) override {
-    links_.emplace_back(new Socket(ctx_, zmqc::kDealer, name));
-    links_.back()->Connect(endpoint);
-    routed_.push_back(false);
+    links_.emplace_back();
+    Link& l = links_.back();
+    l.socket.reset(new Socket(ctx_, zmqc::kDealer, name));
+    security_.ApplyClient(l.socket->get());
+    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    l.endpoint = endpoint;
+    l.socket->Connect(endpoint);
     return Peer{static_cast<int>(links_.size() - 1), ""};
   }
 
   Peer Listen(const std::string& endpoint, int64_t max_message_bytes,
               std::string* bound) override {
-    links_.emplace_back(new Socket(ctx_, zmqc::kRouter));
-    routed_.push_back(true);
-    links_.back()->SetMaxMsgSize(max_message_bytes);
-    *bound = links_.back()->Bind(endpoint);
+    // libzmq admits every client when no ZAP handler is bound: it must be
+    // there before the first peer can reach the port.
+    if (security_.mode != LinkSecurity::Mode::kNone && !zap_) {
+      zap_.reset(new ZapHandler(ctx_, security_));
+    }
+    links_.emplace_back();
+    Link& l = links_.back();
+    l.socket.reset(new Socket(ctx_, zmqc::kRouter));
+    l.routed = true;
+    l.socket->SetMaxMsgSize(max_message_bytes);
+    security_.ApplyServer(l.socket->get());
+    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    *bound = l.endpoint = l.socket->Bind(endpoint);
     return Peer{static_cast<int>(links_.size() - 1), ""};
   }
 
@@ -40,9 +71,8 @@ class ZmqChannel : public Channel {
     if (!s) return false;
     FrameHeader h = header;
     h.payload_bytes = payload.size();
-    SealHeader(&h);
     std::vector<Msg> frames;
-    if (routed_[static_cast<size_t>(to.link)]) frames.emplace_back(to.route.data(), to.route.size());
+    if (links_[static_cast<size_t>(to.link)].routed) frames.emplace_back(to.route.data(), to.route.size());
     frames.emplace_back(&h, sizeof(h));
     frames.push_back(std::move(payload));
     return s->SendFrames(&frames);
@@ -51,19 +81,24 @@ class ZmqChannel : public Channel {
   bool Wait(long timeout_ms) override {
     items_.clear();
     items_.push_back({nullptr, wake_->fd(), zmqc::kPollIn, 0});
-    for (auto& s : links_) {
-      if (s) items_.push_back({s->get(), 0, zmqc::kPollIn, 0});
+    if (zap_) items_.push_back({zap_->socket(), 0, zmqc::kPollIn, 0});
+    for (auto& l : links_) {
+      if (!l.socket) continue;
+      items_.push_back({l.socket->get(), 0, zmqc::kPollIn, 0});
+      items_.push_back({l.watch->socket(), 0, zmqc::kPollIn, 0});
     }
     if (zmq_poll(items_.data(), static_cast<int>(items_.size()), timeout_ms) < 0) {
       return zmq_errno() == EINTR;
     }
     if (items_[0].revents) wake_->Drain();
+    CheckHandshakes();
     return true;
   }
 
   bool Receive(Message* m) override {
     for (; next_ < links_.size(); ++next_) {
-      while (links_[next_] && links_[next_]->RecvFrames(&frames_)) {
+      Socket* s = links_[next_].socket.get();
+      while (s && s->RecvFrames(&frames_)) {
         if (Unpack(static_cast<int>(next_), m)) return true;
       }
     }
@@ -75,19 +110,48 @@ class ZmqChannel : public Channel {
     Socket* s = Open(link.link);
     if (!s) return;
     s->SetLinger(linger_ms);
-    links_[static_cast<size_t>(link.link)].reset();
+    Link& l = links_[static_cast<size_t>(link.link)];
+    l.watch.reset();
+    l.socket.reset();
   }
+
+  std::string Refusal() const override { return refusal_; }
 
  private:
   Socket* Open(int link) {
     if (link < 0 || static_cast<size_t>(link) >= links_.size()) return nullptr;
-    return links_[static_cast<size_t>(link)].get();
+    return links_[static_cast<size_t>(link)].socket.get();
+  }
+
+  void CheckHandshakes() {
+    if (zap_) zap_->Serve();
+    for (Link& l : links_) {
+      HandshakeEvent e;
+      while (l.watch && l.watch->Next(&e)) {
+        if (!e.failed()) {
+          l.failures_in_a_row = 0;
+        } else if (l.routed) {
+          uint64_t n = ++Stats::Get().connections_refused;
+          // An intruder retrying must not flood the log: the first refusal
+          // says why, the count comes at exit.
+          if (n == 1) {
+            BPS_LOG(kWarning, "refused a connection on " << l.endpoint << ": "
+                                  << ExplainHandshakeFailure(e, security_, false));
+          }
+        } else if (++l.failures_in_a_row >= kFailuresBeforeRefusal || e.definitive()) {
+          if (refusal_.empty()) {
+            refusal_ = "the connection to " + l.endpoint + " was refused: " +
+                       ExplainHandshakeFailure(e, security_, true);
+          }
+        }
+      }
+    }
   }
 
   // [route] [header] [payload] on the listening link, [header] [payload]
   // on the others.
   bool Unpack(int link, Message* m) {
-    size_t first = routed_[static_cast<size_t>(link)] ? 1 : 0;
+    size_t first = links_[static_cast<size_t>(link)].routed ? 1 : 0;
     m->from = Peer{link, first ? frames_[0].str() : std::string()};
     std::string bad = frames_.size() != first + 2 ? "unexpected frame count"
                       : ValidateHeader(frames_[first].data(), frames_[first].size(),
@@ -103,18 +167,21 @@ class ZmqChannel : public Channel {
   }
 
   Context ctx_;
-  std::vector<std::unique_ptr<Socket>> links_;  // null once closed
-  std::vector<bool> routed_;
   Wakeup* wake_;
+  LinkSecurity security_;
+  std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
+  std::vector<Link> links_;
   std::vector<zmq_pollitem_t> items_;
   std::vector<Msg> frames_;
+  std::string refusal_;
   size_t next_ = 0;  // the link Receive drains now
 };
 
 }  // namespace
 
-std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake) {
-  return std::unique_ptr<Channel>(new ZmqChannel(io_threads, wake));
+std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
+                                        const LinkSecurity& security) {
+  return std::unique_ptr<Channel>(new ZmqChannel(io_threads, wake, security));
 }
 
 }  // namespace bps

@@ -1,7 +1,8 @@
 // The engines' view of the network (the role ps-lite calls the "Van"): whole
 // messages to and from peers, and one wait for all of them. Sockets, frames,
-// routing identities and the sealing and checking of headers stay behind it,
-// so an engine only decides what to say and to whom.
+// routing identities, the checking of headers and the security of every
+// connection (security.h) stay behind it, so an engine only decides what to
+// say and to whom.
 //
 // A channel belongs to one thread. Other threads reach that thread through
 // the Wakeup it was made with, which outlives it: libzmq may release a
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "protocol.h"
+#include "security.h"
 #include "transport.h"
 
 namespace bps {
@@ -49,8 +51,8 @@ class Channel {
   // peer can make this node allocate a message over max_message_bytes.
   virtual Peer Listen(const std::string& endpoint, int64_t max_message_bytes,
                       std::string* bound) = 0;
-  // Seals the header for this payload and sends both. False (errno in
-  // zmq_errno()) when the peer is unknown or its link is closed.
+  // Sends the header, its payload size filled in, and the payload. False
+  // (errno in zmq_errno()) when the peer is unknown or its link is closed.
   virtual bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) = 0;
   bool Send(const Peer& to, const FrameHeader& header, const std::string& payload) {
     return Send(to, header, Msg(payload.data(), payload.size()));
@@ -59,15 +61,21 @@ class Channel {
   // Wakeup; false if waiting failed.
   virtual bool Wait(long timeout_ms) = 0;
   // Takes the next message without blocking; false when none is left.
-  // Malformed or unauthentic messages never come out: they are counted in
-  // Stats::frames_dropped.
+  // Malformed messages never come out: they are counted in
+  // Stats::frames_dropped. Peers that fail the security handshake never
+  // get this far: they are counted in Stats::connections_refused.
   virtual bool Receive(Message* m) = 0;
+  // Why a link this node opened was refused at its handshake (wrong token,
+  // security settings that differ, ...), for the user; empty while none was.
+  // A refused link never carries a message, so the caller should give up.
+  virtual std::string Refusal() const = 0;
   // Closes a link; what it still queues is kept for up to linger_ms, then
   // dropped, which also hands zero-copy buffers back to their owners.
   virtual void Close(const Peer& link, int linger_ms = 0) = 0;
 };
 
-std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake);
+std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
+                                        const LinkSecurity& security);
 
 }  // namespace bps
 

@@ -4,6 +4,8 @@
 // sees the sender's routing id in front). The header is a fixed 64-byte
 // little-endian struct; control payloads are "key=value" text, data payloads
 // are raw tensor bytes. Anything that does not parse is dropped and counted.
+// Who may send frames at all is settled per connection, before any frame
+// passes, by the link's security (security.h): headers carry no secret.
 #ifndef BPS_TF_CORE_PROTOCOL_H_
 #define BPS_TF_CORE_PROTOCOL_H_
 
@@ -13,7 +15,8 @@
 namespace bps {
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
-constexpr uint16_t kProtocolVersion = 1;
+// 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
+constexpr uint16_t kProtocolVersion = 2;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -48,7 +51,7 @@ struct FrameHeader {
   uint64_t round;        // how many times this worker pushed this key before
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
-  uint8_t mac[16];       // authenticator (auth.h); zero when auth is off
+  uint8_t reserved[16];  // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
@@ -75,6 +78,9 @@ constexpr SharedSetting kSharedSettings[] = {
     {"num_servers", "DMLC_NUM_SERVER"},
     {"partition_bytes", "BYTEPS_PARTITION_BYTES"},
     {"async", "BYTEPS_ENABLE_ASYNC"},
+    // A node whose token or encryption differs fails its handshake before
+    // its HELLO; this still catches nodes that both run without a token.
+    {"encryption", "BYTEPS_ENCRYPTION"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.

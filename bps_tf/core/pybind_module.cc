@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "auth.h"
 #include "bps_api.h"
 #include "dtypes.h"
 
@@ -115,12 +114,6 @@ PYBIND11_MODULE(_core, m) {
     int code = 0;
     std::string err = CallWithError(&bps_server_run, config, &code);
     return py::make_tuple(code, err);
-  });
-  m.def("hmac_sha256", [](const std::string& key, const py::bytes& data) {
-    std::string d = data;
-    uint8_t out[32];
-    bps::HmacSha256(key, d.data(), d.size(), out);
-    return py::bytes(reinterpret_cast<const char*>(out), 32);
   });
   m.def("set_tensor_label", [](const std::string& name, const std::string& label) {
     bps_set_tensor_label(name.c_str(), label.c_str());

@@ -6,7 +6,6 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "auth.h"
 #include "channel.h"
 #include "membership.h"
 #include "scheduler.h"
@@ -66,7 +65,7 @@ class ServerNode {
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
-                                &replies_.wake())),
+                                &replies_.wake(), LinkSecurity::FromConfig(cfg))),
         membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
                     static_cast<int>(cfg.GetInt("server_id", -1)),
                     cfg.GetDouble("heartbeat_s", 1)) {}
@@ -254,8 +253,11 @@ int ServerNode::Run(std::string* error) {
       Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
            std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
     }
-    if (!membership_.welcomed() && !hosts_scheduler_ &&
-        SecondsSince(started) > rendezvous_timeout_s_) {
+    std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
+    if (!refusal.empty()) {
+      Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
+    } else if (!membership_.welcomed() && !hosts_scheduler_ &&
+               SecondsSince(started) > rendezvous_timeout_s_) {
       Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
            std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
            " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
@@ -265,8 +267,11 @@ int ServerNode::Run(std::string* error) {
   // Flush the last replies (e.g. the shutdown notices) before closing.
   SendReplies();
   uint64_t dropped = Stats::Get().frames_dropped;
-  if (dropped) {
-    BPS_LOG(kWarning, "dropped " << dropped << " malformed or unauthenticated frames");
+  if (dropped) BPS_LOG(kWarning, "dropped " << dropped << " malformed frames");
+  uint64_t refused = Stats::Get().connections_refused;
+  if (refused) {
+    BPS_LOG(kWarning, "refused " << refused
+                                 << " connections that failed the security handshake");
   }
   engine_.reset();
   membership_.Close();
@@ -281,7 +286,6 @@ int ServerNode::Run(std::string* error) {
 
 int RunServerNode(const Config& cfg, std::string* error) {
   SetLogLevel(cfg.Get("log_level", "WARNING"));
-  SetJobToken(cfg.Get("job_token"));
   try {
     ServerNode node(cfg);
     return node.Run(error);

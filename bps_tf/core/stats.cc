@@ -26,7 +26,8 @@ void Stats::ClearSendLog() {
 std::string Stats::Json() {
   std::ostringstream o;
   o << "{\"bytes_sent\":" << bytes_sent << ",\"bytes_received\":" << bytes_received
-    << ",\"frames_dropped\":" << frames_dropped << ",\"ops_done\":" << ops_done
+    << ",\"frames_dropped\":" << frames_dropped
+    << ",\"connections_refused\":" << connections_refused << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
     << ",\"node_state\":" << node_state
     << ",\"send_log\":[";

@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "auth.h"
 #include "common.h"
 
 namespace bps {

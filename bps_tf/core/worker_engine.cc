@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "auth.h"
 #include "stats.h"
 #include "trace.h"
 #include "worker_task.h"
@@ -41,7 +40,6 @@ void WorkerEngine::Init(const Config& cfg) {
   names_in_flight_.clear();
   peer_left_.clear();
   sends_paused_ = false;
-  SetJobToken(cfg.Get("job_token"));
   Trace::Get().Configure(cfg.GetInt("trace_on", 0) != 0, cfg.Get("trace_dir", "."), rank_,
                          cfg.GetInt("trace_start_step", 0), cfg.GetInt("trace_end_step", 20));
   fatal_.clear();
@@ -75,7 +73,8 @@ void WorkerEngine::Init(const Config& cfg) {
   scheduler_endpoint_ =
       Endpoint(cfg.Get("scheduler_host", "127.0.0.1"), cfg.GetInt("scheduler_port", 0));
 
-  channel_ = MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)), &wake_);
+  channel_ = MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)), &wake_,
+                            LinkSecurity::FromConfig(cfg));
   membership_.reset(new Membership(channel_.get(), Role::kWorker, rank_, heartbeat_s_));
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
@@ -98,7 +97,8 @@ void WorkerEngine::Init(const Config& cfg) {
                               " within " + std::to_string(static_cast<int>(rendezvous_s)) +
                               " s: not every worker and server joined (BYTEPS_RENDEZVOUS_TIMEOUT; "
                               "check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, that all nodes started, "
-                              "and that BYTEPS_JOB_TOKEN is the same on every node)";
+                              "and that BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION are the same on "
+                              "every node)";
   lock.unlock();
   stop_requested_ = true;
   wake_.Notify();

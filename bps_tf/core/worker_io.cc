@@ -137,6 +137,13 @@ void WorkerEngine::CheckTimers() {
       left = peer_left_;
     }
   }
+  std::string refused = channel_->Refusal();
+  if (!refused.empty()) {
+    Fatal((state == State::kJoining ? "could not meet the cluster: " : "worker " +
+                                      std::to_string(rank_) + ": ") + refused,
+          BPS_ERR_UNAVAILABLE);
+    return;
+  }
   if (!left.empty()) {
     // Operations still pending after a partner left can never complete.
     Fatal("push_pull cannot complete: " + left + " has left the job", BPS_ERR_UNAVAILABLE,

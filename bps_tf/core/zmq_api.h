@@ -43,6 +43,10 @@ void* zmq_msg_data(zmq_msg_t* msg);
 size_t zmq_msg_size(const zmq_msg_t* msg);
 int zmq_msg_more(const zmq_msg_t* msg);
 int zmq_poll(zmq_pollitem_t* items, int count, long timeout_ms);
+int zmq_socket_monitor(void* socket, const char* endpoint, int events);
+int zmq_has(const char* capability);
+char* zmq_z85_encode(char* dest, const unsigned char* data, size_t size);
+int zmq_curve_public(char* z85_public_key, const char* z85_secret_key);
 int zmq_errno(void);
 const char* zmq_strerror(int errnum);
 void zmq_version(int* major, int* minor, int* patch);
@@ -51,6 +55,8 @@ void zmq_version(int* major, int* minor, int* patch);
 
 namespace zmqc {
 // Socket types.
+constexpr int kPair = 0;
+constexpr int kRep = 4;
 constexpr int kDealer = 5;
 constexpr int kRouter = 6;
 // Send/receive flags.
@@ -69,6 +75,22 @@ constexpr int kSndHwm = 23;
 constexpr int kRcvHwm = 24;
 constexpr int kLastEndpoint = 32;
 constexpr int kRouterMandatory = 33;
+constexpr int kPlainServer = 44;
+constexpr int kPlainUsername = 45;
+constexpr int kPlainPassword = 46;
+constexpr int kCurveServer = 47;
+constexpr int kCurvePublicKey = 48;
+constexpr int kCurveSecretKey = 49;
+constexpr int kCurveServerKey = 50;
+constexpr int kZapDomain = 55;
+// Socket monitor events about the security handshake (libzmq >= 4.3).
+constexpr int kEventHandshakeFailedNoDetail = 2048;
+constexpr int kEventHandshakeSucceeded = 4096;
+constexpr int kEventHandshakeFailedProtocol = 8192;
+constexpr int kEventHandshakeFailedAuth = 16384;
+// Values a kEventHandshakeFailedProtocol event carries.
+constexpr int kProtocolErrorCryptographic = 285212673;     // 0x11000001
+constexpr int kProtocolErrorMechanismMismatch = 285212674;  // 0x11000002
 // Context options.
 constexpr int kIoThreads = 1;
 // Error numbers beyond errno.h.

@@ -6,6 +6,8 @@ Usage: robust_worker.py MODE OUT_DIR [N]
   stall  each worker push_pulls a name the other never uses
   leave  worker 1 shuts down at once; worker 0 records its push_pull errors
   exact  N rounds of random sizes/dtypes, all checked; writes rank<r>.json
+  pattern  N rounds of a float32 tensor holding PATTERN_VALUE everywhere
+         (a byte pattern a test looks for on the wire); writes rank<r>.json
 """
 import json
 import os
@@ -76,6 +78,20 @@ if MODE == "stall":
     except RuntimeError as exc:
         print(f"push_pull failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)
+    sys.exit(0)
+
+if MODE == "pattern":
+    value = np.float32(os.environ["PATTERN_VALUE"])
+    bad = []
+    for i in range(N):
+        a = np.full(64 * 1024, value, np.float32)
+        out = np.empty_like(a)
+        core.push_pull_async("pattern", a, out, 0, "").wait(120)
+        if not np.array_equal(out, np.full_like(a, value * size)):
+            bad.append(i)
+    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+        json.dump({"bad": bad, "stats": basics.stats()}, f)
+    basics.shutdown()
     sys.exit(0)
 
 if MODE == "idle":

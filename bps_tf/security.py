@@ -1,0 +1,66 @@
+"""The job token turned into the secrets that secure every ZeroMQ connection.
+
+The core never sees the token. Each process that starts the core derives,
+with Python's hashlib and hmac, three 32-byte secrets from it and hands them
+to the core in its config text (``core_values``):
+
+* the CURVE server secret key: servers and the scheduler listen with it;
+  connecting nodes compute its public key, so only holders of the token can
+  even start a handshake with them;
+* the CURVE client secret key: every connecting node presents its public
+  key, and the listening side admits that key only (a process that knows
+  just the server's public key is refused);
+* the credential sent, in clear, when BYTEPS_ENCRYPTION=0: it keeps jobs
+  apart but is no defence against an eavesdropper, who can replay it.
+
+Public keys are computed by libzmq (``zmq_curve_public``). A slow
+derivation (PBKDF2) first turns the token into a master secret, so a weak,
+guessable token costs an attacker many hash computations per guess; every
+secret is then an HMAC of that master with its own label, so revealing one
+(the clear-text credential) reveals neither the token nor the others.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+from typing import Dict
+
+# Changing any of these changes every key: nodes of one job must agree.
+_SALT = b"bps_tf job token v1"
+_ITERATIONS = 100_000
+LABELS = {"curve_server_secret": b"curve server", "curve_client_secret": b"curve client",
+          "plain_credential": b"plain credential"}
+
+
+@functools.lru_cache(maxsize=4)
+def derive(token: str, name: str) -> bytes:
+    """The 32-byte secret called `name` (a key of LABELS) for this token."""
+    if not token:
+        raise ValueError("no job token: nothing to derive")
+    master = _master(token)
+    return hmac.new(master, LABELS[name], hashlib.sha256).digest()
+
+
+@functools.lru_cache(maxsize=4)
+def _master(token: str) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", token.encode("utf-8"), _SALT, _ITERATIONS)
+
+
+def mode(token: str, encryption: int) -> str:
+    """'curve', 'plain' (a token, encryption off) or 'none' (no token)."""
+    if not token:
+        return "none"
+    return "curve" if encryption else "plain"
+
+
+def core_values(token: str, encryption: int) -> Dict[str, str]:
+    """The core's config entries for this token and BYTEPS_ENCRYPTION."""
+    chosen = mode(token, encryption)
+    values = {"link_security": chosen}
+    if chosen == "curve":
+        for name in ("curve_server_secret", "curve_client_secret"):
+            values[name] = derive(token, name).hex()
+    elif chosen == "plain":
+        values["plain_credential"] = derive(token, "plain_credential").hex()
+    return values
