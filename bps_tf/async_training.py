@@ -24,6 +24,7 @@ variables (BatchNormalization's moving statistics) stay local to each worker.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -33,8 +34,9 @@ import tensorflow as tf
 
 from bps_tf import basics, collectives, config, naming
 
-__all__ = ["enabled", "key_of", "start_from_root", "pull", "exchanging", "stats",
-           "refuse_gradient_exchange", "check_started"]
+__all__ = ["enabled", "key_of", "keys_of", "start_from_root", "pull", "pull_parameters",
+           "exchange_all", "exchanging", "count", "stats", "refuse_gradient_exchange",
+           "check_started"]
 
 log = logging.getLogger("bps_tf")
 
@@ -90,6 +92,12 @@ def keys_of(variables) -> list:
     return [key_of(v, f) for v, f in zip(variables, fallbacks)]
 
 
+def _alone() -> bool:
+    # One worker: its weights are the parameters (and without servers a
+    # push_pull returns its input, which here would be the change alone).
+    return basics.size() == 1
+
+
 def _exchange(value, key: str):
     """Pushes ``value`` into the store under ``key``; returns the store after it."""
     return collectives.push_pull_sum(value, key, PARAMETER_PRIORITY)
@@ -121,6 +129,8 @@ def start_from_root(variables, root_rank: int = 0) -> None:
         raise RuntimeError("asynchronous training starts outside tf.function "
                            "(fit does it at train begin).")
     variables = list(variables)
+    if not variables or _alone():
+        return
     keys = keys_of(variables)
     _check_dtypes(variables, keys)
     n = next(_start_counter)
@@ -140,6 +150,8 @@ def start_from_root(variables, root_rank: int = 0) -> None:
 def pull(variables) -> None:
     """Assigns the store's current values to ``variables`` (eagerly)."""
     variables = list(variables)
+    if _alone():
+        return
     keys = keys_of(variables)
     for v, k in zip(variables, keys):
         value = _exchange(tf.zeros_like(tf.convert_to_tensor(v)), k)
@@ -155,9 +167,30 @@ def pull_parameters(model) -> None:
     pull(model.trainable_variables)
 
 
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def optimizer_step():
+    """Marks the (traced) optimizer ``apply``: the strategy exchanges the
+    updates made inside it and only those (a ``set_weights`` or a pull is an
+    assignment, not a step)."""
+    _step.depth = getattr(_step, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _step.depth -= 1
+
+
+def in_optimizer_step() -> bool:
+    return getattr(_step, "depth", 0) > 0
+
+
 def check_started(key: str, variable) -> None:
     """At trace time: a variable whose store was never seeded would pull
     zeros plus deltas -- refuse instead."""
+    if _alone():
+        return
     with _lock:
         ok = key in _started
     if not ok:
@@ -176,17 +209,40 @@ def exchange_after(variable, key: str, update):
     before = tf.identity(tf.convert_to_tensor(variable))
     with tf.control_dependencies([before]):
         out = update()
-    deps = [t for t in tf.nest.flatten(out) if t is not None]
+    deps = [t for t in tf.nest.flatten(out) if isinstance(t, (tf.Tensor, tf.Operation))]
     with tf.control_dependencies(deps):
         after = tf.identity(tf.convert_to_tensor(variable))
     pulled = _exchange(after - before, key)
     return variable.assign(pulled)
 
 
+def exchange_all(variables, update):
+    """``update()`` (a whole optimizer step over ``variables``), then push
+    every variable's change, assign the pulled values and count the step."""
+    variables = list(variables)
+    if _alone():
+        return update()
+    keys = keys_of(variables)
+    for k, v in zip(keys, variables):
+        check_started(k, v)
+    befores = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+    with tf.control_dependencies(befores):
+        out = update()
+    deps = [t for t in tf.nest.flatten(out) if isinstance(t, (tf.Tensor, tf.Operation))]
+    with tf.control_dependencies(deps):
+        afters = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+    for v, k, before, after in zip(variables, keys, befores, afters):
+        v.assign(_exchange(after - before, k))
+    count()
+    return out
+
+
 def exchanging(fn, key: str, variable, count_step: bool):
     """``fn(v, *args)`` (a strategy update of one local copy ``v``) followed by
     the exchange of ``v``; ``count_step`` also pushes the step counter."""
     check_started(key, variable)
+    if _alone():
+        return fn
 
     def wrapped(v, *args, **kwargs):
         result = exchange_after(v, key, lambda: fn(v, *args, **kwargs))

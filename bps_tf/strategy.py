@@ -340,7 +340,10 @@ class AsyncBytePSExtended(BytePSExtended):
         return self._MIRRORED._broadcast_to(self, tensor, destinations)  # pylint: disable=protected-access
 
     def _update(self, var, fn, args, kwargs, group):
-        if not getattr(var, "trainable", False) or getattr(var, "bps_async_key", None) is None:
+        # Weight decay and the update proper are two updates of one step:
+        # each pushes its own change (their sum is the step's change).
+        if (not async_training.in_optimizer_step() or not getattr(var, "trainable", False)
+                or getattr(var, "bps_async_key", None) is None):
             return self._MIRRORED._update(self, var, fn, args, kwargs, group)  # pylint: disable=protected-access
         # One step counter per traced step: with the first variable updated.
         graph = tf.compat.v1.get_default_graph()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf.api import Average, Compression, reduce_gradients, resolve_op
+from bps_tf.async_training import refuse_gradient_exchange
 from bps_tf.collectives import require_init
 
 
@@ -34,6 +35,7 @@ class DistributedGradientTape(tf.GradientTape):
     def __init__(self, gradtape, device_dense="", device_sparse="",
                  compression=Compression.none, sparse_as_dense=False, op=Average,
                  priority_fn=None):
+        refuse_gradient_exchange("DistributedGradientTape")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(gradtape).__name__}.")
