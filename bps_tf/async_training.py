@@ -167,7 +167,9 @@ def pull_parameters(model) -> None:
     pull(model.trainable_variables)
 
 
-_step = threading.local()
+# Not thread-local: MirroredStrategy runs a replica's step in its own thread
+# and the optimizer's merge_call (where the updates happen) in the caller's.
+_step_depth = [0]
 
 
 @contextlib.contextmanager
@@ -175,15 +177,17 @@ def optimizer_step():
     """Marks the (traced) optimizer ``apply``: the strategy exchanges the
     updates made inside it and only those (a ``set_weights`` or a pull is an
     assignment, not a step)."""
-    _step.depth = getattr(_step, "depth", 0) + 1
+    with _lock:
+        _step_depth[0] += 1
     try:
         yield
     finally:
-        _step.depth -= 1
+        with _lock:
+            _step_depth[0] -= 1
 
 
 def in_optimizer_step() -> bool:
-    return getattr(_step, "depth", 0) > 0
+    return _step_depth[0] > 0
 
 
 def check_started(key: str, variable) -> None:

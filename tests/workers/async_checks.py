@@ -5,6 +5,7 @@
 The cluster starts WITHOUT BYTEPS_ENABLE_ASYNC (keys are asynchronous per
 request). Phases, in order, on scikit-learn's digits (examples/keras_digits.py):
 
+0. "modes": rank 0 asks for mode="async", rank 1 for "sync": both refuse.
 1. "strategy": BytePSStrategy(mode="async"), model.fit unchanged; evaluate,
    predict, save/load; then a barrier, one pull, and the weights are written
    to OUT_DIR/strategy.rank<r>.npz (they must agree across workers).
@@ -63,17 +64,31 @@ def compile_model(model, optimizer):
 
 
 class StepTimes(keras.callbacks.Callback):
-    def __init__(self, sleep=0.0):
+    """Step times; ``sleep`` after each step; ``wait_at``: at that step, wait
+    for rank 0 to leave the job, then past the engine's grace for pending
+    operations of a departed peer (3 s), then go on training alone."""
+
+    def __init__(self, sleep=0.0, wait_at=None):
         super().__init__()
-        self.sleep, self.times, self._t = sleep, [], None
+        self.sleep, self.wait_at, self.times, self._t = sleep, wait_at, [], None
+        self.first_weights, self.waited = None, None
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self.first_weights is None:
+            self.first_weights = [np.array(v) for v in self.model.trainable_variables]
         self._t = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self._t)
         if self.sleep:
             time.sleep(self.sleep)
+        if self.wait_at is not None and len(self.times) == self.wait_at:
+            gone = os.path.join(OUT, "rank0.gone")
+            deadline = time.time() + 60
+            while not os.path.exists(gone) and time.time() < deadline:
+                time.sleep(0.05)
+            self.waited = os.path.exists(gone)
+            time.sleep(3.5)
 
 
 class LogLines(logging.Handler):
@@ -115,10 +130,23 @@ def final_pull(model, name, rank):
 
 
 def main():
-    strategy = BytePSStrategy(mode="async")
+    bps_tf.init()
     rank, size = bps_tf.rank(), bps_tf.size()
     checks = Checks(OUT, rank, size)
     detail = {}
+
+    def phase_modes():
+        # A sync worker would wait for gradients an async one never sends.
+        try:
+            BytePSStrategy(mode="async" if rank == 0 else "sync")
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        detail["modes"] = {"refused": refused}
+        return refused
+
+    checks.run("modes", phase_modes)
+    strategy = BytePSStrategy(mode="async")
     keras.utils.set_random_seed(rank)    # different initial weights: rank 0's must win
 
     def phase_strategy():
@@ -144,6 +172,7 @@ def main():
         from bps_tf.keras import DistributedOptimizer
         from bps_tf.keras.callbacks import BroadcastGlobalVariablesCallback
         xs, ys = x_train[rank::size], y_train[rank::size]
+        keras.utils.set_random_seed(100 + rank)   # different initial weights
         # Without rank 0's start the store is empty: the first trace refuses.
         unstarted = build_model()
         compile_model(unstarted, DistributedOptimizer(keras.optimizers.Adam(2e-3)))
@@ -154,10 +183,15 @@ def main():
             refused = str(exc)
         model = build_model()
         compile_model(model, DistributedOptimizer(keras.optimizers.Adam(2e-3)))
+        initial = [np.array(v) for v in model.trainable_variables]
+        times = StepTimes()
         model.fit(xs, ys, batch_size=BATCH, epochs=15, verbose=0,
-                  callbacks=[BroadcastGlobalVariablesCallback(0)])
+                  callbacks=[BroadcastGlobalVariablesCallback(0), times])
+        np.savez(os.path.join(OUT, f"hvd_initial.rank{rank}.npz"), *initial)
+        np.savez(os.path.join(OUT, f"hvd_first.rank{rank}.npz"), *times.first_weights)
         loss, acc = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
         d = {"refused": refused, "accuracy": float(acc), "stats": async_training.stats(),
+             "steps": len(times.times),
              "diff_before_pull": final_pull(model, "hvd", rank)}
         os.environ["BYTEPS_ENABLE_ASYNC"] = "0"
         detail["hvd"] = d
@@ -165,21 +199,22 @@ def main():
 
     def phase_throttle():
         unthrottled = detail["strategy"]["median_step"]
-        sleep = max(2.0 * unthrottled, 0.03) if rank == 1 else 0.0
+        # At least 3x slower: a step plus at least twice its time asleep.
+        sleep = max(2.0 * unthrottled, 0.01) if rank == 1 else 0.0
         with strategy.scope():
             model = build_model()
             compile_model(model, keras.optimizers.Adam(2e-3))
-        times = StepTimes(sleep)
-        start = async_training.stats()["pushes"]
+        times = StepTimes(sleep, wait_at=100 if rank == 1 else None)
+        # Steps both workers made in the earlier phases (all finished then).
+        before = detail["strategy"]["steps"] + detail["hvd"]["steps"]
         model.fit(x_train, y_train, batch_size=BATCH, epochs=6, verbose=0, callbacks=[times])
         end = async_training.stats()["pushes"]
         d = {"sleep": sleep, "steps": len(times.times),
              "median_step": float(np.median(times.times[5:])),
              "unthrottled_median_step": unthrottled,
-             # steps per worker during this fit, as the store counted them
-             # at this worker's last step
-             "steps_seen": [b - a for a, b in zip(start, end)],
-             "finished_at": time.time()}
+             # each worker's steps in this fit, as the store counted them at
+             # this worker's last step
+             "steps_seen": [b - before for b in end], "waited_for_rank0": times.waited}
         d.update(after_fit(model, "throttle", rank))
         detail["throttle"] = d
         return d
@@ -187,9 +222,13 @@ def main():
     checks.run("strategy", phase_strategy)
     checks.run("hvd", phase_hvd)
     checks.run("throttle", phase_throttle)
-    detail["log_lines"] = [l for l in log_lines.lines if "staleness" in l][-5:]
+    detail["log_lines"] = [line for line in log_lines.lines if "staleness" in line][-5:]
     with open(os.path.join(OUT, f"detail.rank{rank}.json"), "w") as f:
         json.dump(detail, f)
+    if rank == 0:
+        # Leave the job now (rank 1 is still training) and say so.
+        bps_tf.shutdown()
+        open(os.path.join(OUT, "rank0.gone"), "w").close()
 
 
 if __name__ == "__main__":
