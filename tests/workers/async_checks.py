@@ -200,7 +200,7 @@ def main():
     def phase_throttle():
         unthrottled = detail["strategy"]["median_step"]
         # At least 3x slower: a step plus at least twice its time asleep.
-        sleep = max(2.0 * unthrottled, 0.01) if rank == 1 else 0.0
+        sleep = max(2.0 * unthrottled, 0.02) if rank == 1 else 0.0
         with strategy.scope():
             model = build_model()
             compile_model(model, keras.optimizers.Adam(2e-3))
