@@ -5,8 +5,10 @@
 Runs 2 workers x 1 server on loopback (one TF thread each), twice: with
 BytePSStrategy(mode="async") and, for comparison, mode="sync". In each job
 the same model is fitted 2 x ROUNDS times, alternating: rank 1 unthrottled,
-then rank 1 throttled (it sleeps twice its own median step time after every
-step: about 3x slower). Reported: rank 0's median step time in each state
+then rank 1 throttled (after every step it spins for twice its own median
+step time: about 3x slower; spinning rather than sleeping keeps its CPU use,
+so on a machine with fewer cores than processes the fast worker does not
+speed up from the core a sleeping worker would free). Reported: rank 0's median step time in each state
 and the ratio throttled / unthrottled (async should stay within 10 %; sync
 waits for the slow worker at every step). Results: benchmarks/results/async_throttle.json.
 """

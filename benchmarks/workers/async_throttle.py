@@ -1,6 +1,6 @@
 """Worker of benchmarks/async_throttle.py: step times of rank 0 while rank 1
-is, by turns, unthrottled and throttled (a sleep of twice its own median
-step after each step: about 3x slower).
+is, by turns, unthrottled and throttled (busy for twice its own median step
+after each step: about 3x slower).
 
     bpslaunch -np 2 --servers 1 python benchmarks/workers/async_throttle.py OUT MODE STEPS ROUNDS
 """
@@ -39,7 +39,12 @@ class Steps(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self._t)
         if self.sleep:
-            time.sleep(self.sleep)
+            # Spin, not sleep: the throttled worker keeps its core busy as a
+            # slow step would, so the fast one gains no CPU from it on a
+            # machine with fewer cores than processes.
+            end = time.perf_counter() + self.sleep
+            while time.perf_counter() < end:
+                pass
 
 
 def main():
