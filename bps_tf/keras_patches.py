@@ -166,7 +166,9 @@ def _patch_async_fit(trainer_cls):
         callback = keras.callbacks.LambdaCallback(on_train_begin=hooks.on_train_begin,
                                                   on_train_end=hooks.on_train_end)
         bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = [callback] + list(bound.arguments.get("callbacks") or [])
+        # Last: weights a user callback restores at train begin (BackupAndRestore)
+        # are the ones rank 0 writes into the store.
+        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [callback]
         _shard_rows(bound.arguments, strategy.rank, strategy.num_workers)
         # Sharded here, not by tf.data: Keras counts the steps of an epoch
         # from the arrays it is given, and each worker runs its own epochs.
