@@ -71,6 +71,9 @@ def test_async_keys_server_keeps_and_adds(tmp_path):
         seen = r["seen"]
         assert seen == sorted(seen) and seen[0] >= 1  # running totals
         assert r["final"] == 10.0  # 2 workers x 5 pushes of ones
+    errors = [r["async_shape_error"] for r in res.values() if r["async_shape_error"]]
+    assert len(errors) == 1 and "differs across workers" in errors[0], errors
+    assert "float32[3,4]" in errors[0] and "float32[4,3]" in errors[0]
 
 
 def test_settings_disagreement_names_setting_and_both_values(tmp_path):

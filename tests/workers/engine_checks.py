@@ -161,6 +161,14 @@ def check_async():
         time.sleep(0.05)
     result["seen"] = seen
     result["final"] = final
+    # An asynchronous key's first declaration fixes its signature (nobody
+    # waits for the others); a different one fails instead of waiting.
+    h, _ = start("bps_async/shape", np.zeros((3, 4) if rank == 0 else (4, 3), np.float32))
+    try:
+        h.wait(60)
+        result["async_shape_error"] = None
+    except RuntimeError as exc:
+        result["async_shape_error"] = str(exc)
 
 
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
