@@ -76,7 +76,7 @@ def main():
         workers, replicas = strategy.num_workers, strategy.num_replicas_in_sync
         print(f"test accuracy: {accuracy:.4f}, loss {loss:.4f} "
               f"({workers} worker{'s' if workers > 1 else ''}, "
-              f"{replicas} replica{'s' if replicas > 1 else ''}, {strategy.mode})", flush=True)
+              f"{replicas} replica{'s' if replicas > 1 else ''})", flush=True)
 
 
 if __name__ == "__main__":
