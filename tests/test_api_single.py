@@ -539,6 +539,15 @@ def test_async_mode_refuses_what_cannot_exchange_weights(monkeypatch):
         loss = tf.reduce_sum(w * w)
     with pytest.raises(NotImplementedError, match="exchanges weights, not gradients"):
         DistributedGradientTape(tape).gradient(loss, [w])
+    from bps_tf.compat import v1
+    from bps_tf.overlap import OverlappedApply
+    with pytest.raises(NotImplementedError, match="OverlappedApply: asynchronous training"):
+        OverlappedApply(None, None)
+    with pytest.raises(NotImplementedError, match="enable_graph_rewrite: asynchronous training"):
+        v1.enable_graph_rewrite()
+    tf1_opt = v1.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with pytest.raises(NotImplementedError, match="exchanges weights, not gradients"):
+        tf1_opt.compute_gradients(lambda: tf.reduce_sum(w * w), var_list=[w])
     assert BytePSStrategy().mode == "async"   # BytePS's switch selects the mode
     with pytest.raises(ValueError, match="compression is not supported"):
         BytePSStrategy(mode="async", compression=api.Compression.fp16)
