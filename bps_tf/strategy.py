@@ -285,11 +285,13 @@ class AsyncBytePSExtended(BytePSExtended):
     """``mode="async"``: each worker is its own trainer (bps_tf.async_training).
 
     The strategy spans only this worker's devices: the loss is scaled by
-    the local replica count, ``batch_size`` is this worker's batch (its data
-    is still sharded by rank), reductions (metrics, end of data) stay on this
-    worker, and a trainable variable's optimizer update is followed by push
-    change / pull weights under the variable's ``bps_async/`` key. Inside
-    ``evaluate``/``predict`` (``local_input()``) the data is not sharded.
+    the local replica count, ``batch_size`` is this worker's batch,
+    reductions (metrics, end of data) stay on this worker, and a trainable
+    variable's optimizer update is followed by push change / pull weights
+    under the variable's ``bps_async/`` key. Inside ``local_input()`` (which
+    ``fit``, ``evaluate`` and ``predict`` enter: keras_patches; ``fit``
+    splits arrays by worker itself) datasets are not sharded; elsewhere
+    they are sharded by rank.
     """
 
     def __init__(self, container_strategy, devices=None, sync_state=True, compression=None):
@@ -392,7 +394,8 @@ def _agree_on_mode(is_async: bool) -> None:
 
 
 class BytePSStrategy(tf.distribute.MirroredStrategy):
-    """Synchronous data parallelism over bps_tf workers and their local devices.
+    """Synchronous (or, with ``mode="async"``, asynchronous parameter-server)
+    data parallelism over bps_tf workers and their local devices.
 
     ``devices``: this worker's devices (default: its GPUs, else its CPU).
     The cluster comes from ``bps_tf.init()`` (bpslaunch's ``DMLC_*`` or
