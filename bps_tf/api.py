@@ -27,7 +27,7 @@ import pickle
 import numpy as np
 import tensorflow as tf
 
-from bps_tf import basics, collectives, naming
+from bps_tf import async_training, basics, collectives, naming
 from bps_tf.collectives import SUPPORTED_DTYPES, require_init
 from bps_tf.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from bps_tf.naming import variable_name
@@ -235,7 +235,9 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     All broadcasts run inside one ``tf.function`` so they overlap (100
     variables cost about one round trip, not 100). Names come from each
     variable's Keras 3 ``.path`` (or ``.name``), so workers must build the
-    same variables under the same names.
+    same variables under the same names. Under BYTEPS_ENABLE_ASYNC=1 the
+    trainable ones are also written into the servers' store
+    (bps_tf.async_training.start_from_root; eager calls only).
     """
     check_process_set(process_set, "broadcast_variables")
     require_init()
@@ -253,6 +255,10 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
 
     if tf.executing_eagerly():
         tf.function(assign_all, autograph=False)()
+        if async_training.enabled():
+            # Asynchronous training: the servers' copy starts from the root's too.
+            async_training.start_from_root(
+                [v for v in variables if getattr(v, "trainable", False)], root_rank)
     else:
         assign_all()
 
@@ -336,7 +342,7 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
     source)`` chooses instead, and the pass keeps its choice.
     ``None`` gradients pass through.
     """
-    collectives.refuse_async_training(prefix)
+    async_training.refuse_gradient_exchange(prefix)
     names = naming.unique_names([f"{prefix}/{naming.source_name(s, i)}"
                                  for i, s in enumerate(sources)])
     out = []

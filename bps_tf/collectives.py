@@ -65,20 +65,6 @@ def load_op_library() -> None:
     _ops()
 
 
-def refuse_async_training(where: str) -> None:
-    """Raises when BYTEPS_ENABLE_ASYNC is on: the servers then keep a running
-    sum of what workers push, and a synchronous optimizer would apply that sum
-    as if it were this step's gradient -- a wrong model, without a word."""
-    from bps_tf import config
-    if config.value("BYTEPS_ENABLE_ASYNC"):
-        raise NotImplementedError(
-            f"{where}: BYTEPS_ENABLE_ASYNC=1 (asynchronous parameter-server training) is not "
-            "built for gradient training yet: the servers would return a running sum that "
-            "the optimizer would apply as this step's gradient. Unset BYTEPS_ENABLE_ASYNC "
-            "(synchronous training); the numpy-level push_pull of bps_tf.basics keeps the "
-            "servers' asynchronous mode.")
-
-
 def require_init() -> None:
     """Raises unless bps_tf is initialized and the caller is outside XLA."""
     if not basics.is_initialized():

@@ -47,10 +47,15 @@ SETTINGS = (
     Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
             "Threads a server uses to sum the partitions it owns."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
-            "Asynchronous mode: the server adds each push to its stored value "
-            "and answers with the value at once. Must agree on every node. "
-            "Numpy-level push_pull only: BytePSStrategy and the gradient API "
-            "refuse it (asynchronous training is not built yet)."),
+            "Asynchronous parameter-server training: BytePSStrategy defaults to "
+            "mode='async' and the Keras DistributedOptimizer pushes weight "
+            "deltas and pulls weights instead of averaging gradients. Must "
+            "agree on every node. The servers need no switch: a key is "
+            "asynchronous by its name (bps_async/...)."),
+    Setting("BYTEPS_ASYNC_LOG_STEPS", "", "100", _int,
+            "Asynchronous training: every this many steps a worker logs (INFO) "
+            "its staleness, the other workers' updates folded in between two "
+            "of its own pulls (0: never)."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

@@ -14,7 +14,10 @@ MultiWorkerMirroredStrategy, so under BytePSStrategy with several workers:
   backup directory resumes too;
 * ``jit_compile`` reads False: the push_pull op has no XLA kernel;
 * ``predict(x)`` returns the predictions of all of ``x`` on every worker
-  (Keras would return each worker's shard of every batch).
+  (Keras would return each worker's shard of every batch);
+* in ``mode="async"``: ``fit`` starts from rank 0's weights and ends with a
+  pull (bps_tf.async_training); ``evaluate`` and ``predict`` run on this
+  worker alone over all of ``x``, with the weights it last pulled.
 
 ``install(is_ours)`` wraps these methods once (``bps_tf.keras`` and
 BytePSStrategy call it). ``is_ours(strategy)`` is a predicate telling a
@@ -25,6 +28,7 @@ predicate (and, for checkpoints, has more than one worker).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -33,7 +37,7 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf import api, basics, collectives, config, naming, predictions
+from bps_tf import api, async_training, basics, collectives, config, naming, predictions
 
 _installed = False
 _lock = threading.Lock()
@@ -47,6 +51,12 @@ def _bps_strategy(model):
     if strategy is None:
         return None
     return strategy if any(pred(strategy) for pred in _is_ours) else None
+
+
+def _async(model):
+    """The model's BytePSStrategy in mode="async", or None."""
+    strategy = _bps_strategy(model)
+    return strategy if getattr(strategy, "mode", "sync") == "async" else None
 
 
 def _multi_worker(model):
@@ -86,6 +96,11 @@ def _patch_predict(trainer_cls):
 
     @functools.wraps(original)
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        if _async(self) is not None:
+            # Nothing to gather: every worker predicts all of x itself.
+            with _async(self).extended.local_input():
+                return original(self, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                                callbacks=callbacks)
         strategy = _multi_worker(self)
         if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
             return original(self, x, batch_size=batch_size, verbose=verbose, steps=steps,
@@ -102,6 +117,90 @@ def _patch_predict(trainer_cls):
         return predictions.gather_predictions(self, x, batch_size=batch_size)
 
     trainer_cls.predict = predict
+
+
+# --------------------------------------------------------------------------
+# Asynchronous mode: fit starts from rank 0's weights; evaluate is local
+# --------------------------------------------------------------------------
+class _StartAndPull:
+    """Added to ``fit`` under mode="async": the store starts from rank 0's
+    weights at train begin (the one synchronisation), and at train end this
+    worker pulls the latest weights (no waiting for the others)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def on_train_begin(self, logs=None):
+        async_training.start_from_root(self._model.trainable_variables)
+
+    def on_train_end(self, logs=None):
+        async_training.pull(self._model.trainable_variables)
+
+
+def _shard_rows(arguments, rank: int, size: int) -> None:
+    """Worker ``rank`` of ``size`` keeps rows rank, rank+size, ... of the
+    arrays ``fit`` was given (x, y, sample_weight); datasets and generators
+    are left whole (docs/strategy.md: shard them yourself)."""
+    x = arguments.get("x")
+    if size == 1 or not predictions.is_row_data(x):
+        return
+    rows = len(tf.nest.flatten(x)[0])
+    for name in ("x", "y", "sample_weight"):
+        value = arguments.get(name)
+        if value is not None and predictions.is_row_data(value) and \
+                len(tf.nest.flatten(value)[0]) == rows:
+            arguments[name] = tf.nest.map_structure(lambda a: a[rank::size], value)
+
+
+def _patch_async_fit(trainer_cls):
+    original = trainer_cls.fit
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        strategy = _async(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        import keras
+        hooks = _StartAndPull(self)
+        callback = keras.callbacks.LambdaCallback(on_train_begin=hooks.on_train_begin,
+                                                  on_train_end=hooks.on_train_end)
+        bound = signature.bind(self, *args, **kwargs)
+        # Last: weights a user callback restores at train begin (BackupAndRestore)
+        # are the ones rank 0 writes into the store.
+        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [callback]
+        _shard_rows(bound.arguments, strategy.rank, strategy.num_workers)
+        # Sharded here, not by tf.data: Keras counts the steps of an epoch
+        # from the arrays it is given, and each worker runs its own epochs.
+        with strategy.extended.local_input():
+            return original(*bound.args, **bound.kwargs)
+
+    trainer_cls.fit = fit
+
+
+def _patch_optimizer_apply(optimizer_cls):
+    original = optimizer_cls.apply
+
+    @functools.wraps(original)
+    def apply(self, *args, **kwargs):
+        with async_training.optimizer_step():
+            return original(self, *args, **kwargs)
+
+    optimizer_cls.apply = apply
+
+
+def _patch_async_evaluate(trainer_cls):
+    original = trainer_cls.evaluate
+
+    @functools.wraps(original)
+    def evaluate(self, *args, **kwargs):
+        strategy = _async(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        with strategy.extended.local_input():
+            return original(self, *args, **kwargs)
+
+    trainer_cls.evaluate = evaluate
 
 
 # --------------------------------------------------------------------------
@@ -263,6 +362,10 @@ def install(is_ours=None) -> None:
         _patch_jit_compile(trainer_module.Trainer)
         from keras.src.backend.tensorflow import trainer as tf_trainer_module
         _patch_predict(tf_trainer_module.TensorFlowTrainer)
+        _patch_async_fit(tf_trainer_module.TensorFlowTrainer)
+        _patch_async_evaluate(tf_trainer_module.TensorFlowTrainer)
+        from keras.src.optimizers import base_optimizer
+        _patch_optimizer_apply(base_optimizer.BaseOptimizer)
         from keras.src.backend.tensorflow import core as tf_core_module
         _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)

@@ -47,6 +47,13 @@ How a name is formed
 * **Overlapped gradients** (``bps_tf.overlap``): ``Overlap/<prefix>/<path>``,
   variable names made unique as above; one key per variable, pending from
   the end of one step to its first use in the next.
+* **Asynchronous parameters** (``bps_tf.async_training``): ``bps_async/<...>``
+  -- the prefix is what makes a key asynchronous on the servers
+  (core/protocol.h ``kAsyncNamePrefix``). Under ``BytePSStrategy`` a
+  trainable variable's key is ``bps_async/strategy/<i>`` (the i-th trainable
+  variable created: same program, same order); for the Horovod face
+  ``bps_async/var/<path>`` (made unique within the list as above); the
+  per-worker step counter is ``bps_async/steps``.
 * **Gradients of the ops themselves** (``tf.GradientTape`` through a
   push_pull): ``<key>/grad``.
 
@@ -249,6 +256,23 @@ class StrategyNamer:
             numbers = [next(counter) for _ in range(count)]
         path = graph_path(graph)
         return [strategy_key(path, n) for n in numbers]
+
+
+# Must equal kAsyncNamePrefix in bps_tf/core/protocol.h (tests/test_async.py).
+ASYNC_PREFIX = "bps_async/"
+_async_counter = itertools.count()
+_async_lock = threading.Lock()
+
+
+def async_key(*parts) -> str:
+    """``bps_async/<part>/<part>...``: a key the servers treat as asynchronous."""
+    return ASYNC_PREFIX + "/".join(str(p) for p in parts)
+
+
+def next_async_variable_key() -> str:
+    """Key of the next trainable variable BytePSStrategy creates in async mode."""
+    with _async_lock:
+        return async_key("strategy", next(_async_counter))
 
 
 _init_counter = itertools.count()

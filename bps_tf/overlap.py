@@ -59,7 +59,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from bps_tf import basics, collectives, naming
+from bps_tf import async_training, basics, collectives, naming
 
 log = logging.getLogger("bps_tf")
 
@@ -104,6 +104,7 @@ class OverlappedApply:
     def __init__(self, model, optimizer, variables: Optional[Sequence] = None,
                  prefix: str = "default", average: bool = True):
         collectives.require_init()
+        async_training.refuse_gradient_exchange("OverlappedApply")
         reason = unsupported_reason(optimizer)
         if reason is not None:
             raise ValueError(f"OverlappedApply cannot defer this optimizer's update exactly: "

@@ -43,7 +43,9 @@ every worker, so every weight is identical on every worker.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -53,12 +55,14 @@ from tensorflow.python.distribute import input_util, mirrored_strategy, reduce_u
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
-from bps_tf import basics, cluster, collectives, keras_patches, naming
+from bps_tf import async_training, basics, cluster, collectives, keras_patches, naming
 from bps_tf.cluster_resolver import make_cluster_resolver
+from bps_tf.compression import Compression
 from bps_tf.cross_device_ops import PushPullCrossDeviceOps
 from bps_tf.predictions import gather_predictions
 
 PREDICT_MODES = ("all", "shard")
+MODES = ("sync", "async")
 
 __all__ = ["BytePSStrategy", "BytePSExtended", "PushPullCrossDeviceOps", "gather_predictions"]
 
@@ -71,9 +75,12 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         self._sync_state = bool(sync_state)
         self._num_workers = basics.size()
         self._rank = basics.rank()
-        ops = PushPullCrossDeviceOps(self._num_workers, self._rank, compression)
+        ops = self._make_cross_device_ops(compression)
         super().__init__(container_strategy, devices=devices, cross_device_ops=ops)
         self._push_pull_ops = ops
+
+    def _make_cross_device_ops(self, compression):
+        return PushPullCrossDeviceOps(self._num_workers, self._rank, compression)
 
     # -- who we are ------------------------------------------------------
     @property
@@ -266,7 +273,6 @@ def _join_cluster() -> None:
     until the workers finish and ends the process with the server's exit
     code, as a ParameterServerStrategy ps task blocks in ``join()``.
     """
-    collectives.refuse_async_training("BytePSStrategy")
     if basics.is_initialized():
         return
     if cluster.resolve().role in ("server", "scheduler"):
@@ -275,8 +281,121 @@ def _join_cluster() -> None:
     basics.init()
 
 
+class AsyncBytePSExtended(BytePSExtended):
+    """``mode="async"``: each worker is its own trainer (bps_tf.async_training).
+
+    The strategy spans only this worker's devices: the loss is scaled by
+    the local replica count, ``batch_size`` is this worker's batch,
+    reductions (metrics, end of data) stay on this worker, and a trainable
+    variable's optimizer update is followed by push change / pull weights
+    under the variable's ``bps_async/`` key. Inside ``local_input()`` (which
+    ``fit``, ``evaluate`` and ``predict`` enter: keras_patches; ``fit``
+    splits arrays by worker itself) datasets are not sharded; elsewhere
+    they are sharded by rank.
+    """
+
+    def __init__(self, container_strategy, devices=None, sync_state=True, compression=None):
+        if compression not in (None, Compression.none):
+            raise ValueError("BytePSStrategy(mode='async'): compression is not supported "
+                             "(the servers keep full-precision parameters).")
+        self._unsharded = 0
+        self._counted = weakref.WeakSet()
+        super().__init__(container_strategy, devices=devices, sync_state=sync_state)
+        if len(self._devices) > 1:
+            raise NotImplementedError(
+                "BytePSStrategy(mode='async') trains one device per worker process (got "
+                f"{list(self._devices)}): start one worker per GPU (bpslaunch -np <GPUs>).")
+
+    def _make_cross_device_ops(self, compression):
+        return cdo_lib.ReductionToOneDevice()
+
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices)
+
+    def _in_multi_worker_mode(self):
+        return False
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return replica_id
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group
+
+    _MIRRORED = mirrored_strategy.MirroredExtended
+
+    def _get_cross_device_ops(self, value):
+        return self._MIRRORED._get_cross_device_ops(self, value)  # pylint: disable=protected-access
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return self._MIRRORED._reduce_to(self, reduce_op, value, destinations, options)  # pylint: disable=protected-access
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return self._MIRRORED._batch_reduce_to(self, reduce_op, value_destination_pairs,  # pylint: disable=protected-access
+                                               options)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        return self._MIRRORED._gather_to_implementation(self, value, destinations, axis,  # pylint: disable=protected-access
+                                                        options)
+
+    def _broadcast_to(self, tensor, destinations):
+        return self._MIRRORED._broadcast_to(self, tensor, destinations)  # pylint: disable=protected-access
+
+    def _update(self, var, fn, args, kwargs, group):
+        # Weight decay and the update proper are two updates of one step:
+        # each pushes its own change (their sum is the step's change).
+        if (not async_training.in_optimizer_step() or not getattr(var, "trainable", False)
+                or getattr(var, "bps_async_key", None) is None):
+            return self._MIRRORED._update(self, var, fn, args, kwargs, group)  # pylint: disable=protected-access
+        # One step counter per traced step: with the first variable updated.
+        graph = tf.compat.v1.get_default_graph()
+        count_step = not tf.executing_eagerly() and graph not in self._counted
+        if count_step:
+            self._counted.add(graph)
+        fn = async_training.exchanging(fn, var.bps_async_key, var, count_step)
+        return self._MIRRORED._update(self, var, fn, args, kwargs, group)  # pylint: disable=protected-access
+
+    def _input_context(self):
+        if self._unsharded:
+            return distribute_lib.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                               num_replicas_in_sync=self._num_replicas_in_sync)
+        return super()._input_context()
+
+    @contextlib.contextmanager
+    def local_input(self):
+        """Datasets distributed inside are not sharded by worker
+        (``evaluate``/``predict``: every worker sees all of ``x``)."""
+        self._unsharded += 1
+        try:
+            yield
+        finally:
+            self._unsharded -= 1
+
+    def _create_variable(self, next_creator, **kwargs):
+        variable = super()._create_variable(next_creator, **kwargs)
+        if kwargs.get("trainable", True) and getattr(variable, "trainable", False):
+            variable.bps_async_key = naming.next_async_variable_key()
+        return variable
+
+
+def _agree_on_mode(is_async: bool) -> None:
+    """Every worker must train in the same mode: a sync worker would wait
+    for gradients an async one never sends."""
+    if basics.size() == 1:
+        return
+    votes = collectives.push_pull_sum(tf.constant([int(is_async)], tf.int32),
+                                      naming.strategy_key("mode"), collectives.BLOCKING_PRIORITY)
+    votes = int(votes.numpy()[0])
+    if votes not in (0, basics.size()):
+        raise ValueError(
+            f"BytePSStrategy: {votes} of {basics.size()} workers use mode='async' and the "
+            "others mode='sync'; every worker must use the same mode (and the same "
+            "BYTEPS_ENABLE_ASYNC).")
+
+
 class BytePSStrategy(tf.distribute.MirroredStrategy):
-    """Synchronous data parallelism over bps_tf workers and their local devices.
+    """Synchronous (or, with ``mode="async"``, asynchronous parameter-server)
+    data parallelism over bps_tf workers and their local devices.
 
     ``devices``: this worker's devices (default: its GPUs, else its CPU).
     The cluster comes from ``bps_tf.init()`` (bpslaunch's ``DMLC_*`` or
@@ -293,6 +412,11 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     workers, so every worker holds the same model; False keeps each
     replica's own (Keras 3 under MirroredStrategy).
 
+    ``mode``: ``"sync"`` (default) or ``"async"``: asynchronous
+    parameter-server training (AsyncBytePSExtended below); the default follows
+    BytePS's switch ``BYTEPS_ENABLE_ASYNC=1``. Every worker must use the
+    same mode (checked at construction).
+
     ``compression``: ``bps_tf.Compression.fp16`` sends float32/float64
     reductions of at least 1,024 elements (the gradients) as float16, scaled
     so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
@@ -300,14 +424,21 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     compression. Any other compressor raises.
     """
 
-    def __init__(self, devices=None, predict="all", sync_state=True, compression=None):
+    def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
+                 mode=None):
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
+        if mode is None:
+            mode = "async" if async_training.enabled() else "sync"
+        if mode not in MODES:
+            raise ValueError(f"BytePSStrategy(mode={mode!r}): expected 'sync' or 'async'.")
         self.predict_mode = predict
-        extended = BytePSExtended(self, devices=devices, sync_state=sync_state,
-                                  compression=compression)
+        self.mode = mode
+        cls = AsyncBytePSExtended if mode == "async" else BytePSExtended
+        extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
+        _agree_on_mode(mode == "async")
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
 

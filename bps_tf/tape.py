@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf.api import Average, Compression, predivide_scales, reduce_gradients, resolve_op
+from bps_tf.async_training import refuse_gradient_exchange
 from bps_tf.process_sets import check_process_set, global_process_set
 from bps_tf.collectives import require_init
 
@@ -40,6 +41,7 @@ class DistributedGradientTape(tf.GradientTape):
                  compression=Compression.none, sparse_as_dense=False, op=Average,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, priority_fn=None):
+        refuse_gradient_exchange("DistributedGradientTape")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(gradtape).__name__}.")

@@ -1,6 +1,7 @@
 """Keras model.fit, unchanged, across workers with BytePSStrategy (scikit-learn's digits).
 
     bpslaunch -np 2 --servers 1 python examples/keras_digits.py
+    bpslaunch -np 2 --servers 1 python examples/keras_digits.py --mode async --batch-size 32
     python examples/keras_digits.py                # one process, no cluster
 
 The script is an ordinary Keras script: build and compile under
@@ -10,6 +11,11 @@ gradients are summed through the servers, so every worker holds the same
 weights. ``evaluate`` returns the metrics of the whole test set on every
 worker; rank 0 prints them. The data ships with scikit-learn (nothing is
 downloaded).
+
+``--mode async``: asynchronous parameter-server training (docs/strategy.md):
+each worker trains on its rows with its own batch (``--batch-size`` is then
+per worker), pushes its weight changes and pulls the servers' weights,
+without waiting for the others; ``evaluate`` runs on each worker alone.
 """
 import argparse
 
@@ -44,11 +50,13 @@ def main():
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--mode", choices=("sync", "async"), default=None,
+                        help="default: async if BYTEPS_ENABLE_ASYNC=1, else sync")
     args = parser.parse_args()
 
     # Joins the cluster that bpslaunch (or TF_CONFIG) describes; alone
     # without one.
-    strategy = bps_tf.BytePSStrategy()
+    strategy = bps_tf.BytePSStrategy(mode=args.mode)
     rank = bps_tf.rank()
     # The same seed on every worker: the epochs' shuffles agree, so the
     # workers' shards split each global batch between them.

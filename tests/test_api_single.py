@@ -528,19 +528,31 @@ def test_xla_compiled_code_is_refused_clearly():
         compiled(tf.ones([2]))
 
 
-def test_async_mode_is_refused_for_gradient_training(monkeypatch):
-    # The servers' async mode returns a running sum; applying it as this
-    # step's gradient would train a wrong model silently.
+def test_async_mode_refuses_what_cannot_exchange_weights(monkeypatch):
+    # A gradient tape never sees the optimizer's step, so it cannot push
+    # weight changes: averaging gradients instead would not be async training.
     monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
     from bps_tf.strategy import BytePSStrategy
     from bps_tf.tape import DistributedGradientTape
-    with pytest.raises(NotImplementedError, match="BYTEPS_ENABLE_ASYNC=1"):
-        BytePSStrategy()
     w = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * w)
-    with pytest.raises(NotImplementedError, match="not built for gradient training"):
+    with pytest.raises(NotImplementedError, match="exchanges weights, not gradients"):
         DistributedGradientTape(tape).gradient(loss, [w])
+    from bps_tf.compat import v1
+    from bps_tf.overlap import OverlappedApply
+    with pytest.raises(NotImplementedError, match="OverlappedApply: asynchronous training"):
+        OverlappedApply(None, None)
+    with pytest.raises(NotImplementedError, match="enable_graph_rewrite: asynchronous training"):
+        v1.enable_graph_rewrite()
+    tf1_opt = v1.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with pytest.raises(NotImplementedError, match="exchanges weights, not gradients"):
+        tf1_opt.compute_gradients(lambda: tf.reduce_sum(w * w), var_list=[w])
+    assert BytePSStrategy().mode == "async"   # BytePS's switch selects the mode
+    with pytest.raises(ValueError, match="compression is not supported"):
+        BytePSStrategy(mode="async", compression=api.Compression.fp16)
+    with pytest.raises(ValueError, match="expected 'sync' or 'async'"):
+        BytePSStrategy(mode="hogwild")
 
 
 @pytest.mark.parametrize("obj", [{"a": [1, 2]}, "", None])

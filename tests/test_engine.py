@@ -63,13 +63,17 @@ def test_a_slow_worker_never_mixes_rounds(tmp_path):
     assert [r["bad_rounds"] for r in res.values()] == [0, 0]
 
 
-def test_async_mode_server_keeps_and_adds(tmp_path):
-    res, _ = run_checks(tmp_path, "async", workers=2, servers=1,
-                        env={"BYTEPS_ENABLE_ASYNC": "1"})
+def test_async_keys_server_keeps_and_adds(tmp_path):
+    # Per key, not per server: no BYTEPS_ENABLE_ASYNC on any node.
+    res, _ = run_checks(tmp_path, "async", workers=2, servers=1)
     for r in res.values():
+        assert r["sync_beside"] == [2.0] * 4
         seen = r["seen"]
         assert seen == sorted(seen) and seen[0] >= 1  # running totals
         assert r["final"] == 10.0  # 2 workers x 5 pushes of ones
+    errors = [r["async_shape_error"] for r in res.values() if r["async_shape_error"]]
+    assert len(errors) == 1 and "differs across workers" in errors[0], errors
+    assert "float32[3,4]" in errors[0] and "float32[4,3]" in errors[0]
 
 
 def test_settings_disagreement_names_setting_and_both_values(tmp_path):

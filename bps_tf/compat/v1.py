@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import api, basics, collectives
+from bps_tf import api, async_training, basics, collectives
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 
@@ -88,6 +88,7 @@ def enable_graph_rewrite(average: bool = True) -> None:
     session rewrites its graph when it first runs it."""
     if not basics.is_initialized():
         raise RuntimeError("call bps_tf.init() before bps_tf.compat.v1.enable_graph_rewrite()")
+    async_training.refuse_gradient_exchange("bps_tf.compat.v1.enable_graph_rewrite")
     collectives.configure_graph_rewrite(True, basics.size(), basics.rank(), average)
 
 

@@ -88,6 +88,18 @@ constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;
 inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key | part; }
 
+// Asynchronous keys (parameter-server training): the server holds the
+// value, adds each push to it and answers that push at once with the value
+// after the addition -- no rounds, no waiting for other workers. The tensor
+// name says which keys are (bps_tf/naming.py forms these names); a push
+// carries it in its header's request_id, which pushes do not use otherwise,
+// so one server serves synchronous and asynchronous keys side by side.
+constexpr char kAsyncNamePrefix[] = "bps_async/";
+constexpr uint64_t kPushAsync = 1;
+inline bool IsAsyncName(const std::string& name) {
+  return name.compare(0, sizeof(kAsyncNamePrefix) - 1, kAsyncNamePrefix) == 0;
+}
+
 }  // namespace bps
 
 #endif  // BPS_TF_CORE_PROTOCOL_H_

@@ -292,6 +292,25 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(from, MsgType::kDeclared, encode(done->second), h.request_id));
     return;
   }
+  if (IsAsyncName(name)) {
+    // Nobody waits for an asynchronous key (the root writes it before the
+    // others read it): the first declaration fixes its signature, and a
+    // later one that differs fails instead of waiting.
+    auto known = async_sig_.find(name);
+    Config c;
+    if (known != async_sig_.end()) {
+      c.Set("error", "asynchronous tensor '" + name + "' differs across workers: worker " +
+                         std::to_string(rank) + " has " + sig + " but it was declared as " +
+                         known->second);
+      out->push_back(Reply(from, MsgType::kDeclared, c.Serialize(), h.request_id));
+      return;
+    }
+    Assignment a = Assign(name, sig, static_cast<int>(h.dtype), static_cast<uint64_t>(bytes));
+    assigned_[name + "|" + sig] = a;
+    async_sig_[name] = sig;
+    out->push_back(Reply(from, MsgType::kDeclared, encode(a), h.request_id));
+    return;
+  }
   auto& waiting = pending_[name];
   if (waiting.empty()) pending_since_[name] = Clock::now();
   waiting[rank] = Pending{sig, from, h.request_id};

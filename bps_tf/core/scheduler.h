@@ -88,6 +88,7 @@ class Scheduler {
   std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
   std::set<std::string> stall_reported_;
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
+  std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;
   std::vector<uint64_t> server_load_;
   bool finished_ = false;

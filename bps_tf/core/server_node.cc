@@ -166,7 +166,7 @@ void ServerNode::HandlePush(Message& m) {
   }
   Stats::Get().bytes_received += h.payload_bytes;
   engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                          std::move(m.payload)});
+                          (h.request_id & kPushAsync) != 0, std::move(m.payload)});
 }
 
 void ServerNode::OnWelcome() {
@@ -175,7 +175,6 @@ void ServerNode::OnWelcome() {
   if (!is_server_) return;
   engine_.reset(new SumEngine(membership_.id(), num_workers_,
                               static_cast<int>(cfg_.GetInt("engine_threads", 4)),
-                              cfg_.GetInt("async", 0) != 0,
                               [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
 }
 

@@ -7,8 +7,8 @@
 
 namespace bps {
 
-SumEngine::SumEngine(int server_id, int num_workers, int threads, bool async, Post post)
-    : server_id_(server_id), num_workers_(num_workers), async_(async), post_(std::move(post)) {
+SumEngine::SumEngine(int server_id, int num_workers, int threads, Post post)
+    : server_id_(server_id), num_workers_(num_workers), post_(std::move(post)) {
   if (threads < 1) threads = 1;
   lane_bytes_.assign(static_cast<size_t>(threads), 0);
   for (int i = 0; i < threads; ++i) {
@@ -81,7 +81,18 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   if (st.dtype < 0) {
     st.dtype = job.dtype;
     st.bytes = job.payload.size();
+    st.async = job.async;
     st.pushed.assign(static_cast<size_t>(num_workers_), false);
+  }
+  if (job.async != st.async) {
+    // Only a key collision between an asynchronous and a synchronous name
+    // gets here; summing them together would be silently wrong.
+    replies->push_back(ErrorReply(
+        job.worker, job.key,
+        "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
+            " pushed a partition as " + (job.async ? "asynchronous" : "synchronous") +
+            " that another push made " + (st.async ? "asynchronous" : "synchronous")));
+    return;
   }
   if (job.dtype != st.dtype || job.payload.size() != st.bytes || elem == 0 ||
       job.payload.size() % elem != 0) {
@@ -95,8 +106,9 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   }
   size_t count = st.bytes / elem;
 
-  if (async_) {
-    // The server keeps the value: a push adds to it, the reply is a snapshot.
+  if (st.async) {
+    // The server keeps the value: a push adds to it, the reply is a copy of
+    // the sum, taken now (a later push must not change a reply in flight).
     if (!st.has_sum) {
       st.sum = Msg(st.bytes);
       std::memset(st.sum.data(), 0, st.bytes);

@@ -4,6 +4,8 @@
 // every worker has pushed it; then each worker gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
 // fast worker's next push never disturbs a slow worker's pending reply.
+// An asynchronous key (protocol.h) has no rounds: each push is added to the
+// stored value and answered at once with a copy of it.
 #ifndef BPS_TF_CORE_SUM_ENGINE_H_
 #define BPS_TF_CORE_SUM_ENGINE_H_
 
@@ -25,6 +27,7 @@ struct PushJob {
   uint64_t key;
   uint64_t round;
   int dtype;
+  bool async;  // an asynchronous key (protocol.h kPushAsync)
   Msg payload;
 };
 
@@ -37,13 +40,14 @@ struct ServerReply {
 class SumEngine {
  public:
   using Post = std::function<void(std::vector<ServerReply>&&)>;
-  SumEngine(int server_id, int num_workers, int threads, bool async, Post post);
+  SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
   void Submit(PushJob&& job);  // called by the I/O thread only
 
  private:
   struct KeyState {
     int dtype = -1;
+    bool async = false;
     size_t bytes = 0;
     uint64_t round = 0;
     int count = 0;
@@ -68,7 +72,6 @@ class SumEngine {
 
   int server_id_;
   int num_workers_;
-  bool async_;
   Post post_;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::unordered_map<uint64_t, size_t> lane_of_key_;

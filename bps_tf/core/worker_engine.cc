@@ -180,7 +180,8 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     if (!fatal_.empty()) {
       error = fatal_;
       status = fatal_status_;
-    } else if (!peer_left_.empty()) {
+    } else if (!peer_left_.empty() && !IsAsyncName(name)) {
+      // An asynchronous key is answered by the server alone: it still works.
       error = "push_pull '" + name + "' cannot complete: " + peer_left_ +
               " has left the job (every worker must make the same push_pulls)";
       status = BPS_ERR_UNAVAILABLE;

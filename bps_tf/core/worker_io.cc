@@ -111,8 +111,6 @@ void WorkerEngine::HandleControl(const Message& m) {
       BPS_LOG(kWarning, m.payload.str());
       break;
     case MsgType::kPeerLeft: {
-      // In async mode nobody waits for a partner: a departure changes nothing.
-      if (cfg_.GetInt("async", 0) != 0) break;
       std::lock_guard<std::mutex> lock(mu_);
       if (peer_left_.empty()) {
         peer_left_ = m.payload.str();
@@ -132,9 +130,14 @@ void WorkerEngine::CheckTimers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     state = state_;
-    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS &&
-        (!in_flight_.empty() || !ready_.empty() || !declaring_.empty())) {
-      left = peer_left_;
+    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS) {
+      // Asynchronous keys need no partner (protocol.h): only the others fail.
+      for (const std::string& name : names_in_flight_) {
+        if (!IsAsyncName(name)) {
+          left = peer_left_;
+          break;
+        }
+      }
     }
   }
   std::string refused = channel_->Refusal();

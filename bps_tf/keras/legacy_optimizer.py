@@ -18,6 +18,7 @@ import logging
 import tensorflow as tf
 
 from bps_tf import api
+from bps_tf.async_training import refuse_gradient_exchange
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:
@@ -53,6 +54,7 @@ def DistributedOptimizer(optimizer, name=None, compression=api.Compression.none,
                          average_aggregated_gradients=False, priority_fn=None):
     """A copy of a tf_keras ``optimizer`` (same class, same config) that
     reduces gradients across workers before applying them."""
+    refuse_gradient_exchange("DistributedOptimizer with a tf_keras optimizer")
     if isinstance(optimizer, _LegacyDistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer.")
     if int(backward_passes_per_step) != 1:

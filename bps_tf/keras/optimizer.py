@@ -19,12 +19,19 @@ reduction.
 
 Under a ``tf.distribute`` strategy the strategy already reduces the
 gradients (Keras calls its all-reduce), so the wrapper passes them through.
+
+Under ``BYTEPS_ENABLE_ASYNC=1`` (outside a strategy) nothing is averaged:
+``apply`` runs the wrapped optimizer on this worker's gradients, then pushes
+each trainable variable's change and assigns the servers' value
+(bps_tf.async_training.exchange_all). The servers' copy must be started from
+rank 0 first (``BroadcastGlobalVariablesCallback(0)`` or
+``broadcast_variables``); tracing a step without it raises.
 """
 from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import api
+from bps_tf import api, async_training
 from bps_tf.keras import legacy_optimizer
 
 
@@ -70,7 +77,24 @@ class _DistributedMixin:
             prescale_factor=self._bps_prescale,
             postscale_factor=postscale_factor * self._bps_postscale)
 
+    def _bps_async(self) -> bool:
+        # Under a strategy the strategy's mode decides (BytePSStrategy reads
+        # the same switch for its default).
+        return async_training.enabled() and not tf.distribute.has_strategy()
+
+    def _bps_apply_async(self, grads, trainable_variables):
+        if self._bps_compression not in (None, api.Compression.none):
+            raise ValueError("DistributedOptimizer(compression=...) in asynchronous training "
+                             "(BYTEPS_ENABLE_ASYNC=1): the servers keep full-precision "
+                             "weights; drop the compression.")
+        variables = list(self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
+        return async_training.exchange_all(
+            variables, lambda: super(_DistributedMixin, self).apply(grads, trainable_variables))
+
     def apply(self, grads, trainable_variables=None):
+        if self._bps_async():
+            return self._bps_apply_async(grads, trainable_variables)
         if self._bps_should_reduce() and not self._bps_accumulating() and len(grads):
             variables = (self._trainable_variables if trainable_variables is None
                          else trainable_variables)
@@ -80,7 +104,7 @@ class _DistributedMixin:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Reached once per update; with accumulation that is once every
         # gradient_accumulation_steps batches, on the averaged local passes.
-        if self._bps_should_reduce() and self._bps_accumulating():
+        if self._bps_should_reduce() and self._bps_accumulating() and not self._bps_async():
             grads = self._bps_reduce(grads, trainable_variables,
                                      postscale_factor=self._bps_accum_scale)
         return super()._backend_update_step(grads, trainable_variables, learning_rate)

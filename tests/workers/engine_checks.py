@@ -140,22 +140,35 @@ def check_rounds():
 
 
 def check_async():
-    # The server keeps the value: every push adds to it and the reply is the
-    # stored value, without waiting for the other workers.
+    # An asynchronous key (name prefix bps_async/): the server keeps the
+    # value, every push adds to it and the reply is the stored value, without
+    # waiting for the other workers. Synchronous keys beside it still sum
+    # per round.
     seen = []
+    h, out = start("beside", np.ones(4, np.float32))
+    h.wait(60)
+    result["sync_beside"] = out.tolist()
     for _ in range(5):
-        h, out = start("async", np.ones(8, np.float32))
+        h, out = start("bps_async/check", np.ones(8, np.float32))
         h.wait(60)
         seen.append(float(out[0]))
     final = seen[-1]
     deadline = time.time() + 20
     while final < 5 * size and time.time() < deadline:
-        h, out = start("async", np.zeros(8, np.float32))
+        h, out = start("bps_async/check", np.zeros(8, np.float32))
         h.wait(60)
         final = float(out[0])
         time.sleep(0.05)
     result["seen"] = seen
     result["final"] = final
+    # An asynchronous key's first declaration fixes its signature (nobody
+    # waits for the others); a different one fails instead of waiting.
+    h, _ = start("bps_async/shape", np.zeros((3, 4) if rank == 0 else (4, 3), np.float32))
+    try:
+        h.wait(60)
+        result["async_shape_error"] = None
+    except RuntimeError as exc:
+        result["async_shape_error"] = str(exc)
 
 
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
