@@ -49,6 +49,10 @@ SETTINGS = (
             "and answers with the value at once. Must agree on every node. "
             "Numpy-level push_pull only: BytePSStrategy and the gradient API "
             "refuse it (asynchronous training is not built yet)."),
+    Setting("BYTEPS_OVERLAP", "overlap", "0", _bool,
+            "BytePSStrategy's default for overlap=: model.fit starts each step's "
+            "gradient push_pulls and applies each layer's update right before its "
+            "forward pass in the next step (docs/overlap.md). Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

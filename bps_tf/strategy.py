@@ -53,7 +53,8 @@ from tensorflow.python.distribute import input_util, mirrored_strategy, reduce_u
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
-from bps_tf import basics, cluster, collectives, keras_patches, naming
+from bps_tf import basics, cluster, collectives, config, keras_patches, naming, overlap_fit
+from bps_tf import compression as compression_lib
 from bps_tf.cluster_resolver import make_cluster_resolver
 from bps_tf.cross_device_ops import PushPullCrossDeviceOps
 from bps_tf.predictions import gather_predictions
@@ -258,6 +259,21 @@ def _is_state_variable(destinations, trainable_too: bool = False) -> bool:
     return trainable_too or not destinations.trainable
 
 
+def _agreed_overlap(overlap, num_workers: int) -> bool:
+    """The overlap choice, the same on every worker or an error: workers
+    that disagree would wait for each other's push_pulls forever."""
+    chosen = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
+    if num_workers > 1:
+        votes = collectives.push_pull_sum(tf.constant([int(chosen)], tf.int32),
+                                          naming.strategy_key("overlap", "agree"))
+        votes = int(votes.numpy()[0])
+        if votes not in (0, num_workers):
+            raise ValueError(f"BytePSStrategy overlap: {votes} of {num_workers} workers chose "
+                             f"overlap=True and the others False (BYTEPS_OVERLAP or the "
+                             f"overlap= argument); every worker must choose the same.")
+    return chosen
+
+
 def _join_cluster() -> None:
     """bps_tf.init(), unless done; a server task serves instead, then exits.
 
@@ -298,18 +314,34 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
     ones and state updates stay exact. ``None`` or ``Compression.none``: no
     compression. Any other compressor raises.
+
+    ``overlap``: True -- ``model.fit`` overlaps each step's push_pulls with
+    the next step's forward pass, layer by layer, with the same weights bit
+    for bit (bps_tf.overlap_fit, docs/overlap.md); models it cannot serve
+    exactly keep the barrier, with one log line. None (default): the
+    ``BYTEPS_OVERLAP`` setting (default 0). Every worker must choose the same.
     """
 
-    def __init__(self, devices=None, predict="all", sync_state=True, compression=None):
+    def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
+                 overlap=None):
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"BytePSStrategy(overlap={overlap!r}): expected True, False or None.")
         self.predict_mode = predict
+        self.compression_fp16 = compression_lib.is_fp16(compression)
+        if overlap and self.compression_fp16:
+            raise ValueError("BytePSStrategy(overlap=True, compression=fp16): the overlapped "
+                             "push_pulls travel uncompressed; choose one of them.")
         extended = BytePSExtended(self, devices=devices, sync_state=sync_state,
                                   compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
+        self.overlap = _agreed_overlap(overlap, self.num_workers)
+        if self.overlap:
+            overlap_fit.install()
 
     @property
     def cluster_resolver(self):
