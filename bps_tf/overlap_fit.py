@@ -31,6 +31,7 @@ Embedding) take the barrier path for their own variables, with one log line.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import weakref
@@ -103,6 +104,15 @@ class FitOverlap:
         self._sparse_logged = set()
         if not self.optimizer.built:
             self.optimizer.build(self.variables)
+        # The iteration count of the pending gradients, read by their
+        # deferred update as `iterations` (written by the start of a step).
+        with strategy.scope():
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="bps_overlap_step")
+            # Their learning rate, as apply() computed it in their step:
+            # a schedule recomputed elsewhere may round differently.
+            self._lr = tf.Variable(0.0, dtype=tf.float32, trainable=False,
+                                   name="bps_overlap_learning_rate")
         self._hook_layers()
         self._patch_optimizer()
         self._patch_train_step()
@@ -163,7 +173,8 @@ class FitOverlap:
                 update_step([g for g, _ in sparse], [v for _, v in sparse], learning_rate)
             if dense:
                 tf.distribute.get_replica_context().merge_call(
-                    self._start, args=([g for g, _ in dense], [v for _, v in dense]))
+                    self._start, args=([g for g, _ in dense], [v for _, v in dense],
+                                       tf.convert_to_tensor(learning_rate)))
             return None
 
         object.__setattr__(opt, "_apply_weight_decay", deferred_weight_decay)
@@ -208,7 +219,7 @@ class FitOverlap:
             tf.distribute.get_replica_context().merge_call(
                 lambda _strategy: self._apply(todo))
 
-    def _start(self, strategy, grads, variables):
+    def _start(self, strategy, grads, variables, learning_rate):
         """Cross-replica: starts the sums of this step's dense gradients."""
         del strategy
         indices = [self._index_of(v) for v in variables]
@@ -219,6 +230,9 @@ class FitOverlap:
         missing = [i for i in indices if i not in done]
         if missing:
             self._apply(missing)
+        # Read before apply() counts this step.
+        self._step.assign(tf.convert_to_tensor(self.optimizer.iterations.value))
+        self._lr.assign(tf.cast(_local_values(learning_rate)[0], tf.float32))
         for i, grad in zip(indices, grads):
             values = [tf.convert_to_tensor(g) for g in _local_values(grad)]
             with tf.device(values[0].device):
@@ -240,9 +254,6 @@ class FitOverlap:
     def _apply(self, indices) -> int:
         """Cross-replica: waits for and applies the pending sums of
         ``indices``. Eager: returns how many were applied."""
-        opt = self.optimizer
-        # The update belongs to the step whose apply() counted it already.
-        step = tf.convert_to_tensor(opt.iterations.value) - 1
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         applied = 0
         for i in indices:
@@ -251,35 +262,42 @@ class FitOverlap:
             summed, valid = collectives.push_pull_wait(like, self.keys[i])
             if graph is None:
                 if bool(valid):
-                    self._update(var, summed, step)
+                    self._update(var, summed)
                     applied += 1
                 continue
 
             def update(var=var, summed=summed):
-                self._update(var, summed, step)
+                self._update(var, summed)
                 return tf.constant(True)
             self._applied.setdefault(graph, {})[i] = tf.cond(
                 valid, update, lambda: tf.constant(False))
         return applied
 
-    def _update(self, var, grad, step):
-        """Weight decay then ``update_step`` on ``var``, as the optimizer's
-        apply does, with ``iterations`` reading ``step``."""
+    @contextlib.contextmanager
+    def _pending_step(self):
+        """``optimizer.iterations`` reads the pending gradients' step (a
+        variable, as in the barrier's update: the same ops, the same rounding)."""
         opt = self.optimizer
         saved = opt._iterations  # pylint: disable=protected-access
-        object.__setattr__(opt, "_iterations", step)
+        object.__setattr__(opt, "_iterations", self._step)
         try:
-            learning_rate = opt.learning_rate
+            yield
+        finally:
+            object.__setattr__(opt, "_iterations", saved)
 
+    def _update(self, var, grad):
+        """Weight decay then ``update_step`` on ``var``, as the optimizer's
+        apply does, for the pending step."""
+        opt = self.optimizer
+        learning_rate = self._lr
+        with self._pending_step():
             def fn(v, g):
                 if opt.weight_decay is not None and opt._use_weight_decay(v):  # pylint: disable=protected-access
-                    lr = tf.cast(opt.learning_rate, v.dtype)
+                    lr = tf.cast(learning_rate, v.dtype)
                     wd = tf.cast(opt.weight_decay, v.dtype)
                     v.assign_sub(v * wd * lr)
                 return opt.update_step(g, v, learning_rate)
             self.strategy.extended.update(var.value, fn, args=(grad,), group=False)
-        finally:
-            object.__setattr__(opt, "_iterations", saved)
 
     # -- flush ---------------------------------------------------------------
     def pending(self) -> List[str]:
