@@ -3,8 +3,10 @@ bps_tf/overlap_fit.py) across real processes: one bpslaunch cluster (2 workers,
 2 servers) runs tests/workers/overlap_fit_checks.py, which trains every case
 with overlap off and on and compares them bit for bit; the tests read what each
 worker recorded. About 1-2 minutes."""
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -77,3 +79,27 @@ def test_next_steps_first_layer_ran_before_the_last_push_pull_was_delivered(rank
 
 def test_the_job_ends_cleanly(ranks):
     assert ranks[2] == 0, ranks[1]
+
+
+def test_a_server_killed_while_push_pulls_are_pending_fails_fit_with_its_name(tmp_path):
+    # Fast failure detection: a dead peer is declared after 3 s of silence.
+    from manual_cluster import ManualCluster
+    env = {"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
+           "BYTEPS_FATAL_EXIT_GRACE": "5", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    worker = os.path.join(ROOT, "tests", "workers", "overlap_fit_kill.py")
+    with ManualCluster(2, 2, [worker, str(tmp_path)], env=env) as c:
+        deadline = time.time() + 240
+        while not all(os.path.exists(tmp_path / f"ready{r}") for r in range(2)):
+            assert time.time() < deadline, c.log("worker0")[-3000:]
+            assert all(p.poll() is None for p in c.workers), c.log("worker0")[-3000:]
+            time.sleep(0.1)
+        pending = json.loads((tmp_path / "ready0").read_text())
+        assert pending, "nothing was pending when the server was killed"
+        os.killpg(c.servers[1].pid, 9)
+        c.servers[1].wait()
+        (tmp_path / "killed").write_text("")
+        assert c.wait_all(c.workers, timeout=60), "a worker hung after the server died"
+        for r, p in enumerate(c.workers):
+            assert p.returncode != 0, c.log(f"worker{r}")[-3000:]
+        error = json.loads((tmp_path / "error0.json").read_text())
+        assert "server 1" in error["message"], error
