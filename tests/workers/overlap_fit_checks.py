@@ -59,7 +59,9 @@ CASES = {
     "adamw_schedule_spe3": (dense_model, lambda: keras.optimizers.AdamW(
         keras.optimizers.schedules.ExponentialDecay(0.01, 3, 0.5), weight_decay=0.05,
         clipnorm=1.0), 3),
-    "rmsprop_bn": (lambda: dense_model(bn=True), lambda: keras.optimizers.RMSprop(0.01), 1),
+    "momentum_bn": (lambda: dense_model(bn=True),
+                    lambda: keras.optimizers.SGD(0.05, momentum=0.9), 1),
+    "rmsprop_fallback": (lambda: dense_model(bn=True), lambda: keras.optimizers.RMSprop(0.01), 1),
     "global_clipnorm": (dense_model, lambda: keras.optimizers.SGD(
         0.05, momentum=0.5, global_clipnorm=0.5), 2),
     "embedding_adam": (embedding_model, lambda: keras.optimizers.Adam(0.01), 1),
