@@ -85,6 +85,13 @@ def test_next_steps_first_layer_ran_before_the_last_push_pull_was_delivered(rank
     assert log[0] in (f"{last_key} released-by marker", f"{last_key} in-flight-at marker"), log
 
 
+def test_bad_overlap_arguments_and_disagreeing_workers_are_refused(ranks):
+    for detail in _check(ranks, "arguments").values():
+        assert "overlap='yes'" in detail["not_bool"]
+        assert "fp16" in detail["fp16"] and "choose one" in detail["fp16"]
+        assert "1 of 2 workers" in detail["disagree"], detail["disagree"]
+
+
 def test_the_job_ends_cleanly(ranks):
     assert ranks[2] == 0, ranks[1]
 

@@ -177,6 +177,24 @@ def check_case(case, off, on, ckpt_dir, log_lines, hold_batch=None):
     return run
 
 
+def check_arguments(rank):
+    def run():
+        found = {}
+        for name, make in (
+                ("not_bool", lambda: BytePSStrategy(overlap="yes")),
+                ("fp16", lambda: BytePSStrategy(overlap=True, compression=bps_tf.Compression.fp16)),
+                # The workers disagree: every one of them must refuse.
+                ("disagree", lambda: BytePSStrategy(overlap=(rank == 0)))):
+            try:
+                make()
+            except ValueError as exc:
+                found[name] = str(exc)
+            else:
+                raise AssertionError(f"{name}: BytePSStrategy accepted it")
+        return found
+    return run
+
+
 def main():
     out_dir = sys.argv[1]
     bps_tf.init()
@@ -191,6 +209,7 @@ def main():
     for case in CASES:
         if case != "sgd":
             checks.run(case, check_case(case, off, on, ckpt_dir, log_lines.lines))
+    checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
 
 
