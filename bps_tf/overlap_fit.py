@@ -357,6 +357,14 @@ def flush_all() -> None:
 def _ensure(model):
     """Sets up the overlap for ``model`` if its strategy asks for it (once)."""
     strategy = getattr(model, "_distribute_strategy", None)
+    ctl = controller(model)
+    if ctl is not None and ctl.optimizer is not getattr(model, "optimizer", None):
+        # compile() again: the hooks serve the old optimizer only.
+        ctl.flush()
+        object.__setattr__(model, "_bps_fit_overlap", None)
+        log.warning("BytePSStrategy overlap: off for this model after compile() with a new "
+                    "optimizer (barrier between steps).")
+        return
     if not getattr(strategy, "overlap", False) or getattr(model, "_bps_fit_overlap_checked", False):
         return
     object.__setattr__(model, "_bps_fit_overlap_checked", True)

@@ -85,6 +85,12 @@ def test_next_steps_first_layer_ran_before_the_last_push_pull_was_delivered(rank
     assert log[0] in (f"{last_key} released-by marker", f"{last_key} in-flight-at marker"), log
 
 
+def test_a_new_optimizer_from_compile_turns_overlap_off_with_one_log_line(ranks):
+    for detail in _check(ranks, "recompile").values():
+        lines = [line for line in detail["log"] if "after compile()" in line]
+        assert len(lines) == 1, detail["log"]
+
+
 def test_bad_overlap_arguments_and_disagreeing_workers_are_refused(ranks):
     for detail in _check(ranks, "arguments").values():
         assert "overlap='yes'" in detail["not_bool"]

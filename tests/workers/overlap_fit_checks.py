@@ -177,6 +177,27 @@ def check_case(case, off, on, ckpt_dir, log_lines, hold_batch=None):
     return run
 
 
+def check_recompile(strategy, log_lines):
+    def run():
+        x, y = data("sgd")
+        with strategy.scope():
+            model = dense_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        first = overlap_fit.controller(model) is not None
+        del log_lines[:]
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        if not first or overlap_fit.controller(model) is not None:
+            raise AssertionError(f"overlapped first: {first}; after compile: "
+                                 f"{overlap_fit.controller(model)}")
+        if model.optimizer.iterations.numpy() != ROWS // GLOBAL_BATCH:
+            raise AssertionError(f"iterations {model.optimizer.iterations.numpy()}")
+        return {"log": [line for line in log_lines if "overlap" in line]}
+    return run
+
+
 def check_arguments(rank):
     def run():
         found = {}
@@ -209,6 +230,7 @@ def main():
     for case in CASES:
         if case != "sgd":
             checks.run(case, check_case(case, off, on, ckpt_dir, log_lines.lines))
+    checks.run("recompile", check_recompile(on, log_lines.lines))
     checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
 
