@@ -13,7 +13,9 @@ Runs, one after the other, each worker alone in a namespace host of its own
                communication (the machine has far fewer cores than a real
                cluster has hosts);
 * bps_tf:      N workers + S servers, priorities from the traced graph;
-* bps_tf FIFO: the same with every gradient at one priority.
+* bps_tf FIFO: the same with every gradient at one priority;
+* with --overlap, also bps_tf overlap and bps_tf overlap FIFO: the same two
+               under BytePSStrategy(overlap=True) (docs/overlap.md).
 
 Scaling efficiency = images/s of the N-worker job / (N x images/s of one
 worker). On a machine with fewer cores than workers that mixes communication
@@ -75,7 +77,7 @@ def plot(rows, path: Path, title: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.8))
     names = [r["run"] for r in rows]
-    ax.bar(names, [r["images_per_s"] for r in rows], color=["C0", "C7", "C2", "C1"][:len(rows)])
+    ax.bar(names, [r["images_per_s"] for r in rows], color=["C0", "C7", "C2", "C1", "C3", "C4"][:len(rows)])
     for i, r in enumerate(rows):
         ax.text(i, r["images_per_s"], f"{r['images_per_s']:.0f}", ha="center", va="bottom")
     ax.set_ylabel("images/s (all workers)")
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 warm-up and 6 timed steps, 1 round")
     ap.add_argument("--skip", default="", help="comma-separated runs to leave out: "
                     "single,independent,fifo")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run BytePSStrategy(overlap=True), with priorities and FIFO")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
@@ -125,6 +129,12 @@ def main(argv=None) -> int:
                     ("bps_tf", lambda: run_cluster(spec, workers, servers, args.timeout)),
                     ("bps_tf FIFO", lambda: run_cluster(dict(spec, priority="off"), workers,
                                                         servers, args.timeout))]
+            if args.overlap:
+                plan += [("bps_tf overlap", lambda: run_cluster(dict(spec, overlap=True), workers,
+                                                                servers, args.timeout)),
+                         ("bps_tf overlap FIFO", lambda: run_cluster(
+                             dict(spec, overlap=True, priority="off"), workers, servers,
+                             args.timeout))]
             plan = [(name, run) for name, run in plan
                     if name not in skip and not (name == "bps_tf FIFO" and "fifo" in skip)]
             # Rounds interleave the runs, so a change in the machine's load
@@ -177,6 +187,11 @@ def main(argv=None) -> int:
         summary["efficiency_vs_independent_synchronous"] = sync / by["bps_tf"]["step_s"]
     if "bps_tf" in by and "bps_tf FIFO" in by:
         summary["priority_speedup"] = by["bps_tf FIFO"]["step_s"] / by["bps_tf"]["step_s"]
+    if "bps_tf" in by and "bps_tf overlap" in by:
+        summary["overlap_speedup"] = by["bps_tf"]["step_s"] / by["bps_tf overlap"]["step_s"]
+    if "bps_tf overlap" in by and "bps_tf overlap FIFO" in by:
+        summary["overlap_priority_speedup"] = (by["bps_tf overlap FIFO"]["step_s"] /
+                                               by["bps_tf overlap"]["step_s"])
     title = (f"{args.model} {args.image_size}x{args.image_size}, {batch}/worker, {n} workers + "
              f"{args.servers} servers, {args.rate} links, {args.threads} thread(s)/worker")
     common.print_table(title + f" (median of {args.rounds} round(s))",

@@ -56,6 +56,10 @@ SETTINGS = (
             "Asynchronous training: every this many steps a worker logs (INFO) "
             "its staleness, the other workers' updates folded in between two "
             "of its own pulls (0: never)."),
+    Setting("BYTEPS_OVERLAP", "overlap", "0", _bool,
+            "BytePSStrategy's default for overlap=: model.fit starts each step's "
+            "gradient push_pulls and applies each layer's update right before its "
+            "forward pass in the next step (docs/overlap.md). Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

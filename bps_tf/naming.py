@@ -191,6 +191,13 @@ def overlap_keys(variables: Sequence, prefix: str) -> List[str]:
     return unique_names([f"Overlap/{prefix}/{variable_name(v)}" for v in variables])
 
 
+def overlap_index_keys(count: int, prefix: str) -> List[str]:
+    """Keys of the split push_pulls of a model's trainable variables under
+    ``model.fit`` overlap (bps_tf.overlap_fit): by position, because Keras
+    numbers variable paths per process; ``prefix`` counts the models."""
+    return [f"Overlap/{prefix}/{i}" for i in range(count)]
+
+
 def model_variables(model, skip_on_read: bool = False) -> list:
     """A model's variables, then its optimizer's (each once), in a fixed order.
 

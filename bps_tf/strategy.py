@@ -55,7 +55,9 @@ from tensorflow.python.distribute import input_util, mirrored_strategy, reduce_u
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
-from bps_tf import async_training, basics, cluster, collectives, keras_patches, naming
+from bps_tf import (async_training, basics, cluster, collectives, config, keras_patches,
+                    naming, overlap_fit)
+from bps_tf import compression as compression_lib
 from bps_tf.cluster_resolver import make_cluster_resolver
 from bps_tf.compression import Compression
 from bps_tf.cross_device_ops import PushPullCrossDeviceOps
@@ -378,19 +380,31 @@ class AsyncBytePSExtended(BytePSExtended):
         return variable
 
 
-def _agree_on_mode(is_async: bool) -> None:
-    """Every worker must train in the same mode: a sync worker would wait
-    for gradients an async one never sends."""
-    if basics.size() == 1:
-        return
-    votes = collectives.push_pull_sum(tf.constant([int(is_async)], tf.int32),
+def _agreed_choices(is_async: bool, overlap) -> bool:
+    """Every worker must choose the same mode and overlap (one tiny
+    push_pull of both votes): a sync worker would wait for gradients an
+    async one never sends, an overlapped one for sums the others start
+    later. Returns the overlap choice."""
+    overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
+    if overlap and is_async:
+        raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
+                         "barrier to overlap; unset one of them.")
+    size = basics.size()
+    if size == 1:
+        return overlap
+    votes = collectives.push_pull_sum(tf.constant([int(is_async), int(overlap)], tf.int32),
                                       naming.strategy_key("mode"), collectives.BLOCKING_PRIORITY)
-    votes = int(votes.numpy()[0])
-    if votes not in (0, basics.size()):
+    async_votes, overlap_votes = (int(v) for v in votes.numpy())
+    if async_votes not in (0, size):
         raise ValueError(
-            f"BytePSStrategy: {votes} of {basics.size()} workers use mode='async' and the "
+            f"BytePSStrategy: {async_votes} of {size} workers use mode='async' and the "
             "others mode='sync'; every worker must use the same mode (and the same "
             "BYTEPS_ENABLE_ASYNC).")
+    if overlap_votes not in (0, size):
+        raise ValueError(f"BytePSStrategy overlap: {overlap_votes} of {size} workers chose "
+                         f"overlap=True and the others False (BYTEPS_OVERLAP or the "
+                         f"overlap= argument); every worker must choose the same.")
+    return overlap
 
 
 class BytePSStrategy(tf.distribute.MirroredStrategy):
@@ -422,10 +436,16 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
     ones and state updates stay exact. ``None`` or ``Compression.none``: no
     compression. Any other compressor raises.
+
+    ``overlap``: True -- ``model.fit`` overlaps each step's push_pulls with
+    the next step's forward pass, layer by layer, with the same weights bit
+    for bit (bps_tf.overlap_fit, docs/overlap.md); models it cannot serve
+    exactly keep the barrier, with one log line. None (default): the
+    ``BYTEPS_OVERLAP`` setting (default 0). Every worker must choose the same.
     """
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
-                 mode=None):
+                 mode=None, overlap=None):
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
@@ -433,14 +453,25 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
             mode = "async" if async_training.enabled() else "sync"
         if mode not in MODES:
             raise ValueError(f"BytePSStrategy(mode={mode!r}): expected 'sync' or 'async'.")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"BytePSStrategy(overlap={overlap!r}): expected True, False or None.")
         self.predict_mode = predict
         self.mode = mode
+        self.compression_fp16 = compression_lib.is_fp16(compression)
+        if overlap and self.compression_fp16:
+            raise ValueError("BytePSStrategy(overlap=True, compression=fp16): the overlapped "
+                             "push_pulls travel uncompressed; choose one of them.")
+        if overlap and mode == "async":
+            raise ValueError("BytePSStrategy(overlap=True, mode='async'): asynchronous training "
+                             "has no step barrier to overlap; choose one of them.")
         cls = AsyncBytePSExtended if mode == "async" else BytePSExtended
         extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
-        _agree_on_mode(mode == "async")
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
+        self.overlap = _agreed_choices(mode == "async", overlap)
+        if self.overlap:
+            overlap_fit.install()
 
     @property
     def cluster_resolver(self):

@@ -7,7 +7,8 @@ is also how the single-worker and the independent baselines run. Writes
 OUT_DIR/worker<rank>.json (rank from BENCH_RANK when alone).
 
 spec: model ("resnet50" | "small_cnn"), image_size, batch_per_worker,
-warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off").
+warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off"),
+overlap (BytePSStrategy(overlap=...), default false).
 """
 import json
 import os
@@ -72,7 +73,7 @@ def main():
     import keras
     import bps_tf
 
-    strategy = bps_tf.BytePSStrategy()
+    strategy = bps_tf.BytePSStrategy(overlap=bool(spec.get("overlap", False)))
     rank = bps_tf.rank() if bps_tf.size() > 1 else int(os.environ.get("BENCH_RANK", "0"))
     workers = bps_tf.size()
     keras.utils.set_random_seed(0)

@@ -81,6 +81,7 @@ constexpr SharedSetting kSharedSettings[] = {
     // A node whose token or encryption differs fails its handshake before
     // its HELLO; this still catches nodes that both run without a token.
     {"encryption", "BYTEPS_ENCRYPTION"},
+    {"overlap", "BYTEPS_OVERLAP"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.

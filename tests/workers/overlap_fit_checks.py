@@ -1,0 +1,239 @@
+"""Worker script for test_overlap_fit.py: BytePSStrategy(overlap=True) under model.fit.
+
+    bpslaunch -np 2 --servers 2 python tests/workers/overlap_fit_checks.py OUT_DIR
+
+Every worker runs the same checks in the same order; each trains the same
+model twice with unchanged ``model.fit`` -- under BytePSStrategy(overlap=False)
+(the reference) and overlap=True -- on the same data, and compares weights,
+optimizer variables, iterations, history, evaluate/predict results, weights
+read by a callback mid-training and a ModelCheckpoint file bit for bit.
+Results go to OUT_DIR/rank<r>.json (tests/workers/check_record.py).
+"""
+import logging
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
+
+import bps_tf  # noqa: E402
+from bps_tf import collectives, overlap_fit  # noqa: E402
+from bps_tf.strategy import BytePSStrategy  # noqa: E402
+from check_record import Checks  # noqa: E402
+
+GLOBAL_BATCH, ROWS, FEATURES, VOCAB = 32, 256, 8, 30   # 8 steps per epoch
+EPOCHS = 2
+
+
+class Marker(keras.layers.Layer):
+    """Identity that ends a debug hold once the layer before it has run."""
+
+    def call(self, x):
+        return collectives.debug_marker(x)
+
+
+def dense_model(bn=False):
+    layers = [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), Marker()]
+    if bn:
+        layers.append(keras.layers.BatchNormalization())
+    layers += [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    return keras.Sequential(layers)
+
+
+def embedding_model():
+    tokens = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 6)(tokens)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    return keras.Model(tokens, keras.layers.Dense(3)(x))
+
+
+CASES = {
+    "sgd": (dense_model, lambda: keras.optimizers.SGD(0.05), 1),
+    "momentum": (dense_model, lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), 1),
+    "adam": (dense_model, lambda: keras.optimizers.Adam(0.01), 1),
+    "adamw_schedule_spe3": (dense_model, lambda: keras.optimizers.AdamW(
+        keras.optimizers.schedules.ExponentialDecay(0.01, 3, 0.5), weight_decay=0.05,
+        clipnorm=1.0), 3),
+    "momentum_bn": (lambda: dense_model(bn=True),
+                    lambda: keras.optimizers.SGD(0.05, momentum=0.9), 1),
+    "rmsprop_fallback": (lambda: dense_model(bn=True), lambda: keras.optimizers.RMSprop(0.01), 1),
+    "global_clipnorm": (dense_model, lambda: keras.optimizers.SGD(
+        0.05, momentum=0.5, global_clipnorm=0.5), 2),
+    "embedding_adam": (embedding_model, lambda: keras.optimizers.Adam(0.01), 1),
+    "ema_fallback": (dense_model, lambda: keras.optimizers.Adam(0.01, use_ema=True), 1),
+}
+
+
+def data(case):
+    rng = np.random.default_rng(5)
+    if case.startswith("embedding"):
+        x = rng.integers(0, VOCAB, (ROWS, 4)).astype("int32")
+    else:
+        x = rng.standard_normal((ROWS, FEATURES)).astype("float32")
+    return x, rng.standard_normal((ROWS, 3)).astype("float32")
+
+
+class Probe(keras.callbacks.Callback):
+    """Reads the weights after batch 2 of epoch 0; optionally holds a key."""
+
+    def __init__(self, hold_batch=None):
+        super().__init__()
+        self.seen, self.hold_batch = None, hold_batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        ctl = overlap_fit.controller(self.model)
+        if self.hold_batch == batch and ctl is not None and bps_tf.rank() == 0:
+            # The last variable's sum of this step is kept from its wait
+            # until the next step's first layer has run (or 10 s pass).
+            collectives.debug_hold_push_pull(ctl.keys[-1], 10000)
+            self.hold_batch = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.seen is None and batch == 2:
+            self.seen = [np.array(w) for w in self.model.get_weights()]
+
+
+def train(case, strategy, ckpt_dir, hold_batch=None):
+    make_model, make_opt, spe = CASES[case]
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=make_opt(), loss="mse", steps_per_execution=spe)
+    x, y = data(case)
+    probe = Probe(hold_batch)
+    path = os.path.join(ckpt_dir, f"{case}.weights.h5")
+    ckpt = keras.callbacks.ModelCheckpoint(path, save_weights_only=True, save_freq=3 * spe)
+    hist = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                     validation_data=(x[:64], y[:64]), callbacks=[probe, ckpt])
+    ctl = overlap_fit.controller(model)
+    out = {
+        "pending_after_fit": ctl.pending() if ctl is not None else [],
+        "weights": [np.array(v.numpy()) for v in model.weights],
+        "optimizer": [np.array(v.numpy()) for v in model.optimizer.variables],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "history": hist.history,
+        "probe": probe.seen,
+        "evaluate": model.evaluate(x[:64], y[:64], batch_size=GLOBAL_BATCH, verbose=0),
+        "predict": model.predict(x[:16], batch_size=GLOBAL_BATCH, verbose=0),
+        "overlapped": ctl is not None,
+        "keys": list(ctl.keys) if ctl is not None else [],
+    }
+    if bps_tf.rank() == 0:   # rank 0 writes the real checkpoint file
+        model.load_weights(path)
+        out["checkpoint"] = [np.array(v.numpy()) for v in model.weights]
+    return out
+
+
+def same(what, got, want):
+    if isinstance(want, dict):
+        for k in want:
+            same(f"{what}.{k}", got[k], want[k])
+        return
+    if isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            raise AssertionError(f"{what}: {len(got)} items, want {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            same(f"{what}[{i}]", g, w)
+        return
+    g, w = np.asarray(got), np.asarray(want)
+    if g.shape != w.shape or g.tobytes() != w.tobytes():
+        diff = (np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))
+                if g.shape == w.shape else f"shape {g.shape} vs {w.shape}")
+        raise AssertionError(f"{what} differs (max abs diff {diff})")
+
+
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def check_case(case, off, on, ckpt_dir, log_lines, hold_batch=None):
+    def run():
+        want = train(case, off, ckpt_dir)
+        del log_lines[:]
+        got = train(case, on, ckpt_dir, hold_batch)
+        for field in ("weights", "optimizer", "iterations", "history", "probe", "evaluate",
+                      "predict", "checkpoint"):
+            if field in want:
+                same(field, got[field], want[field])
+        if want["iterations"] != EPOCHS * ROWS // GLOBAL_BATCH:
+            raise AssertionError(f"iterations {want['iterations']}")
+        if got["pending_after_fit"]:
+            raise AssertionError(f"pending after fit: {got['pending_after_fit']}")
+        if want["overlapped"]:
+            raise AssertionError("the overlap=False strategy overlapped")
+        return {"overlapped": got["overlapped"], "keys": got["keys"],
+                "log": [line for line in log_lines if "overlap" in line],
+                "n_weights": len(want["weights"])}
+    return run
+
+
+def check_recompile(strategy, log_lines):
+    def run():
+        x, y = data("sgd")
+        with strategy.scope():
+            model = dense_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        first = overlap_fit.controller(model) is not None
+        del log_lines[:]
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        if not first or overlap_fit.controller(model) is not None:
+            raise AssertionError(f"overlapped first: {first}; after compile: "
+                                 f"{overlap_fit.controller(model)}")
+        if model.optimizer.iterations.numpy() != ROWS // GLOBAL_BATCH:
+            raise AssertionError(f"iterations {model.optimizer.iterations.numpy()}")
+        return {"log": [line for line in log_lines if "overlap" in line]}
+    return run
+
+
+def check_arguments(rank):
+    def run():
+        found = {}
+        for name, make in (
+                ("not_bool", lambda: BytePSStrategy(overlap="yes")),
+                ("fp16", lambda: BytePSStrategy(overlap=True, compression=bps_tf.Compression.fp16)),
+                # The workers disagree: every one of them must refuse.
+                ("disagree", lambda: BytePSStrategy(overlap=(rank == 0)))):
+            try:
+                make()
+            except ValueError as exc:
+                found[name] = str(exc)
+            else:
+                raise AssertionError(f"{name}: BytePSStrategy accepted it")
+        return found
+    return run
+
+
+def main():
+    out_dir = sys.argv[1]
+    bps_tf.init()
+    rank, size = bps_tf.rank(), bps_tf.size()
+    checks = Checks(out_dir, rank, size)
+    log_lines = LogLines()
+    logging.getLogger("bps_tf").addHandler(log_lines)
+    off, on = BytePSStrategy(overlap=False), BytePSStrategy(overlap=True)
+    ckpt_dir = tempfile.mkdtemp(prefix=f"overlap_fit_{rank}_")
+    checks.run("sgd", check_case("sgd", off, on, ckpt_dir, log_lines.lines, hold_batch=3))
+    checks.run("hold_log", lambda: {"log": collectives.debug_hold_log()})
+    for case in CASES:
+        if case != "sgd":
+            checks.run(case, check_case(case, off, on, ckpt_dir, log_lines.lines))
+    checks.run("recompile", check_recompile(on, log_lines.lines))
+    checks.run("arguments", check_arguments(rank))
+    bps_tf.shutdown()
+
+
+if __name__ == "__main__":
+    main()
