@@ -49,6 +49,9 @@ SETTINGS = (
             "and answers with the value at once. Must agree on every node. "
             "Numpy-level push_pull only: BytePSStrategy and the gradient API "
             "refuse it (asynchronous training is not built yet)."),
+    Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
+            "Tensors smaller than this many bytes travel uncompressed whatever "
+            "compressor is chosen (they gain nothing). Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

@@ -75,6 +75,7 @@ constexpr SharedSetting kSharedSettings[] = {
     {"num_servers", "DMLC_NUM_SERVER"},
     {"partition_bytes", "BYTEPS_PARTITION_BYTES"},
     {"async", "BYTEPS_ENABLE_ASYNC"},
+    {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.
