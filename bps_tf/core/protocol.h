@@ -31,8 +31,10 @@ enum class MsgType : uint16_t {
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
   kPeerLeft = 14,      // scheduler -> worker: another worker shut down
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
+  kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
+                         // the server's kPullReply carries the compressed sum
 };
-constexpr uint16_t kMaxMsgType = 15;
+constexpr uint16_t kMaxMsgType = 16;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 

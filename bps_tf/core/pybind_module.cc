@@ -195,7 +195,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "push_pull_async",
       [](const std::string& name, py::array in, py::array out, int64_t priority,
-         const std::string& dtype_name) {
+         const std::string& dtype_name, const std::string& compression) {
         if (!(in.flags() & py::array::c_style) || !(out.flags() & py::array::c_style)) {
           throw py::value_error("push_pull_async needs C-contiguous arrays");
         }
@@ -208,11 +208,12 @@ PYBIND11_MODULE(_core, m) {
         void* dst = out.mutable_data();
         {
           py::gil_scoped_release release;
-          bps_enqueue_push_pull(name.c_str(), dtype, shape.data(), static_cast<int>(shape.size()),
-                                src, dst, priority, &Handle::Done, ctx);
+          bps_enqueue_push_pull_compressed(name.c_str(), dtype, shape.data(),
+                                           static_cast<int>(shape.size()), src, dst, priority,
+                                           compression.c_str(), &Handle::Done, ctx);
         }
         return handle;
       },
       py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
-      py::arg("dtype_name") = "");
+      py::arg("dtype_name") = "", py::arg("compression") = "");
 }
