@@ -297,7 +297,10 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     reductions of at least 1,024 elements (the gradients) as float16, scaled
     so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
     ones and state updates stay exact. ``None`` or ``Compression.none``: no
-    compression. Any other compressor raises.
+    compression. The core's compressors (``Compression.onebit()``, ``.topk()``,
+    ``.randomk()``, ``.dithering()``, docs/compression.md) apply to the
+    float32 reductions of at least BYTEPS_MIN_COMPRESS_BYTES, state updates
+    excepted. Any other compressor raises.
     """
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None):
