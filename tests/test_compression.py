@@ -262,3 +262,58 @@ def test_malformed_payload_is_refused():
     bad[HEADER:HEADER + 4] = 255   # an index beyond the partition
     with pytest.raises(ValueError, match="indices"):
         core().decompress("topk ratio=0.1", bad, 100)
+
+
+# ------------------------------------------------------------ Python faces
+def test_factories_give_the_core_text_and_validate():
+    tf = pytest.importorskip("tensorflow")
+    del tf
+    from bps_tf import Compression
+    assert Compression.onebit().spec == "onebit scaling=1 ef=0 momentum=0"
+    assert Compression.topk(0.01, error_feedback=True, momentum=0.9).spec == \
+        "topk ratio=0.01 ef=1 momentum=0.9"
+    assert Compression.randomk(0.5, seed=7).spec == "randomk ratio=0.5 seed=7 ef=0 momentum=0"
+    assert Compression.dithering(4).spec == "dithering levels=4 seed=0 ef=0 momentum=0"
+    assert Compression.topk(0.01) == Compression.topk(0.01) != Compression.topk(0.02)
+    for make, match in [(lambda: Compression.topk(0), "ratio"),
+                        (lambda: Compression.randomk(2.0), "ratio"),
+                        (lambda: Compression.dithering(200), "levels"),
+                        (lambda: Compression.dithering(2.5), "levels"),
+                        (lambda: Compression.onebit(momentum=1.0), "momentum"),
+                        (lambda: Compression.randomk(0.1, seed=-1), "seed")]:
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
+def test_direct_compress_decompress_gives_the_cores_quantization():
+    tf = pytest.importorskip("tensorflow")
+    from bps_tf import Compression
+    x = gradient(600, 4).reshape(20, 30)
+    comp = Compression.onebit()
+    payload, ctx = comp.compress(tf.constant(x))
+    assert payload.dtype == tf.uint8 and payload.shape[0] == HEADER + 4 + 75
+    back = comp.decompress(payload, ctx)
+    np.testing.assert_array_equal(back.numpy(), ref_onebit(x.reshape(-1))[1].reshape(20, 30))
+
+    topk = Compression.topk(0.1)
+    fn = tf.function(lambda t: topk.decompress(*topk.compress(t)))
+    np.testing.assert_array_equal(fn(tf.constant(x)).numpy(),
+                                  ref_topk(x.reshape(-1), 0.1)[1].reshape(20, 30))
+    ints = tf.range(10)
+    same, ctx = topk.compress(ints)
+    assert ctx is None and topk.decompress(same, ctx) is same
+
+
+def test_check_supported_takes_the_cores_compressors_only():
+    pytest.importorskip("tensorflow")
+    from bps_tf import Compression, compression
+
+    class Custom(compression.Compressor):
+        pass
+
+    compression.check_supported(Compression.topk(0.1), "BytePSStrategy")
+    compression.check_supported(Compression.fp16, "BytePSStrategy")
+    with pytest.raises(NotImplementedError, match="onebit"):
+        compression.check_supported(Custom, "BytePSStrategy")
+    assert compression.core_spec(Compression.fp16) == ""
+    assert compression.core_spec(Compression.dithering(3)).startswith("dithering levels=3")

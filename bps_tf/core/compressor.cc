@@ -23,9 +23,13 @@ const char* KindName(CompressorKind kind) {
   return "?";
 }
 
+// The shortest text that reads back as v (Python's repr of it too).
 std::string Num(double v) {
   char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
   return buf;
 }
 
