@@ -317,3 +317,15 @@ def test_check_supported_takes_the_cores_compressors_only():
         compression.check_supported(Custom, "BytePSStrategy")
     assert compression.core_spec(Compression.fp16) == ""
     assert compression.core_spec(Compression.dithering(3)).startswith("dithering levels=3")
+
+
+def test_non_finite_values_are_not_rounded_away():
+    x = gradient(256, 6)
+    x[17] = np.nan
+    for spec in ("onebit scaling=1", "dithering levels=4", "topk ratio=0.01"):
+        back = core().decompress(spec, core().compress(spec, x, 1), x.size)
+        assert np.isnan(back[17]), spec
+    x[17] = np.inf
+    for spec in ("onebit scaling=1", "dithering levels=4", "topk ratio=0.01"):
+        back = core().decompress(spec, core().compress(spec, x, 1), x.size)
+        assert not np.isfinite(back[17]), spec

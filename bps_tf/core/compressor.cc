@@ -56,6 +56,7 @@ void WriteSparse(const float* x, const std::vector<uint32_t>& idx, char* out) {
 
 CompressorSpec CompressorSpec::Parse(const std::string& text) {
   CompressorSpec spec;
+  if (text.empty()) return spec;  // the uncompressed path: no parsing
   std::istringstream in(text);
   std::string kind;
   if (!(in >> kind) || kind == "none") return spec;
@@ -251,7 +252,13 @@ void Compress(const CompressorSpec& spec, const float* x, size_t n, uint64_t str
     }
     case CompressorKind::kDithering: {
       float scale = 0.0f;
-      for (size_t i = 0; i < n; ++i) scale = std::fmax(scale, std::fabs(x[i]));
+      bool finite = true;
+      for (size_t i = 0; i < n; ++i) {
+        scale = std::fmax(scale, std::fabs(x[i]));
+        finite = finite && std::isfinite(x[i]);
+      }
+      // A nan or inf makes the whole partition nan: visible, not rounded away.
+      if (!finite) scale = NAN;
       std::memcpy(body, &scale, sizeof(scale));
       int8_t* q = reinterpret_cast<int8_t*>(body + sizeof(scale));
       const float levels = static_cast<float>(spec.levels);
