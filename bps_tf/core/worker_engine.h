@@ -88,7 +88,7 @@ class WorkerEngine {
   void Complete(Task* task);
   static void FreePart(void* data, void* hint);  // libzmq's release callback
   // The compressed bytes of a partition (error feedback, momentum applied).
-  Msg CompressPart(Task* task, uint32_t part, uint64_t key, void* hint);
+  Msg CompressPart(Task* task, uint32_t part, uint64_t key);
   bool Compresses(const CompressorSpec& spec, int dtype, uint64_t bytes) const;
 
   Config cfg_;

@@ -145,7 +145,7 @@ void WorkerEngine::SendReadyParts() {
     if (t->compressor) {
       h_sent.type = static_cast<uint16_t>(MsgType::kPushCompressed);
       try {
-        payload = CompressPart(t, p.part, key, nullptr);
+        payload = CompressPart(t, p.part, key);
       } catch (const std::exception& e) {
         in_flight_.erase(key);
         credit_released_ += len;
@@ -174,7 +174,7 @@ void WorkerEngine::SendReadyParts() {
   }
 }
 
-Msg WorkerEngine::CompressPart(Task* t, uint32_t part, uint64_t key, void*) {
+Msg WorkerEngine::CompressPart(Task* t, uint32_t part, uint64_t key) {
   const CompressorSpec& spec = *t->compressor;
   uint64_t off = t->PartOffset(part);
   uint64_t len = t->PartLength(part);
