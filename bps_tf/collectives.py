@@ -162,8 +162,10 @@ def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False,
     if widen and dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
                         f"({key}); supported: {_supported_list()}.")
-    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
-                                compression=compression)
+    if compression:
+        return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
+                                    compression=compression)
+    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority))
 
 
 def keep_priority(keep: bool):
