@@ -65,7 +65,8 @@ void WorkerEngine::Init(const Config& cfg) {
 
   partition_bytes_ = static_cast<uint64_t>(cfg.GetInt("partition_bytes", 4096000));
   if (partition_bytes_ < 8) throw Error("BYTEPS_PARTITION_BYTES must be at least 8");
-  min_compress_bytes_ = static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));
+  min_compress_bytes_ =
+      static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));
   int64_t credit = cfg.GetInt("credit_bytes", 0);
   credit_bytes_ = credit > 0 ? static_cast<uint64_t>(credit) : 8 * partition_bytes_;
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
