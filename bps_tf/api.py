@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from bps_tf import async_training, basics, collectives, naming
 from bps_tf.collectives import SUPPORTED_DTYPES, require_init
+from bps_tf import compression as compression_lib
 from bps_tf.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from bps_tf.naming import variable_name
 from bps_tf.process_sets import check_process_set, global_process_set
@@ -133,13 +134,16 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
             result = collectives.push_pull_sum_fp16(sent, key, priority)
             if op == Average:
                 result = collectives.divide(result, basics.size())
+        elif compression_lib.is_core(compression):
+            # The engine compresses each partition; summing compress()'s bytes would be wrong.
+            result = sum_exact(sent, key, op, priority, compression_lib.core_spec(compression))
         else:
             sent, ctx = compression.compress(sent)
             result = compression.decompress(sum_exact(sent, key, op, priority), ctx)
         return collectives.scale(result, postscale_factor, "postscale_factor")
 
 
-def sum_exact(tensor, key, op, priority=0):
+def sum_exact(tensor, key, op, priority=0, compression=""):
     """Sum (or average, ``op``) of ``tensor`` over workers under ``key``.
 
     Narrow integers (int8, uint8, int16, uint16) travel as int32: their sum
@@ -149,7 +153,7 @@ def sum_exact(tensor, key, op, priority=0):
     dtype = tensor.dtype
     wide = collectives.WIDEN.get(dtype) if dtype in collectives.REDUCE_DTYPES else None
     if wide is None:
-        summed = collectives.push_pull_sum(tensor, key, priority)
+        summed = collectives.push_pull_sum(tensor, key, priority, compression=compression)
         return collectives.divide(summed, basics.size()) if op == Average else summed
     summed = collectives.push_pull_sum(tf.cast(tensor, wide), key, priority)
     if op == Average:

@@ -130,12 +130,15 @@ def divide(tensor, n: int):
     return tensor / tf.cast(n, tensor.dtype)
 
 
-def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False):
+def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False,
+                  compression: str = ""):
     """Sum of ``tensor`` over all workers under ``key``.
 
     With ``widen``, dtypes in :data:`WIDEN` travel in the wider dtype and
     come back in their own; any other unsupported dtype is a TypeError
     naming the key (without ``widen`` the caller checks the dtype).
+    ``compression``: the core's compressor text (``bps_tf.compression.core_spec``),
+    applied by the engine to float32 tensors of at least BYTEPS_MIN_COMPRESS_BYTES.
     """
     dtype = tensor.dtype
     if widen and dtype in WIDEN:
@@ -145,6 +148,9 @@ def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False):
     if widen and dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
                         f"({key}); supported: {_supported_list()}.")
+    if compression:
+        return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
+                                    compression=compression)
     return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority))
 
 

@@ -60,6 +60,9 @@ SETTINGS = (
             "BytePSStrategy's default for overlap=: model.fit starts each step's "
             "gradient push_pulls and applies each layer's update right before its "
             "forward pass in the next step (docs/overlap.md). Must agree on every node."),
+    Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
+            "Tensors smaller than this many bytes travel uncompressed whatever "
+            "compressor is chosen (they gain nothing). Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

@@ -72,6 +72,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         self._rank = rank
         compression_lib.check_supported(compression, "BytePSStrategy")
         self._fp16 = compression_lib.is_fp16(compression)
+        self._core_spec = compression_lib.core_spec(compression)
         self._namer = naming.StrategyNamer()
         collectives.load_op_library()   # fail at strategy creation if the library is missing
         # graph -> {output tensor name: [push_pull op names]}, to find the
@@ -151,6 +152,12 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             if self._compresses(local, priority):
                 summed, op = collectives.push_pull_sum_fp16(
                     local, name, collectives.BLOCKING_PRIORITY, with_op=True)
+            elif self._core_spec and priority is None:
+                # The engine leaves tensors under BYTEPS_MIN_COMPRESS_BYTES
+                # (metrics, counts) and other dtypes uncompressed.
+                summed = collectives.push_pull_sum(local, name, collectives.BLOCKING_PRIORITY,
+                                                   widen=True, compression=self._core_spec)
+                op = collectives.push_pull_op(summed)
             else:
                 summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
                                         if priority is None else priority)

@@ -60,8 +60,8 @@ def fallback_reason(model, strategy) -> Optional[str]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return "the model has no optimizer"
-    if getattr(strategy, "compression_fp16", False):
-        return "fp16 compression is applied by the barrier's reduction only"
+    if getattr(strategy, "compressed", False):
+        return "compression is applied by the barrier's reduction only"
     verified = _verified_optimizers()
     if type(optimizer) not in verified:
         return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
+from bps_tf import compression as compression_lib
 from bps_tf.api import Average, Compression, ReduceOp, Sum, allgather, sum_exact
 from bps_tf.collectives import require_init
 from bps_tf.process_sets import check_process_set, global_process_set
@@ -75,8 +76,13 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     rank, size = basics.rank(), basics.size()
     with tf.device(device_dense):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
-        sent, ctx = compression.compress(sent)
-        reduced = compression.decompress(sum_exact(sent, key, op), ctx)
+        if compression_lib.is_core(compression):
+            # Every worker receives the whole sum and slices it: the same
+            # compressed push_pull as push_pull's.
+            reduced = sum_exact(sent, key, op, compression=compression_lib.core_spec(compression))
+        else:
+            sent, ctx = compression.compress(sent)
+            reduced = compression.decompress(sum_exact(sent, key, op), ctx)
         rows = tensor.shape[0] if tensor.shape[0] is not None else \
             tf.shape(reduced, out_type=tf.int64)[0]
         start, count = scatter_rows(rows, rank, size)

@@ -381,10 +381,8 @@ class AsyncBytePSExtended(BytePSExtended):
 
 
 def _agreed_choices(is_async: bool, overlap) -> bool:
-    """Every worker must choose the same mode and overlap (one tiny
-    push_pull of both votes): a sync worker would wait for gradients an
-    async one never sends, an overlapped one for sums the others start
-    later. Returns the overlap choice."""
+    """The overlap choice; every worker must choose the same mode and overlap
+    (one push_pull of both votes), or they would wait for each other forever."""
     overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
     if overlap and is_async:
         raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
@@ -431,11 +429,11 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     BytePS's switch ``BYTEPS_ENABLE_ASYNC=1``. Every worker must use the
     same mode (checked at construction).
 
-    ``compression``: ``bps_tf.Compression.fp16`` sends float32/float64
-    reductions of at least 1,024 elements (the gradients) as float16, scaled
-    so no sum overflows (``bps_tf.collectives.push_pull_sum_fp16``); smaller
-    ones and state updates stay exact. ``None`` or ``Compression.none``: no
-    compression. Any other compressor raises.
+    ``compression``: ``Compression.fp16`` sends float reductions of at least
+    1,024 elements as float16, scaled so no sum overflows; the core's
+    compressors (``Compression.onebit()``, ``.topk()``, ``.randomk()``,
+    ``.dithering()``, docs/compression.md) apply to float32 reductions of at
+    least BYTEPS_MIN_COMPRESS_BYTES. State updates stay exact.
 
     ``overlap``: True -- ``model.fit`` overlaps each step's push_pulls with
     the next step's forward pass, layer by layer, with the same weights bit
@@ -453,13 +451,16 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
             mode = "async" if async_training.enabled() else "sync"
         if mode not in MODES:
             raise ValueError(f"BytePSStrategy(mode={mode!r}): expected 'sync' or 'async'.")
-        if overlap is not None and not isinstance(overlap, bool):
+        if overlap not in (None, True, False):
             raise ValueError(f"BytePSStrategy(overlap={overlap!r}): expected True, False or None.")
         self.predict_mode = predict
         self.mode = mode
         self.compression_fp16 = compression_lib.is_fp16(compression)
-        if overlap and self.compression_fp16:
-            raise ValueError("BytePSStrategy(overlap=True, compression=fp16): the overlapped "
+        # Read by overlap_fit: the overlapped push_pulls travel uncompressed.
+        self.compressed = compression not in (None, Compression.none)
+        if overlap and self.compressed:
+            what = "fp16" if self.compression_fp16 else repr(compression)
+            raise ValueError(f"BytePSStrategy(overlap=True, compression={what}): the overlapped "
                              "push_pulls travel uncompressed; choose one of them.")
         if overlap and mode == "async":
             raise ValueError("BytePSStrategy(overlap=True, mode='async'): asynchronous training "

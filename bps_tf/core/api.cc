@@ -47,6 +47,18 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   }
 }
 
+void bps_enqueue_push_pull_compressed(const char* name, int dtype, const int64_t* shape,
+                                      int ndim, const void* in, void* out, int64_t priority,
+                                      const char* compression, bps_done_fn done, void* ctx) {
+  std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
+  try {
+    bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
+                                     compression ? compression : "");
+  } catch (const std::exception& e) {
+    done(ctx, BPS_ERR_INTERNAL, e.what());
+  }
+}
+
 void bps_set_tensor_label(const char* name, const char* label) {
   bps::TensorLabels::Get().Set(name ? name : "", label ? label : "");
 }

@@ -41,7 +41,8 @@ std::string ValidateHeader(const void* data, size_t size, size_t payload_size) {
 const char* MsgTypeName(uint16_t type) {
   static const char* kNames[] = {"?",        "HELLO",     "WELCOME",   "BARRIER",  "BARRIER_DONE",
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
-                                 "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL"};
+                                 "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
+                                 "PUSH_COMPRESSED"};
   return type <= kMaxMsgType ? kNames[type] : "?";
 }
 

@@ -34,8 +34,10 @@ enum class MsgType : uint16_t {
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
   kPeerLeft = 14,      // scheduler -> worker: another worker shut down
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
+  kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
+                         // the server's kPullReply carries the compressed sum
 };
-constexpr uint16_t kMaxMsgType = 15;
+constexpr uint16_t kMaxMsgType = 16;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -82,6 +84,7 @@ constexpr SharedSetting kSharedSettings[] = {
     // its HELLO; this still catches nodes that both run without a token.
     {"encryption", "BYTEPS_ENCRYPTION"},
     {"overlap", "BYTEPS_OVERLAP"},
+    {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "common.h"
+#include "compressor.h"
 #include "dtypes.h"
 
 namespace py = pybind11;
@@ -92,10 +94,60 @@ int DTypeCode(const py::array& a, const std::string& override_name) {
   return code;
 }
 
+// The compressors, for tests and for Compression.*.compress()/decompress().
+void AddCompressors(py::module_& m) {
+  using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
+  auto spec_of = [](const std::string& text) {
+    try {
+      return bps::CompressorSpec::Parse(text);
+    } catch (const bps::Error& e) {
+      throw py::value_error(e.what());
+    }
+  };
+  m.def("compressor_text", [spec_of](const std::string& text) { return spec_of(text).Text(); },
+        "The canonical text of a compressor description (ValueError if invalid).");
+  m.def("compressed_bytes", [spec_of](const std::string& text, size_t n) {
+    return bps::CompressedBytes(spec_of(text), n);
+  });
+  m.def("stream_seed", &bps::StreamSeed);
+  m.def("compress", [spec_of](const std::string& text, Floats x, uint64_t stream) {
+    bps::CompressorSpec spec = spec_of(text);
+    size_t n = static_cast<size_t>(x.size());
+    py::array_t<uint8_t> out(static_cast<py::ssize_t>(bps::CompressedBytes(spec, n)));
+    bps::Compress(spec, x.data(), n, stream, reinterpret_cast<char*>(out.mutable_data()));
+    return out;
+  }, py::arg("spec"), py::arg("x"), py::arg("stream") = 0);
+  m.def("decompress", [spec_of](const std::string& text, py::array_t<uint8_t> in, size_t n) {
+    bps::CompressorSpec spec = spec_of(text);
+    py::array_t<float> out(static_cast<py::ssize_t>(n));
+    try {
+      bps::Decompress(spec, reinterpret_cast<const char*>(in.data()),
+                      static_cast<size_t>(in.size()), n, out.mutable_data());
+    } catch (const bps::Error& e) {
+      throw py::value_error(e.what());
+    }
+    return out;
+  }, py::arg("spec"), py::arg("payload"), py::arg("n"));
+  // One node's error-feedback residual and momentum for one tensor.
+  py::class_<bps::CompressorState>(m, "CompressorState")
+      .def(py::init<>())
+      .def("encode", [spec_of](bps::CompressorState& st, const std::string& text, Floats g,
+                               size_t offset, size_t total, uint64_t stream, bool use_momentum) {
+        bps::CompressorSpec spec = spec_of(text);
+        size_t n = static_cast<size_t>(g.size());
+        py::array_t<uint8_t> out(static_cast<py::ssize_t>(bps::CompressedBytes(spec, n)));
+        st.Encode(spec, g.data(), n, offset, total, stream, use_momentum,
+                  reinterpret_cast<char*>(out.mutable_data()));
+        return out;
+      }, py::arg("spec"), py::arg("g"), py::arg("offset") = 0, py::arg("total") = 0,
+         py::arg("stream") = 0, py::arg("use_momentum") = true);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "bps_tf core engine (no TensorFlow)";
+  AddCompressors(m);
   m.def("worker_init", [](const std::string& config) {
     int code = 0;
     std::string err = CallWithError(&bps_worker_init, config, &code);
@@ -136,7 +188,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "push_pull_async",
       [](const std::string& name, py::array in, py::array out, int64_t priority,
-         const std::string& dtype_name) {
+         const std::string& dtype_name, const std::string& compression) {
         if (!(in.flags() & py::array::c_style) || !(out.flags() & py::array::c_style)) {
           throw py::value_error("push_pull_async needs C-contiguous arrays");
         }
@@ -149,11 +201,12 @@ PYBIND11_MODULE(_core, m) {
         void* dst = out.mutable_data();
         {
           py::gil_scoped_release release;
-          bps_enqueue_push_pull(name.c_str(), dtype, shape.data(), static_cast<int>(shape.size()),
-                                src, dst, priority, &Handle::Done, ctx);
+          bps_enqueue_push_pull_compressed(name.c_str(), dtype, shape.data(),
+                                           static_cast<int>(shape.size()), src, dst, priority,
+                                           compression.c_str(), &Handle::Done, ctx);
         }
         return handle;
       },
       py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
-      py::arg("dtype_name") = "");
+      py::arg("dtype_name") = "", py::arg("compression") = "");
 }

@@ -134,7 +134,10 @@ void ServerNode::Handle(Message& m) {
   // Nothing a peer sends may stop the server: a message that fails any
   // check is dropped and counted.
   try {
-    if (static_cast<MsgType>(m.header.type) == MsgType::kPush) return HandlePush(m);
+    if (static_cast<MsgType>(m.header.type) == MsgType::kPush ||
+        static_cast<MsgType>(m.header.type) == MsgType::kPushCompressed) {
+      return HandlePush(m);
+    }
     if (scheduler_) {
       std::vector<Outgoing> out;
       scheduler_->Handle(m.from, m.header, m.payload.str(), &out);
@@ -166,7 +169,8 @@ void ServerNode::HandlePush(Message& m) {
   }
   Stats::Get().bytes_received += h.payload_bytes;
   engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                          (h.request_id & kPushAsync) != 0, std::move(m.payload)});
+                          (h.request_id & kPushAsync) != 0, std::move(m.payload),
+                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed)});
 }
 
 void ServerNode::OnWelcome() {

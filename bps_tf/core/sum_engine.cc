@@ -82,6 +82,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.dtype = job.dtype;
     st.bytes = job.payload.size();
     st.async = job.async;
+    st.compressed = job.compressed;
     st.pushed.assign(static_cast<size_t>(num_workers_), false);
   }
   if (job.async != st.async) {
@@ -94,7 +95,15 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             " that another push made " + (st.async ? "asynchronous" : "synchronous")));
     return;
   }
-  if (job.dtype != st.dtype || job.payload.size() != st.bytes || elem == 0 ||
+  if (job.compressed || st.compressed) {
+    std::string why = CheckCompressed(st, job);
+    if (!why.empty()) {
+      replies->push_back(ErrorReply(job.worker, job.key,
+                                    "server " + std::to_string(server_id_) + ": worker " +
+                                        std::to_string(job.worker) + " " + why));
+      return;
+    }
+  } else if (job.dtype != st.dtype || job.payload.size() != st.bytes || elem == 0 ||
       job.payload.size() % elem != 0) {
     replies->push_back(ErrorReply(
         job.worker, job.key,
@@ -106,6 +115,14 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   }
   size_t count = st.bytes / elem;
 
+  if (st.async && st.compressed) {
+    replies->push_back(ErrorReply(job.worker, job.key,
+                                  "server " + std::to_string(server_id_) +
+                                      ": gradient compression is not available in asynchronous "
+                                      "training (the running value would be re-compressed at "
+                                      "every push); use compression none"));
+    return;
+  }
   if (st.async) {
     // The server keeps the value: a push adds to it, the reply is a copy of
     // the sum, taken now (a later push must not change a reply in flight).
@@ -143,11 +160,26 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
                                       " pushed the same partition twice in one round"));
     return;
   }
-  st.pushed[static_cast<size_t>(job.worker)] = true;
-  if (!st.has_sum) {
+  if (st.compressed) {
+    auto begin = Clock::now();
+    try {
+      AddCompressed(st, job);
+    } catch (const std::exception& e) {
+      replies->push_back(ErrorReply(job.worker, job.key,
+                                    "server " + std::to_string(server_id_) + ": worker " +
+                                        std::to_string(job.worker) + " pushed a compressed "
+                                        "partition that does not decompress: " + e.what()));
+      return;
+    }
+    st.pushed[static_cast<size_t>(job.worker)] = true;
+    st.sum_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
+  } else if (!st.has_sum) {
+    st.pushed[static_cast<size_t>(job.worker)] = true;
     st.sum = std::move(job.payload);  // adopt the first push's buffer: no copy
     st.has_sum = true;
   } else {
+    st.pushed[static_cast<size_t>(job.worker)] = true;
     auto begin = Clock::now();
     SumInto(st.dtype, st.sum.data(), job.payload.data(), count);
     st.sum_ns += static_cast<uint64_t>(
@@ -155,6 +187,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   }
   if (++st.count < num_workers_) return;
 
+  if (st.compressed) st.sum = CompressSum(st, job.key);
   for (int w = 0; w < num_workers_; ++w) {
     ServerReply r{w, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_), st.sum.Share()};
     r.header.key = job.key;
@@ -172,6 +205,63 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   std::deque<PushJob> early;
   early.swap(st.early);
   for (auto& e : early) Process(lane, std::move(e), replies);
+}
+
+std::string SumEngine::CheckCompressed(KeyState& st, const PushJob& job) {
+  if (!job.compressed || !st.compressed) {
+    return std::string("pushed a partition ") + (job.compressed ? "compressed" : "uncompressed") +
+           " that other workers push " + (st.compressed ? "compressed" : "uncompressed") +
+           " (every worker must use the same compression)";
+  }
+  if (job.dtype != BPS_FLOAT32) return "pushed a compressed partition that is not float32";
+  if (job.payload.size() < sizeof(CompressedHeader)) return "pushed a truncated compressed partition";
+  CompressedHeader h;
+  std::memcpy(&h, job.payload.data(), sizeof(h));
+  CompressorSpec spec;
+  try {
+    spec = SpecFromHeader(h);
+  } catch (const std::exception& e) {
+    return std::string("pushed a malformed compressed partition: ") + e.what();
+  }
+  if (st.described.kind == 0) {
+    if (job.payload.size() != CompressedBytes(spec, h.count)) {
+      return "pushed a compressed partition whose size does not match its description";
+    }
+    st.described = h;
+    st.spec = spec;
+    st.acc.assign(h.count, 0.0f);
+    return "";
+  }
+  if (std::memcmp(&h, &st.described, sizeof(h)) != 0 || job.payload.size() != st.bytes) {
+    return "compresses this partition as '" + spec.Text() + "' of " + std::to_string(h.count) +
+           " elements, another worker as '" + st.spec.Text() + "' of " +
+           std::to_string(st.described.count) + " (every worker must use the same compression)";
+  }
+  return "";
+}
+
+void SumEngine::AddCompressed(KeyState& st, const PushJob& job) {
+  size_t n = st.described.count;
+  if (!st.has_sum) {
+    Decompress(st.spec, job.payload.data(), job.payload.size(), n, st.acc.data());
+    st.has_sum = true;
+    return;
+  }
+  st.scratch.resize(n);
+  Decompress(st.spec, job.payload.data(), job.payload.size(), n, st.scratch.data());
+  SumInto(BPS_FLOAT32, st.acc.data(), st.scratch.data(), n);
+}
+
+Msg SumEngine::CompressSum(KeyState& st, uint64_t key) {
+  size_t n = st.described.count;
+  Msg out(CompressedBytes(st.spec, n));
+  // randomk draws the workers' stream, so the sum keeps its indices.
+  uint64_t who = st.spec.kind == CompressorKind::kRandomK
+                     ? kSharedStream
+                     : (1ULL << 32) | static_cast<uint64_t>(server_id_);
+  st.state.Encode(st.spec, st.acc.data(), n, 0, n, StreamSeed(st.spec.seed, key, st.round, who),
+                  /*use_momentum=*/false, out.data());
+  return out;
 }
 
 }  // namespace bps

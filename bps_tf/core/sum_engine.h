@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "compressor.h"
 #include "transport.h"
 
 namespace bps {
@@ -29,6 +30,7 @@ struct PushJob {
   int dtype;
   bool async;  // an asynchronous key (protocol.h kPushAsync)
   Msg payload;
+  bool compressed = false;  // payload is a compressed float32 partition
 };
 
 struct ServerReply {
@@ -56,6 +58,13 @@ class SumEngine {
     Msg sum;
     uint64_t sum_ns = 0;  // time spent adding this round (reported to workers)
     std::deque<PushJob> early;  // pushes for the next round, kept in order
+    // Compressed keys: the first push's description, the float32 sum and
+    // the server's own error-feedback residual for its re-compression.
+    bool compressed = false;
+    CompressedHeader described{};
+    CompressorSpec spec;
+    std::vector<float> acc, scratch;
+    CompressorState state;
   };
   struct Lane {
     std::thread thread;
@@ -69,6 +78,10 @@ class SumEngine {
   void Run(Lane* lane);
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
   ServerReply ErrorReply(int worker, uint64_t key, const std::string& why);
+  // Checks a compressed push against its key's description; "" when valid.
+  std::string CheckCompressed(KeyState& st, const PushJob& job);
+  void AddCompressed(KeyState& st, const PushJob& job);
+  Msg CompressSum(KeyState& st, uint64_t key);
 
   int server_id_;
   int num_workers_;

@@ -63,6 +63,8 @@ void WorkerEngine::Init(const Config& cfg) {
 
   partition_bytes_ = static_cast<uint64_t>(cfg.GetInt("partition_bytes", 4096000));
   if (partition_bytes_ < 8) throw Error("BYTEPS_PARTITION_BYTES must be at least 8");
+  min_compress_bytes_ =
+      static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));
   int64_t credit = cfg.GetInt("credit_bytes", 0);
   credit_bytes_ = credit > 0 ? static_cast<uint64_t>(credit) : 8 * partition_bytes_;
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
@@ -133,7 +135,7 @@ void WorkerEngine::CloseChannel() {
 
 void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                            const void* in, void* out, int64_t priority, bps_done_fn done,
-                           void* ctx) {
+                           void* ctx, const std::string& compression) {
   size_t elem = DTypeSize(dtype);
   if (elem == 0) {
     done(ctx, BPS_ERR_INVALID,
@@ -149,6 +151,13 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     count *= static_cast<uint64_t>(d);
   }
   uint64_t bytes = count * elem;
+  CompressorSpec spec;
+  try {
+    spec = CompressorSpec::Parse(compression);
+  } catch (const Error& e) {
+    done(ctx, BPS_ERR_INVALID, ("push_pull '" + name + "': " + e.what()).c_str());
+    return;
+  }
   if (!initialized_) {
     done(ctx, BPS_ERR_NOT_INITIALIZED, "bps_tf is not initialized: call bps_tf.init() first");
     return;
@@ -170,6 +179,11 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   task->done = done;
   task->ctx = ctx;
   std::string sig = ShapeString(dtype, shape);
+  if (Compresses(spec, dtype, bytes)) {
+    // In the signature, so the scheduler refuses workers that disagree.
+    sig += " " + spec.Text();
+    task->compressor = std::make_shared<const CompressorSpec>(spec);
+  }
   std::string sigkey = name + "|" + sig;
   bool complete_now = false;
   std::string error;
@@ -226,6 +240,16 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     return;
   }
   wake_.Notify();
+}
+
+bool WorkerEngine::Compresses(const CompressorSpec& spec, int dtype, uint64_t bytes) const {
+  if (!spec.active() || dtype != BPS_FLOAT32 || bytes < min_compress_bytes_ || bytes == 0) {
+    return false;
+  }
+  // A compressor whose full partition is no smaller than the raw one gains
+  // nothing (and would exceed the servers' frame limit).
+  uint64_t part = std::min<uint64_t>(bytes, (partition_bytes_ / 4) * 4);
+  return CompressedBytes(spec, part / 4) < part;
 }
 
 void WorkerEngine::OnDeclared(uint64_t request_id, const Config& kv) {

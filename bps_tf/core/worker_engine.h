@@ -30,6 +30,7 @@
 #include "bps_api.h"
 #include "channel.h"
 #include "common.h"
+#include "compressor.h"
 #include "membership.h"
 #include "transport.h"
 
@@ -51,7 +52,8 @@ class WorkerEngine {
   void PauseSends(bool paused);
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
-               const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx);
+               const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
+               const std::string& compression = "");
 
   struct TensorInfo;
   struct Task;
@@ -85,6 +87,9 @@ class WorkerEngine {
   void Release(Task* task, int count);
   void Complete(Task* task);
   static void FreePart(void* data, void* hint);  // libzmq's release callback
+  // The compressed bytes of a partition (error feedback, momentum applied).
+  Msg CompressPart(Task* task, uint32_t part, uint64_t key);
+  bool Compresses(const CompressorSpec& spec, int dtype, uint64_t bytes) const;
 
   Config cfg_;
   std::atomic<bool> initialized_{false};
@@ -92,6 +97,7 @@ class WorkerEngine {
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
   int num_servers_ = 0;
   uint64_t partition_bytes_ = 4096000;
+  uint64_t min_compress_bytes_ = 4096;
   uint64_t credit_bytes_ = 0;
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
   std::string scheduler_endpoint_;

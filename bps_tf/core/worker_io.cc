@@ -62,7 +62,23 @@ void WorkerEngine::HandleData(const Message& m) {
   Task* t = p.task;
   uint64_t len = t->PartLength(p.part);
   in_flight_.erase(it);
-  if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && m.payload.size() == len) {
+  if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && t->compressor) {
+    PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
+    if (times) times->replied = Clock::now();
+    try {
+      Decompress(*t->compressor, m.payload.data(), m.payload.size(), len / sizeof(float),
+                 reinterpret_cast<float*>(t->out + t->PartOffset(p.part)));
+      Stats::Get().bytes_received += m.payload.size();
+      if (times) {
+        times->copied = Clock::now();  // decompressed into the output
+        times->server_sum_us = h.request_id;
+      }
+    } catch (const std::exception& e) {
+      FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': the reply of server " +
+                                        std::to_string(h.sender) + " does not decompress: " +
+                                        e.what());
+    }
+  } else if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && m.payload.size() == len) {
     PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
     if (times) times->replied = Clock::now();
     std::memcpy(t->out + t->PartOffset(p.part), m.payload.data(), len);

@@ -86,6 +86,7 @@ struct SentPart {
   WorkerEngine::Task* task;
   uint64_t bytes;
   uint32_t part;
+  char* owned;  // the compressed bytes, freed with the part (else null)
 };
 }  // namespace
 
@@ -99,6 +100,7 @@ void WorkerEngine::FreePart(void*, void* hint) {
   engine.wake_.Notify();
   Task* task = sent->task;
   if (!task->times.empty()) task->times[sent->part].released = Clock::now();
+  delete[] sent->owned;
   delete sent;
   engine.Release(task, 1);
 }
@@ -139,9 +141,26 @@ void WorkerEngine::SendReadyParts() {
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
     if (!t->times.empty()) t->times[p.part].sent = Clock::now();
-    Msg payload(const_cast<char*>(t->in) + off, len, &FreePart, new SentPart{t, len, p.part});
+    FrameHeader h_sent = h;
+    Msg payload;
+    if (t->compressor) {
+      h_sent.type = static_cast<uint16_t>(MsgType::kPushCompressed);
+      try {
+        payload = CompressPart(t, p.part, key);
+      } catch (const std::exception& e) {
+        in_flight_.erase(key);
+        credit_released_ += len;
+        FailTask(t, BPS_ERR_INVALID, std::string("compressing: ") + e.what());
+        Release(t, 2);
+        continue;
+      }
+    } else {
+      payload = Msg(const_cast<char*>(t->in) + off, len, &FreePart,
+                    new SentPart{t, len, p.part, nullptr});
+    }
+    const uint64_t wire_bytes = payload.size();
     int server = t->info->servers[p.part];
-    if (!channel_->Send(servers_[static_cast<size_t>(server)], h, std::move(payload))) {
+    if (!channel_->Send(servers_[static_cast<size_t>(server)], h_sent, std::move(payload))) {
       std::string why = "sending to server " + std::to_string(server) + " failed: " +
                         zmq_strerror(zmq_errno());
       for (size_t j = i + 1; j < to_send.size(); ++j) {
@@ -152,8 +171,29 @@ void WorkerEngine::SendReadyParts() {
       return;
     }
     Stats::Get().partitions_sent++;
-    Stats::Get().bytes_sent += len;
+    Stats::Get().bytes_sent += wire_bytes;
   }
+}
+
+Msg WorkerEngine::CompressPart(Task* t, uint32_t part, uint64_t key) {
+  const CompressorSpec& spec = *t->compressor;
+  uint64_t off = t->PartOffset(part);
+  uint64_t len = t->PartLength(part);
+  size_t n = static_cast<size_t>(len / sizeof(float));
+  size_t size = CompressedBytes(spec, n);
+  // Every worker draws randomk's indices from one stream, so the servers'
+  // sum stays on those indices; dithering's rounding differs per worker.
+  uint64_t who = spec.kind == CompressorKind::kRandomK ? kSharedStream
+                                                       : static_cast<uint64_t>(rank_);
+  uint64_t stream = StreamSeed(spec.seed, key, t->round, who);
+  std::unique_ptr<char[]> buf(new char[size]);
+  t->info->compressor_state.Encode(spec, reinterpret_cast<const float*>(t->in + off), n,
+                                   static_cast<size_t>(off / sizeof(float)),
+                                   static_cast<size_t>(t->bytes / sizeof(float)), stream,
+                                   /*use_momentum=*/true, buf.get());
+  char* data = buf.release();
+  // The credit counts the raw length, as it was charged.
+  return Msg(data, size, &FreePart, new SentPart{t, len, part, data});
 }
 
 }  // namespace bps

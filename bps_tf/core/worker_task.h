@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "compressor.h"
 #include "trace.h"
 #include "worker_engine.h"
 
@@ -22,6 +23,8 @@ struct WorkerEngine::TensorInfo {
   uint64_t part_bytes = 0;
   uint64_t next_round = 0;
   std::string error;  // the declaration failed; every use fails with it
+  // Error-feedback residual and momentum of a compressed tensor (I/O thread).
+  CompressorState compressor_state;
 };
 
 struct WorkerEngine::Task {
@@ -35,6 +38,7 @@ struct WorkerEngine::Task {
   bps_done_fn done = nullptr;
   void* ctx = nullptr;
   std::shared_ptr<TensorInfo> info;
+  std::shared_ptr<const CompressorSpec> compressor;  // null: travels as it is
   uint64_t round = 0;
   uint32_t first_part = 0;  // where this worker starts among the partitions
   // Two counts per partition: its reply (or abandonment) and libzmq

@@ -61,7 +61,8 @@ class _DistributedMixin:
                 "DistributedOptimizer(compression=...) under a tf.distribute strategy: the "
                 "strategy reduces the gradients, so the wrapper's compression would be "
                 "ignored. Pass it to the strategy instead: "
-                "bps_tf.BytePSStrategy(compression=bps_tf.Compression.fp16).")
+                "bps_tf.BytePSStrategy(compression=...), e.g. bps_tf.Compression.fp16 or "
+                "bps_tf.Compression.topk(0.01, error_feedback=True).")
         return False
 
     def _bps_accumulating(self) -> bool:

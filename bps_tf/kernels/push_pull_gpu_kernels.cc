@@ -105,6 +105,7 @@ struct Call {
   DoneCallback done;
   std::string name;
   int64_t priority = 0;
+  std::string compression;  // the op's attr ("" for broadcast)
   int dtype = -1;
   std::vector<int64_t> shape;
   size_t bytes = 0;
@@ -130,8 +131,9 @@ tensorflow::Status CudaStatus(const Call& c, const char* what, int err) {
 }
 
 void Enqueue(Call* c, const void* in, void* out, bps_done_fn on_done) {
-  bps_enqueue_push_pull(c->name.c_str(), c->dtype, c->shape.data(),
-                        static_cast<int>(c->shape.size()), in, out, c->priority, on_done, c);
+  bps_enqueue_push_pull_compressed(c->name.c_str(), c->dtype, c->shape.data(),
+                                   static_cast<int>(c->shape.size()), in, out, c->priority,
+                                   c->compression.c_str(), on_done, c);
 }
 
 // ---- host route (int32 tensors in host memory) ----
@@ -176,6 +178,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
     if (broadcast_) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+    if (!broadcast_) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
     if (name_.empty()) name_ = def().name();
     declared_name_ = broadcast_ ? BroadcastDeclaredName(name_, root_rank_) : name_;
   }
@@ -204,6 +207,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     c->done = std::move(done);
     c->name = declared_name_;
     c->priority = priority_;
+    c->compression = compression_;
     c->dtype = CoreDType(first.dtype());
     for (int i = 0; i < first.dims(); ++i) c->shape.push_back(first.dim_size(i));
     c->bytes = first.tensor_data().size();
@@ -283,6 +287,7 @@ class PushPullGpuOp : public AsyncOpKernel {
   bool broadcast_;
   std::string name_;
   std::string declared_name_;  // name_, plus the root for a broadcast
+  std::string compression_;
   tensorflow::int64 priority_ = 0;
   tensorflow::int64 root_rank_ = 0;
 };

@@ -36,12 +36,14 @@ void OnDone(void* arg, int status, const char* error) {
   done();
 }
 
-void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* src) {
+void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* src,
+             const std::string& compression = "") {
   std::vector<int64_t> shape;
   for (int i = 0; i < p->input.dims(); ++i) shape.push_back(p->input.dim_size(i));
-  bps_enqueue_push_pull(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
-                        static_cast<int>(shape.size()), src,
-                        const_cast<char*>(p->output.tensor_data().data()), priority, &OnDone, p);
+  bps_enqueue_push_pull_compressed(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
+                                   static_cast<int>(shape.size()), src,
+                                   const_cast<char*>(p->output.tensor_data().data()), priority,
+                                   compression.c_str(), &OnDone, p);
 }
 
 }  // namespace
@@ -51,6 +53,7 @@ class PushPullOp : public AsyncOpKernel {
   explicit PushPullOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
+    OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
     if (name_.empty()) name_ = def().name();
   }
 
@@ -63,11 +66,12 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
-    Enqueue(name_, priority_, p, input.tensor_data().data());
+    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_);
   }
 
  private:
   std::string name_;
+  std::string compression_;
   tensorflow::int64 priority_ = 0;
 };
 

@@ -36,9 +36,11 @@ auto_control_deps.ASYNC_STATEFUL_OPS = frozenset(
     set(auto_control_deps.ASYNC_STATEFUL_OPS) | set(OP_TYPES))
 
 
-def push_pull_sum(tensor, tensor_name: str, priority: int = 0):
-    """Sum of `tensor` over all workers (a copy when there is one)."""
-    return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority))
+def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str = ""):
+    """Sum of `tensor` over all workers (a copy when there is one);
+    `compression`: the core's compressor text for float32 tensors."""
+    return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority),
+                                 compression=compression)
 
 
 def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):

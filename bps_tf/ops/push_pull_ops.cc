@@ -13,6 +13,7 @@ REGISTER_OP("BytepsPushPull")
     .Attr("T: {half, bfloat16, float, double, int32, int64}")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
+    .Attr("compression: string = ''")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc(R"doc(
@@ -20,6 +21,8 @@ Sums `tensor` across all bps_tf workers through the parameter servers.
 
 tensor_name: matches this tensor across workers; must be the same everywhere.
 priority: partitions of higher-priority tensors are sent first.
+compression: the core's compressor for float32 tensors ("" for none), e.g.
+  "topk ratio=0.01 ef=1"; see docs/compression.md.
 )doc");
 
 REGISTER_OP("BytepsBroadcast")
