@@ -34,3 +34,15 @@ def results(out_dir):
             who = os.path.basename(path)[4:-5]
             found[int(who) if who.isdigit() else who] = json.load(f)
     return found
+
+
+def run_checks(num_workers, num_servers, script, out_dir, env=None, timeout=300):
+    """Runs a worker script that records its checks (tests/workers/
+    check_record.py) in ``out_dir``; returns (rank -> results, log,
+    bpslaunch exit code) after asserting that every worker wrote results."""
+    proc = launch(num_workers, num_servers, [script, out_dir], env=env, timeout=timeout)
+    log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+           f"--- stderr\n{proc.stderr[-5000:]}")
+    found = results(out_dir)
+    assert sorted(found) == list(range(num_workers)), "missing worker results\n" + log
+    return found, log, proc.returncode

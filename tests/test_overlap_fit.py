@@ -11,7 +11,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, launch, results  # noqa: E402
+from cluster_runner import ROOT, run_checks  # noqa: E402
 
 pytest.importorskip("tensorflow")
 
@@ -25,12 +25,8 @@ EXACT = ["sgd", "momentum", "adam", "adamw_schedule_spe3", "momentum_bn", "globa
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("overlap_fit_checks"))
     env = {"BYTEPS_OP_TIMEOUT": "60"}   # a lost tensor fails instead of hanging
-    proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=420)
-    log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-           f"--- stderr\n{proc.stderr[-5000:]}")
-    found = results(out)
-    assert sorted(found) == list(range(WORKERS)), "missing worker results\n" + log
-    return found, log, proc.returncode
+    found, log, code = run_checks(WORKERS, SERVERS, CHECKS, out, env=env, timeout=420)
+    return found, log, code
 
 
 def _check(ranks, name):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, launch, results  # noqa: E402
+from cluster_runner import ROOT, launch, run_checks  # noqa: E402
 
 tf = pytest.importorskip("tensorflow")
 
@@ -41,11 +41,7 @@ def legacy_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, legacy_env):
     out = str(tmp_path_factory.mktemp("tf_keras"))
-    proc = launch(2, 1, [CHECKS, out], env=legacy_env, timeout=300)
-    log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-           f"--- stderr\n{proc.stderr[-5000:]}")
-    found = results(out)
-    assert sorted(found) == [0, 1], "missing worker results\n" + log
+    found, log, code = run_checks(2, 1, CHECKS, out, env=legacy_env, timeout=300)
     return found, log
 
 

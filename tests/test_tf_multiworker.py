@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, launch, results  # noqa: E402
+from cluster_runner import ROOT, run_checks  # noqa: E402
 
 pytest.importorskip("tensorflow")
 
@@ -24,11 +24,7 @@ def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tf_checks"))
     env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
            "BYTEPS_OP_TIMEOUT": "30"}          # a lost tensor fails instead of hanging
-    proc = launch(WORKERS, SERVERS, [CHECKS, out], env=env, timeout=420)
-    log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-           f"--- stderr\n{proc.stderr[-5000:]}")
-    found = results(out)
-    assert sorted(found) == list(range(WORKERS)), "missing worker results\n" + log
+    found, log, code = run_checks(WORKERS, SERVERS, CHECKS, out, env=env, timeout=420)
     return found, log
 
 
