@@ -46,3 +46,19 @@ def run_checks(num_workers, num_servers, script, out_dir, env=None, timeout=300)
     found = results(out_dir)
     assert sorted(found) == list(range(num_workers)), "missing worker results\n" + log
     return found, log, proc.returncode
+
+
+def passed_details(found, log, name):
+    """rank -> the detail each rank recorded for check ``name``, after
+    asserting that every rank ran it and it passed (a rank that stopped at
+    an earlier failure is reported with every failure recorded)."""
+    details = {}
+    for rank, data in sorted(found.items()):
+        result = data["checks"].get(name)
+        if result is None:
+            failed = [(r, n, c["detail"]) for r, d in sorted(found.items())
+                      for n, c in d["checks"].items() if not c["ok"]]
+            raise AssertionError(f"rank {rank} did not reach {name}; failures: {failed}\n{log}")
+        assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}\n{log}"
+        details[rank] = result["detail"]
+    return details

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, run_checks  # noqa: E402
+from cluster_runner import ROOT, passed_details, run_checks  # noqa: E402
 
 pytest.importorskip("tensorflow")
 
@@ -27,15 +27,7 @@ def ranks(tmp_path_factory):
 
 
 def _check(ranks, name):
-    found, log = ranks
-    for rank, data in sorted(found.items()):
-        result = data["checks"].get(name)
-        if result is None:
-            failed = [(r, n, c["detail"]) for r, d in sorted(found.items())
-                      for n, c in d["checks"].items() if not c["ok"]]
-            pytest.fail(f"rank {rank} did not reach {name}; failures: {failed}\n{log}")
-        assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}"
-    return [data["checks"][name]["detail"] for _, data in sorted(found.items())]
+    return list(passed_details(*ranks, name).values())
 
 
 def test_all_checks_finished(ranks):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, run_checks  # noqa: E402
+from cluster_runner import ROOT, passed_details, run_checks  # noqa: E402
 
 pytest.importorskip("tensorflow")
 
@@ -26,13 +26,7 @@ def ranks(tmp_path_factory):
 
 def _check(ranks, name):
     found, log, _ = ranks
-    details = {}
-    for rank, data in sorted(found.items()):
-        result = data["checks"].get(name)
-        assert result is not None, f"rank {rank} did not run {name}\n{log}"
-        assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}\n{log}"
-        details[rank] = result["detail"]
-    return details
+    return passed_details(found, log, name)
 
 
 def test_a_pending_key_cannot_be_started_twice_and_wait_takes_it_once(ranks):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import ROOT, launch, run_checks  # noqa: E402
+from cluster_runner import ROOT, launch, passed_details, run_checks  # noqa: E402
 
 tf = pytest.importorskip("tensorflow")
 
@@ -48,11 +48,7 @@ def ranks(tmp_path_factory, legacy_env):
 @pytest.mark.parametrize("name", ["is_tf_keras", "sgd_fit", "legacy_momentum_fit",
                                   "adam_predivide_fit", "warmup", "finished"])
 def test_tf_keras_check(ranks, name):
-    found, log = ranks
-    for rank, data in sorted(found.items()):
-        result = data["checks"].get(name)
-        assert result is not None, f"rank {rank} did not reach {name}: {data['checks']}\n{log}"
-        assert result["ok"], f"rank {rank}: {name} failed:\n{result['detail']}"
+    passed_details(*ranks, name)
 
 
 @pytest.mark.parametrize("keras_version", [2, 3])

@@ -47,13 +47,14 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   }
 }
 
-void bps_enqueue_push_pull_compressed(const char* name, int dtype, const int64_t* shape,
-                                      int ndim, const void* in, void* out, int64_t priority,
-                                      const char* compression, bps_done_fn done, void* ctx) {
+void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape, int ndim,
+                              const void* in, void* out, int64_t priority,
+                              const char* compression, const char* agreement,
+                              bps_done_fn done, void* ctx) {
   std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
   try {
     bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
-                                     compression ? compression : "");
+                                     compression ? compression : "", agreement ? agreement : "");
   } catch (const std::exception& e) {
     done(ctx, BPS_ERR_INTERNAL, e.what());
   }

@@ -60,14 +60,17 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape,
                            int ndim, const void* in, void* out,
                            int64_t priority, bps_done_fn done, void* ctx);
 
-// bps_enqueue_push_pull with a compressor for float32 tensors: `compression`
-// is its text ("" or "none": none; e.g. "topk ratio=0.01 ef=1", see
-// docs/compression.md). Tensors of other dtypes, or smaller than
-// BYTEPS_MIN_COMPRESS_BYTES, travel uncompressed; a bad text fails the
-// operation with BPS_ERR_INVALID. Every worker must pass the same text.
-void bps_enqueue_push_pull_compressed(const char* name, int dtype, const int64_t* shape,
-                                      int ndim, const void* in, void* out, int64_t priority,
-                                      const char* compression, bps_done_fn done, void* ctx);
+// bps_enqueue_push_pull with two more texts every worker must pass alike:
+// `compression`, a compressor for float32 tensors ("" or "none": none; e.g.
+// "topk ratio=0.01 ef=1", see docs/compression.md; tensors of other dtypes,
+// or smaller than BYTEPS_MIN_COMPRESS_BYTES, travel uncompressed; a bad text
+// fails the operation with BPS_ERR_INVALID), and `agreement`, anything else
+// the workers must agree on for this name (e.g. "root=1" for a broadcast).
+// Both are declared with the shape: workers that differ all fail at once.
+void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape, int ndim,
+                              const void* in, void* out, int64_t priority,
+                              const char* compression, const char* agreement,
+                              bps_done_fn done, void* ctx);
 
 // Gives tensor key `name` a label a person recognises (the variable it
 // carries); errors and the timeline show it beside the key. Never matched

@@ -201,9 +201,9 @@ PYBIND11_MODULE(_core, m) {
         void* dst = out.mutable_data();
         {
           py::gil_scoped_release release;
-          bps_enqueue_push_pull_compressed(name.c_str(), dtype, shape.data(),
-                                           static_cast<int>(shape.size()), src, dst, priority,
-                                           compression.c_str(), &Handle::Done, ctx);
+          bps_enqueue_push_pull_ex(name.c_str(), dtype, shape.data(),
+                                   static_cast<int>(shape.size()), src, dst, priority,
+                                   compression.c_str(), "", &Handle::Done, ctx);
         }
         return handle;
       },

@@ -252,14 +252,6 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
                           std::vector<Outgoing>* out) {
   std::string name = kv.Get("name");
   std::string sig = kv.Get("sig");
-  // "<name>#<detail>" (a detail without '/'): the detail -- e.g. a
-  // broadcast's root -- is part of what every worker must agree on, not of
-  // the name that matches their declarations.
-  size_t hash = name.rfind('#');
-  if (hash != std::string::npos && name.find('/', hash) == std::string::npos) {
-    sig += " " + name.substr(hash + 1);
-    name.resize(hash);
-  }
   int rank = nodes_[from].id;
   int64_t bytes = kv.GetInt("bytes", -1);
   size_t elem = DTypeSize(h.dtype);

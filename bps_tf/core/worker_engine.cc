@@ -135,7 +135,8 @@ void WorkerEngine::CloseChannel() {
 
 void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                            const void* in, void* out, int64_t priority, bps_done_fn done,
-                           void* ctx, const std::string& compression) {
+                           void* ctx, const std::string& compression,
+                           const std::string& agreement) {
   size_t elem = DTypeSize(dtype);
   if (elem == 0) {
     done(ctx, BPS_ERR_INVALID,
@@ -178,7 +179,9 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   task->priority = priority;
   task->done = done;
   task->ctx = ctx;
+  // What workers must agree on for this name; the scheduler compares it.
   std::string sig = ShapeString(dtype, shape);
+  if (!agreement.empty()) sig += " " + agreement;
   if (Compresses(spec, dtype, bytes)) {
     // In the signature, so the scheduler refuses workers that disagree.
     sig += " " + spec.Text();

@@ -53,7 +53,7 @@ class WorkerEngine {
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
-               const std::string& compression = "");
+               const std::string& compression = "", const std::string& agreement = "");
 
   struct TensorInfo;
   struct Task;

@@ -25,14 +25,27 @@ def is_tf_keras_optimizer(optimizer) -> bool:
     return any(cls.__module__.startswith("tf_keras.") for cls in type(optimizer).__mro__)
 
 
-class _LegacyDistributedMixin:
-    _bps_prefix = "DistributedOptimizer"
-    _bps_compression = api.Compression.none
-    _bps_sparse_as_dense = False
-    _bps_op = api.Average
-    _bps_priority_fn = None
-    _bps_prescale = 1.0
-    _bps_postscale = 1.0
+def should_reduce(compression) -> bool:
+    """Whether a DistributedOptimizer reduces the gradients itself: not
+    under a tf.distribute strategy, which reduces them (twice would count
+    them twice). There a compression of the wrapper's would be silently
+    ignored, so it is refused. Shared by the Keras 3 and tf_keras wrappers."""
+    if not tf.distribute.has_strategy():
+        return True
+    if compression not in (None, api.Compression.none):
+        raise ValueError(
+            "DistributedOptimizer(compression=...) under a tf.distribute strategy: the "
+            "strategy reduces the gradients, so the wrapper's compression would be "
+            "ignored. Pass it to the strategy instead: "
+            "bps_tf.BytePSStrategy(compression=...), e.g. bps_tf.Compression.fp16 or "
+            "bps_tf.Compression.topk(0.01, error_feedback=True).")
+    return False
+
+
+class LegacyDistributedMixin:
+    """Put in front of a tf_keras optimizer's class by
+    ``bps_tf.keras.optimizer.distributed_class``, which sets the ``_bps_*``
+    settings as class attributes."""
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -48,44 +61,25 @@ class _LegacyDistributedMixin:
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
 
-def DistributedOptimizer(optimizer, name=None, compression=api.Compression.none,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0,
-                         op=api.Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, priority_fn=None):
-    """A copy of a tf_keras ``optimizer`` (same class, same config) that
-    reduces gradients across workers before applying them."""
+def check_supported(backward_passes_per_step) -> None:
+    """Raises for what the tf_keras wrapper cannot do."""
     refuse_gradient_exchange("DistributedOptimizer with a tf_keras optimizer")
-    if isinstance(optimizer, _LegacyDistributedMixin):
-        raise ValueError("this optimizer is already a DistributedOptimizer.")
     if int(backward_passes_per_step) != 1:
         raise NotImplementedError(
             "backward_passes_per_step > 1 is not supported with a tf_keras (Keras 2) "
             "optimizer; accumulate gradients in your own loop, or use a Keras 3 optimizer "
             "(there it maps to gradient_accumulation_steps).")
-    del average_aggregated_gradients   # only meaningful with backward_passes_per_step > 1
-    op = api.resolve_op(None, op)
-    prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
-                                               "DistributedOptimizer")
-    base = type(optimizer)
-    settings = dict(
-        _bps_prefix=name or "DistributedOptimizer",
-        _bps_compression=compression,
-        _bps_sparse_as_dense=bool(sparse_as_dense),
-        _bps_op=op,
-        _bps_priority_fn=staticmethod(priority_fn) if priority_fn else None,
-        _bps_prescale=prescale,
-        _bps_postscale=postscale,
-        # Same name and module as the base: saved models name the plain class.
-        __module__=base.__module__,
-        __qualname__=base.__qualname__,
-    )
-    cls = type(base.__name__, (_LegacyDistributedMixin, base), settings)
+
+
+def rebuild(cls, optimizer):
+    """``cls`` (a distributed subclass of ``optimizer``'s class) built from
+    ``optimizer``'s config."""
     config = optimizer.get_config()
     if config.get("jit_compile"):
         # tf_keras turns XLA on by default where there is a GPU, and XLA
         # cannot compile the push_pull op: the update runs without it.
         logging.getLogger("bps_tf").warning(
             "DistributedOptimizer: jit_compile turned off for %s (XLA cannot compile "
-            "bps_tf's push_pull).", base.__name__)
+            "bps_tf's push_pull).", type(optimizer).__name__)
         config["jit_compile"] = False
     return cls.from_config(config)

@@ -52,18 +52,7 @@ class _DistributedMixin:
     def _bps_should_reduce(self) -> bool:
         # Inside a strategy the strategy's own all-reduce runs in
         # _backend_update_step: reducing here too would count twice.
-        if not tf.distribute.has_strategy():
-            return True
-        if self._bps_compression not in (None, api.Compression.none):
-            # The strategy reduces the gradients, not this wrapper: a silent
-            # no-op here would send them uncompressed.
-            raise ValueError(
-                "DistributedOptimizer(compression=...) under a tf.distribute strategy: the "
-                "strategy reduces the gradients, so the wrapper's compression would be "
-                "ignored. Pass it to the strategy instead: "
-                "bps_tf.BytePSStrategy(compression=...), e.g. bps_tf.Compression.fp16 or "
-                "bps_tf.Compression.topk(0.01, error_feedback=True).")
-        return False
+        return legacy_optimizer.should_reduce(self._bps_compression)
 
     def _bps_accumulating(self) -> bool:
         steps = getattr(self, "gradient_accumulation_steps", None)
@@ -113,8 +102,9 @@ class _DistributedMixin:
 
 def distributed_class(base, name=None, compression=api.Compression.none,
                       sparse_as_dense=False, op=api.Average, priority_fn=None,
-                      accum_scale=1.0, prescale=1.0, postscale=1.0):
-    """A subclass of ``base`` that reduces gradients before applying them."""
+                      accum_scale=1.0, prescale=1.0, postscale=1.0, mixin=None):
+    """A subclass of ``base`` that reduces gradients before applying them;
+    ``mixin`` is the Keras 3 one unless given (tf_keras has its own)."""
     settings = dict(
         _bps_prefix=name or "DistributedOptimizer",
         _bps_compression=compression,
@@ -128,7 +118,7 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         __module__=base.__module__,
         __qualname__=base.__qualname__,
     )
-    return type(base.__name__, (_DistributedMixin, base), settings)
+    return type(base.__name__, (mixin or _DistributedMixin, base), settings)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -171,22 +161,23 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
             op=op, priority_fn=priority_fn)
     del device_dense, device_sparse
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, (_DistributedMixin, legacy_optimizer.LegacyDistributedMixin)):
         raise ValueError("this optimizer is already a DistributedOptimizer.")
-    if legacy_optimizer.is_tf_keras_optimizer(optimizer):   # Keras 2 (tf_keras)
-        return legacy_optimizer.DistributedOptimizer(
-            optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-            gradient_predivide_factor=gradient_predivide_factor, op=op,
-            backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients,
-            priority_fn=priority_fn)
-    if not _is_keras3_optimizer(optimizer):
+    tf_keras = legacy_optimizer.is_tf_keras_optimizer(optimizer)
+    if not tf_keras and not _is_keras3_optimizer(optimizer):
         raise TypeError("DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), "
                         "a tf_keras one or a tf.compat.v1 one, got "
                         f"{type(optimizer).__name__}.")
     op = api.resolve_op(None, op)
     prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
                                                "DistributedOptimizer")
+    if tf_keras:   # Keras 2: no gradient_accumulation_steps to map passes onto
+        legacy_optimizer.check_supported(backward_passes_per_step)
+        cls = distributed_class(type(optimizer), name=name, compression=compression,
+                                sparse_as_dense=sparse_as_dense, op=op, priority_fn=priority_fn,
+                                prescale=prescale, postscale=postscale,
+                                mixin=legacy_optimizer.LegacyDistributedMixin)
+        return legacy_optimizer.rebuild(cls, optimizer)
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ValueError("backward_passes_per_step must be >= 1.")

@@ -22,11 +22,10 @@ static_assert(bps::DTypeFromTf(tensorflow::DT_DOUBLE) == BPS_FLOAT64, "dtypes.h:
 static_assert(bps::DTypeFromTf(tensorflow::DT_INT32) == BPS_INT32, "dtypes.h: DT_INT32");
 static_assert(bps::DTypeFromTf(tensorflow::DT_INT64) == BPS_INT64, "dtypes.h: DT_INT64");
 
-// The name a broadcast declares: the root travels as the name's signature
-// part (after '#', see scheduler.cc), so workers that disagree on the root
-// fail at once, naming both roots, instead of summing two "roots" silently.
-inline std::string BroadcastDeclaredName(const std::string& name, int64_t root_rank) {
-  return name + "#root=" + std::to_string(root_rank);
+// What a broadcast declares beside its shape: workers that disagree on the
+// root fail at once, naming both roots, instead of summing two "roots".
+inline std::string BroadcastAgreement(int64_t root_rank) {
+  return "root=" + std::to_string(root_rank);
 }
 
 // -1 for a dtype the core does not carry (the op registrations exclude them).

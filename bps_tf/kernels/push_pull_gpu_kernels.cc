@@ -106,6 +106,7 @@ struct Call {
   std::string name;
   int64_t priority = 0;
   std::string compression;  // the op's attr ("" for broadcast)
+  std::string agreement;    // what workers must agree on beside the shape (a root)
   int dtype = -1;
   std::vector<int64_t> shape;
   size_t bytes = 0;
@@ -131,9 +132,9 @@ tensorflow::Status CudaStatus(const Call& c, const char* what, int err) {
 }
 
 void Enqueue(Call* c, const void* in, void* out, bps_done_fn on_done) {
-  bps_enqueue_push_pull_compressed(c->name.c_str(), c->dtype, c->shape.data(),
-                                   static_cast<int>(c->shape.size()), in, out, c->priority,
-                                   c->compression.c_str(), on_done, c);
+  bps_enqueue_push_pull_ex(c->name.c_str(), c->dtype, c->shape.data(),
+                           static_cast<int>(c->shape.size()), in, out, c->priority,
+                           c->compression.c_str(), c->agreement.c_str(), on_done, c);
 }
 
 // ---- host route (int32 tensors in host memory) ----
@@ -180,7 +181,6 @@ class PushPullGpuOp : public AsyncOpKernel {
     if (broadcast_) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
     if (!broadcast_) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
     if (name_.empty()) name_ = def().name();
-    declared_name_ = broadcast_ ? BroadcastDeclaredName(name_, root_rank_) : name_;
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -205,7 +205,8 @@ class PushPullGpuOp : public AsyncOpKernel {
     Call* c = new Call;
     c->ctx = ctx;
     c->done = std::move(done);
-    c->name = declared_name_;
+    c->name = name_;
+    if (broadcast_) c->agreement = BroadcastAgreement(root_rank_);
     c->priority = priority_;
     c->compression = compression_;
     c->dtype = CoreDType(first.dtype());
@@ -286,7 +287,6 @@ class PushPullGpuOp : public AsyncOpKernel {
 
   bool broadcast_;
   std::string name_;
-  std::string declared_name_;  // name_, plus the root for a broadcast
   std::string compression_;
   tensorflow::int64 priority_ = 0;
   tensorflow::int64 root_rank_ = 0;

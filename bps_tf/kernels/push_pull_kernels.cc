@@ -37,13 +37,13 @@ void OnDone(void* arg, int status, const char* error) {
 }
 
 void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* src,
-             const std::string& compression = "") {
+             const std::string& compression, const std::string& agreement) {
   std::vector<int64_t> shape;
   for (int i = 0; i < p->input.dims(); ++i) shape.push_back(p->input.dim_size(i));
-  bps_enqueue_push_pull_compressed(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
-                                   static_cast<int>(shape.size()), src,
-                                   const_cast<char*>(p->output.tensor_data().data()), priority,
-                                   compression.c_str(), &OnDone, p);
+  bps_enqueue_push_pull_ex(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
+                           static_cast<int>(shape.size()), src,
+                           const_cast<char*>(p->output.tensor_data().data()), priority,
+                           compression.c_str(), agreement.c_str(), &OnDone, p);
 }
 
 }  // namespace
@@ -66,7 +66,7 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
-    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_);
+    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, "");
   }
 
  private:
@@ -113,7 +113,7 @@ class BroadcastOp : public AsyncOpKernel {
                   p->zeros.tensor_data().size());
       src = p->zeros.tensor_data().data();
     }
-    Enqueue(BroadcastDeclaredName(name_, root_rank_), priority_, p, src);
+    Enqueue(name_, priority_, p, src, "", BroadcastAgreement(root_rank_));
   }
 
  private:

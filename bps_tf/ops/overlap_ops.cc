@@ -13,6 +13,14 @@
 
 namespace bps_tf {
 
+// Output 0 shaped like input 0, output 1 a scalar (Wait's `valid`, the
+// debug hold's log).
+static tensorflow::Status LikeInputAndScalar(tensorflow::shape_inference::InferenceContext* c) {
+  c->set_output(0, c->input(0));
+  c->set_output(1, c->Scalar());
+  return tensorflow::Status();
+}
+
 REGISTER_OP("BytepsPushPullStart")
     .Input("tensor: T")
     .Output("token: int64")
@@ -36,11 +44,7 @@ REGISTER_OP("BytepsPushPullWait")
     .Attr("T: {half, bfloat16, float, double, int32, int64}")
     .Attr("tensor_name: string")
     .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      c->set_output(1, c->Scalar());
-      return tensorflow::Status();
-    })
+    .SetShapeFn(LikeInputAndScalar)
     .Doc(R"doc(
 Waits for the sum started under `tensor_name` and takes it out of the table.
 
@@ -65,11 +69,7 @@ REGISTER_OP("BytepsPushPullDebugHold")
     .Attr("tensor_name: string = ''")
     .Attr("timeout_ms: int = 10000")
     .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      c->set_output(1, c->Scalar());
-      return tensorflow::Status();
-    })
+    .SetShapeFn(LikeInputAndScalar)
     .Doc(R"doc(
 Diagnostics for tests of cross-step overlap; y is x.
 
