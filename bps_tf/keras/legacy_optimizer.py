@@ -49,8 +49,7 @@ class LegacyDistributedMixin:
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
-        # Under a tf.distribute strategy the strategy reduces the gradients.
-        if grads_and_vars and not tf.distribute.has_strategy():
+        if grads_and_vars and should_reduce(self._bps_compression):
             grads, variables = zip(*grads_and_vars)
             reduced = api.reduce_gradients(
                 list(grads), list(variables), self._bps_prefix,

@@ -97,6 +97,24 @@ def check_warmup_reaches_initial_lr(rank, size):
     return seen
 
 
+def check_compression_under_a_strategy_is_refused():
+    """The strategy reduces the gradients, so the wrapper's compression would
+    be ignored: refused, not silently dropped."""
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        model = make_model()
+        model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                                         compression=hvd.Compression.fp16),
+                      loss="mse")
+    x, y = rank_data(0)
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    except ValueError as exc:
+        if "Pass it to the strategy instead" not in str(exc):
+            raise
+        return str(exc)[:200]
+    raise AssertionError("compression under a strategy was accepted")
+
+
 def main():
     out_dir = sys.argv[1]
     hvd.init()
@@ -110,6 +128,7 @@ def main():
     checks.run("adam_predivide_fit", lambda: check_fit_equals_one_process(
         rank, size, lambda: tf.keras.optimizers.Adam(0.01), gradient_predivide_factor=2.0))
     checks.run("warmup", lambda: check_warmup_reaches_initial_lr(rank, size))
+    checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("finished", lambda: None)
 
 
