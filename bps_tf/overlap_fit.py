@@ -80,6 +80,17 @@ def fallback_reason(model, strategy) -> Optional[str]:
             return f"variable {naming.variable_name(v)} is overwritten with its gradient"
     if not model.trainable_variables:
         return "the model has no trainable variables"
+    import keras
+    if type(model).train_step is not keras.Model.train_step:
+        # It may read weights outside the layers' own calls, before their
+        # deferred update: a different model, without a word.
+        return f"{type(model).__name__} overrides train_step"
+    owners = {}
+    for layer in model.layers:
+        for v in layer.trainable_variables:
+            if owners.setdefault(id(v), layer.name) != layer.name:
+                return (f"variable {naming.variable_name(v)} is shared by layers "
+                        f"{owners[id(v)]!r} and {layer.name!r}")
     return None
 
 

@@ -56,6 +56,16 @@ def test_ema_falls_back_to_the_barrier_with_one_log_line(ranks):
         assert len(detail["log"]) == 1 and "EMA" in detail["log"][0], detail["log"]
 
 
+@pytest.mark.parametrize("case,reason", [("train_step_fallback", "overrides train_step"),
+                                         ("tied_fallback", "is shared by layers")])
+def test_models_overlap_cannot_see_into_fall_back_with_one_log_line(ranks, case, reason):
+    # A custom train_step or tied weights may read a variable before its
+    # deferred update: trained with the barrier, equal to overlap=False.
+    for detail in _check(ranks, case).values():
+        assert not detail["overlapped"]
+        assert len(detail["log"]) == 1 and reason in detail["log"][0], detail["log"]
+
+
 def test_rmsprop_falls_back_to_the_barrier_with_one_log_line(ranks):
     # Not verified bit for bit when deferred (an ulp apart through Grappler's
     # arithmetic rewrites): trained with the barrier, equal to overlap=False.

@@ -52,6 +52,37 @@ def embedding_model():
     return keras.Model(tokens, keras.layers.Dense(3)(x))
 
 
+class OwnTrainStep(keras.Model):
+    """A model with its own train_step (here Keras' own, but overlap cannot
+    know what an override reads)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def own_train_step_model():
+    inputs = keras.Input((FEATURES,))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    return OwnTrainStep(inputs, keras.layers.Dense(3)(x))
+
+
+class TiedOutput(keras.layers.Layer):
+    """Reads another layer's kernel (weight tying)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.source.kernel))
+
+
+def tied_model():
+    inputs = keras.Input((3,))
+    first = keras.layers.Dense(16, activation="tanh")
+    return keras.Model(inputs, TiedOutput(first)(first(inputs)))
+
+
 CASES = {
     "sgd": (dense_model, lambda: keras.optimizers.SGD(0.05), 1),
     "momentum": (dense_model, lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), 1),
@@ -66,6 +97,8 @@ CASES = {
         0.05, momentum=0.5, global_clipnorm=0.5), 2),
     "embedding_adam": (embedding_model, lambda: keras.optimizers.Adam(0.01), 1),
     "ema_fallback": (dense_model, lambda: keras.optimizers.Adam(0.01, use_ema=True), 1),
+    "train_step_fallback": (own_train_step_model, lambda: keras.optimizers.SGD(0.05), 1),
+    "tied_fallback": (tied_model, lambda: keras.optimizers.SGD(0.05), 1),
 }
 
 
@@ -73,6 +106,8 @@ def data(case):
     rng = np.random.default_rng(5)
     if case.startswith("embedding"):
         x = rng.integers(0, VOCAB, (ROWS, 4)).astype("int32")
+    elif case.startswith("tied"):   # the tied model maps 3 features back to 3
+        x = rng.standard_normal((ROWS, 3)).astype("float32")
     else:
         x = rng.standard_normal((ROWS, FEATURES)).astype("float32")
     return x, rng.standard_normal((ROWS, 3)).astype("float32")
