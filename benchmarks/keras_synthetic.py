@@ -15,7 +15,12 @@ Runs, one after the other, each worker alone in a namespace host of its own
 * bps_tf:      N workers + S servers, priorities from the traced graph;
 * bps_tf FIFO: the same with every gradient at one priority;
 * with --overlap, also bps_tf overlap and bps_tf overlap FIFO: the same two
-               under BytePSStrategy(overlap=True) (docs/overlap.md).
+               under BytePSStrategy(overlap=True) (docs/overlap.md), and
+               comm only: the same gradient set pushed and pulled every step
+               with no compute (with `independent`, the two times overlap can
+               at best hide behind each other); --timeline also records
+               the first overlapped run's timeline and draws two of its
+               steps (benchmarks/timeline_svg.py).
 
 Scaling efficiency = images/s of the N-worker job / (N x images/s of one
 worker). On a machine with fewer cores than workers that mixes communication
@@ -58,13 +63,18 @@ def run_alone(spec, hosts, timeout):
         return common.read_results(procs.log_dir, len(hosts))
 
 
-def run_cluster(spec, worker_hosts, server_hosts, timeout):
+def run_cluster(spec, worker_hosts, server_hosts, timeout, trace=None):
+    """``trace``: (folder, first step, last step) to record the timeline of."""
+    env = None
+    if trace:
+        env = {"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_DIR": str(trace[0]),
+               "BYTEPS_TRACE_START_STEP": str(trace[1]), "BYTEPS_TRACE_END_STEP": str(trace[2])}
     with common.processes() as procs:
         spec = dict(spec, out_dir=str(procs.log_dir))
         path = common.write_spec(procs.log_dir, spec)
         common.run_bps_job(procs, [PYTHON, SCRIPT, str(path)], num_workers=len(worker_hosts),
                            num_servers=len(server_hosts), worker_hosts=worker_hosts,
-                           server_hosts=server_hosts, timeout=timeout)
+                           server_hosts=server_hosts, env=env, timeout=timeout)
         return common.read_results(procs.log_dir, len(worker_hosts))
 
 
@@ -106,6 +116,9 @@ def main(argv=None) -> int:
                     "single,independent,fifo")
     ap.add_argument("--overlap", action="store_true",
                     help="also run BytePSStrategy(overlap=True), with priorities and FIFO")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --overlap: record the first overlapped run's timeline and "
+                         "draw two of its steps as an SVG next to the JSON")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
@@ -119,6 +132,9 @@ def main(argv=None) -> int:
     n, batch = args.workers, args.batch_per_worker
     measured = {}   # run name -> [(step seconds, images/s, first step s, raw steps)] per round
     info = {}
+    trace_dir = Path(args.out_dir or common.RESULTS_DIR) / "overlap_trace"
+    traced_step = args.warmup_steps + 1
+    traced = []
     try:
         with common.stop_on_signals(), NetnsHosts(n + args.servers) as net:
             net.set_rate(None if args.rate in ("none", "unlimited") else args.rate)
@@ -129,9 +145,18 @@ def main(argv=None) -> int:
                     ("bps_tf", lambda: run_cluster(spec, workers, servers, args.timeout)),
                     ("bps_tf FIFO", lambda: run_cluster(dict(spec, priority="off"), workers,
                                                         servers, args.timeout))]
+            def overlapped():
+                trace = None
+                if args.timeline and not traced:
+                    traced.append(trace_dir)
+                    trace = (trace_dir, traced_step, traced_step + 1)
+                return run_cluster(dict(spec, overlap=True), workers, servers, args.timeout,
+                                   trace)
+
             if args.overlap:
-                plan += [("bps_tf overlap", lambda: run_cluster(dict(spec, overlap=True), workers,
-                                                                servers, args.timeout)),
+                plan += [("comm only", lambda: run_cluster(dict(spec, comm_only=True), workers,
+                                                           servers, args.timeout)),
+                         ("bps_tf overlap", overlapped),
                          ("bps_tf overlap FIFO", lambda: run_cluster(
                              dict(spec, overlap=True, priority="off"), workers, servers,
                              args.timeout))]
@@ -189,6 +214,10 @@ def main(argv=None) -> int:
         summary["priority_speedup"] = by["bps_tf FIFO"]["step_s"] / by["bps_tf"]["step_s"]
     if "bps_tf" in by and "bps_tf overlap" in by:
         summary["overlap_speedup"] = by["bps_tf"]["step_s"] / by["bps_tf overlap"]["step_s"]
+    if "bps_tf overlap" in by and "comm only" in by and "independent" in by:
+        bound = max(by["comm only"]["step_s"], by["independent"]["step_s"])
+        summary["overlap_over_max_compute_comm"] = by["bps_tf overlap"]["step_s"] / bound
+        summary["comm_over_compute"] = by["comm only"]["step_s"] / by["independent"]["step_s"]
     if "bps_tf overlap" in by and "bps_tf overlap FIFO" in by:
         summary["overlap_priority_speedup"] = (by["bps_tf overlap FIFO"]["step_s"] /
                                                by["bps_tf overlap"]["step_s"])
@@ -204,8 +233,15 @@ def main(argv=None) -> int:
         print(f"  {key}: {value:.3f}")
     out = common.write_json("keras_synthetic", {
         "config": vars(args), "model_info": info, "rows": rows, "summary": summary,
-        "targets": {"scaling_efficiency": ">= 0.90"}}, args.out_dir)
+        "targets": {"scaling_efficiency": ">= 0.90",
+                    "overlap_over_max_compute_comm": "<= 1.15",
+                    "overlap_speedup": ">= 1.3 where comm_over_compute is about 1"}}, args.out_dir)
     plot(rows, out.with_suffix(".png"), title)
+    if traced:
+        from benchmarks import timeline_svg
+        timeline_svg.draw(trace_dir / "bps_trace_rank0.json", traced_step,
+                          out.with_name(out.stem + "_timeline.svg"),
+                          f"{args.model}, {n} workers, {args.rate}: rank 0")
     return 0
 
 

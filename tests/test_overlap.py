@@ -2,6 +2,7 @@
 processes: one bpslaunch cluster (2 workers, 2 servers, free ports chosen by
 bpslaunch) runs tests/workers/overlap_checks.py; the tests read what each
 worker recorded. About 10-40 s."""
+import json
 import os
 import sys
 
@@ -19,13 +20,15 @@ CHECKS = os.path.join(ROOT, "tests", "workers", "overlap_checks.py")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("overlap_checks"))
-    env = {"BYTEPS_OP_TIMEOUT": "60"}   # a lost tensor fails instead of hanging
+    env = {"BYTEPS_OP_TIMEOUT": "60",   # a lost tensor fails instead of hanging
+           "BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_DIR": os.path.join(out, "trace"),
+           "BYTEPS_TRACE_START_STEP": "1", "BYTEPS_TRACE_END_STEP": "2"}
     found, log, code = run_checks(WORKERS, SERVERS, CHECKS, out, env=env, timeout=300)
-    return found, log, code
+    return found, log, code, out
 
 
 def _check(ranks, name):
-    found, log, _ = ranks
+    found, log = ranks[0], ranks[1]
     return passed_details(found, log, name)
 
 
@@ -64,6 +67,27 @@ def test_an_engine_failure_is_raised_by_the_wait(ranks):
     for detail in _check(ranks, "engine_failure").values():
         assert detail["error"] == "InvalidArgumentError"
         assert "Overlap/test/mismatch" in detail["message"]
+
+
+def test_the_timeline_shows_each_wait_after_its_push_pull(ranks):
+    # Every overlapped variable of the first check has, in steps 1 and 2, a
+    # push_pull slice and a wait slice (the layer asking for the sum in the
+    # next step) on its row; a sum is handed over only once its push_pull
+    # has finished, so the wait ends no earlier than the push_pull.
+    keys = _check(ranks, "exact_sgd")[0]["keys"]
+    for rank in range(WORKERS):
+        with open(os.path.join(ranks[3], "trace", f"bps_trace_rank{rank}.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        ops = {(e["args"]["tensor_name"], e["args"]["step"]): e
+               for e in events if e["cat"] == "push_pull"}
+        waits = {(e["args"]["tensor_name"], e["args"]["step"]): e
+                 for e in events if e["cat"] == "overlap"}
+        assert all(w["name"] == "wait" for w in waits.values())
+        for key in keys:
+            for step in (1, 2):
+                op, wait = ops[(key, step)], waits[(key, step)]
+                assert op["tid"] == wait["tid"]
+                assert op["ts"] + op["dur"] <= wait["ts"] + wait["dur"], (key, step, op, wait)
 
 
 def test_the_job_ends_cleanly(ranks):

@@ -8,7 +8,9 @@ OUT_DIR/worker<rank>.json (rank from BENCH_RANK when alone).
 
 spec: model ("resnet50" | "small_cnn"), image_size, batch_per_worker,
 warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off"),
-overlap (BytePSStrategy(overlap=...), default false).
+overlap (BytePSStrategy(overlap=...), default false), comm_only (no
+training: the same gradient set pushed and pulled every step, in the
+order a backward pass produces it -- the communication-only time).
 """
 import json
 import os
@@ -65,6 +67,27 @@ class StepTimer:
         self.callback = _Timer()
 
 
+def communicate_only(model, steps):
+    """Step times of push_pulls of every gradient's shape, without compute:
+    the last layer's gradient is ready first, the first layer's gets the
+    highest priority (what the graph's priority pass gives it)."""
+    import bps_tf
+    grads = [tf.zeros(v.shape, v.dtype) for v in model.trainable_variables]
+
+    @tf.function
+    def step():
+        n = len(grads)
+        return [bps_tf.push_pull(grads[i], average=False, name=f"comm_only/{i}", priority=-i)
+                for i in reversed(range(n))]
+
+    times = [time.perf_counter()]
+    for _ in range(steps):
+        outs = step()
+        _ = [o.numpy() for o in outs[:1]]
+        times.append(time.perf_counter())
+    return times
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     configure_threads(spec["threads"])
@@ -91,10 +114,13 @@ def main():
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
-    timer = StepTimer(keras).callback
-    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[timer])
-    times = timer.times
+    if spec.get("comm_only"):
+        times = communicate_only(model, steps)
+    else:
+        timer = StepTimer(keras).callback
+        model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[timer])
+        times = timer.times
     timed = times[1 + spec["warmup_steps"]:]
     step_s = np.diff(timed).tolist()
     result = {"rank": rank, "workers": workers, "batch_per_worker": per_worker,

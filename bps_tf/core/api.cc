@@ -8,6 +8,7 @@
 #include "stats.h"
 #include "worker_engine.h"
 #include "labels.h"
+#include "trace.h"
 
 namespace {
 void CopyError(const std::string& message, char* err, size_t err_len) {
@@ -62,6 +63,12 @@ void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape,
 
 void bps_set_tensor_label(const char* name, const char* label) {
   bps::TensorLabels::Get().Set(name ? name : "", label ? label : "");
+}
+
+void bps_trace_wait(const char* name, int64_t begin_ns, int64_t end_ns) {
+  using bps::Clock;
+  auto at = [](int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); };
+  bps::Trace::Get().RecordWait(name ? name : "", at(begin_ns), at(end_ns));
 }
 
 void bps_debug_pause_sends(int paused) { bps::WorkerEngine::Get().PauseSends(paused != 0); }

@@ -77,6 +77,11 @@ void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape,
 // across workers. An empty label removes it.
 void bps_set_tensor_label(const char* name, const char* label);
 
+// Puts a split push_pull's wait on the timeline (BYTEPS_TRACE_ON): the
+// span, in nanoseconds of std::chrono::steady_clock in this process, from
+// the moment `name`'s sum was asked for to the moment it was handed over.
+void bps_trace_wait(const char* name, int64_t begin_ns, int64_t end_ns);
+
 // Runs a server (and the scheduler, when the config says so) until the job
 // ends. Returns the process exit code; a message in err when non-zero.
 int bps_server_run(const char* config, char* err, size_t err_len);

@@ -23,6 +23,7 @@ void Trace::Configure(bool on, const std::string& dir, int rank, int64_t start_s
   origin_ = Clock::now();
   events_.clear();
   rows_.clear();
+  waits_.clear();
 }
 
 int64_t Trace::Us(Clock::time_point t) const {
@@ -35,6 +36,23 @@ int Trace::Row(const std::string& label) {
   int id = static_cast<int>(rows_.size()) + 1;
   rows_[label] = id;
   return id;
+}
+
+// The row a person recognises: the variable's label with the key beside it.
+static std::string ShownName(const std::string& name, const std::string& label) {
+  return label.empty() ? name : label + " (" + name + ")";
+}
+
+void Trace::RecordWait(const std::string& name, Clock::time_point begin, Clock::time_point end) {
+  if (!on_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t step = waits_[name]++;
+  if (static_cast<int64_t>(step) < start_ || static_cast<int64_t>(step) > end_ || end < begin) return;
+  std::string label = TensorLabels::Get().Of(name);
+  events_.push_back({"wait", "overlap", Us(begin), Us(end) - Us(begin),
+                     Row(ShownName(name, label)),
+                     "{\"tensor_name\":" + JsonString(name) + ",\"step\":" +
+                         std::to_string(step) + "}"});
 }
 
 void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t step,
@@ -51,7 +69,7 @@ void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t 
                         std::to_string(priority) + "," +
                         (label.empty() ? "" : "\"variable\":" + JsonString(label) + ",") +
                         args.substr(1);
-  std::string shown = label.empty() ? name : label + " (" + name + ")";
+  std::string shown = ShownName(name, label);
   int row = Row(shown);
   events_.push_back({label.empty() ? name : label, "push_pull", Us(enqueued),
                      Us(finished) - Us(enqueued), row, op_args});
@@ -84,6 +102,12 @@ void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t 
 std::string Trace::Flush() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!on_) return "";
+  // Like `mkdir -p`: a trace folder below one that does not exist yet is
+  // what a user names most often (a run's own output folder).
+  for (size_t slash = dir_.find('/', 1); slash != std::string::npos;
+       slash = dir_.find('/', slash + 1)) {
+    mkdir(dir_.substr(0, slash).c_str(), 0755);
+  }
   mkdir(dir_.c_str(), 0755);
   std::string path = dir_ + "/bps_trace_rank" + std::to_string(rank_) + ".json";
   FILE* f = std::fopen(path.c_str(), "w");

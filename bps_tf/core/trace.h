@@ -36,6 +36,11 @@ class Trace {
   void RecordOperation(const std::string& name, int64_t priority, uint64_t step, uint64_t bytes,
                        Clock::time_point enqueued, Clock::time_point declared,
                        Clock::time_point finished, const std::vector<PartTimes>& parts);
+  // A split push_pull's wait (ops/overlap_ops.cc): from the moment the
+  // layer asked for its summed gradient to the moment it got it, on the
+  // tensor's row. The k-th delivered wait of a tensor is its step k (it
+  // takes step k's sum), so the same step range selects it.
+  void RecordWait(const std::string& name, Clock::time_point begin, Clock::time_point end);
   // Writes <dir>/bps_trace_rank<r>.json; returns the path ("" if off).
   std::string Flush();
 
@@ -58,6 +63,7 @@ class Trace {
   std::mutex mu_;
   std::vector<Event> events_;
   std::map<std::string, int> rows_;
+  std::map<std::string, uint64_t> waits_;  // delivered waits per tensor name
 };
 
 }  // namespace bps

@@ -41,6 +41,8 @@ struct Entry {
   bool held = false;      // finished, but kept back by BytepsPushPullDebugHold
   bool hold = false;      // to be held once finished
   Status status;
+  // When a Wait first asked for it (the timeline's wait span begins there).
+  std::chrono::steady_clock::time_point wait_began{};
   // The Wait parked on this entry, if any.
   OpKernelContext* waiter_ctx = nullptr;
   AsyncOpKernel::DoneCallback waiter_done;
@@ -62,6 +64,11 @@ void Deliver(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, const Entry
         ctx->input(0).shape().DebugString()));
   } else {
     ctx->set_output(0, e->output);
+    auto ns = [](std::chrono::steady_clock::time_point t) {
+      return static_cast<int64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    };
+    bps_trace_wait(e->name.c_str(), ns(e->wait_began), ns(std::chrono::steady_clock::now()));
     Tensor* valid = nullptr;
     Status s = ctx->allocate_output(1, TensorShape({}), &valid);
     if (s.ok()) {
@@ -144,6 +151,7 @@ class Table {
           done();
           return;
         }
+        e->wait_began = std::chrono::steady_clock::now();
         if (!e->finished || e->held) {
           e->waiter_ctx = ctx;
           e->waiter_done = std::move(done);
