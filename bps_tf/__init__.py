@@ -55,6 +55,8 @@ _LAZY = {
     "local_size_op": "bps_tf.synchronization",
     "local_rank_op": "bps_tf.synchronization",
     "SyncBatchNormalization": "bps_tf.sync_batch_norm",
+    "broadcast_global_variables": "bps_tf.tf1_session",
+    "BroadcastGlobalVariablesHook": "bps_tf.tf1_session",
     **{query: "bps_tf.build_info" for query in (
         "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
         "rocm_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported")},

@@ -239,7 +239,8 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     All broadcasts run inside one ``tf.function`` so they overlap (100
     variables cost about one round trip, not 100). Names come from each
     variable's Keras 3 ``.path`` (or ``.name``), so workers must build the
-    same variables under the same names. Under BYTEPS_ENABLE_ASYNC=1 the
+    same variables under the same names. In a TF1 graph it returns the op
+    that does it (run it in the session). Under BYTEPS_ENABLE_ASYNC=1 the
     trainable ones are also written into the servers' store
     (bps_tf.async_training.start_from_root; eager calls only).
     """
@@ -252,19 +253,25 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     keys = naming.unique_names(["BroadcastVariables/" + variable_name(v) for v in variables])
 
     def assign_all():
+        assigns = []
         for priority, (var, key) in enumerate(zip(variables, keys)):
             value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
                                           priority=-priority)
-            var.assign(value)
+            assigns.append(var.assign(value))
+        return tf.group(*assigns)
 
     if tf.executing_eagerly():
-        tf.function(assign_all, autograph=False)()
+        def run():
+            assign_all()  # a tf.function may not return the op that groups them
+        tf.function(run, autograph=False)()
         if async_training.enabled():
             # Asynchronous training: the servers' copy starts from the root's too.
             async_training.start_from_root(
                 [v for v in variables if getattr(v, "trainable", False)], root_rank)
     else:
-        assign_all()
+        # A TF1 graph: the op a session runs (Horovod's broadcast_variables
+        # returns it too).
+        return assign_all()
 
 
 def broadcast_object(obj, root_rank=0, name=None):

@@ -16,6 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+import bps_tf  # noqa: E402
 import bps_tf.basics as basics  # noqa: E402
 import bps_tf.ops as bps_ops  # noqa: E402
 from bps_tf import api  # noqa: E402
@@ -515,6 +516,9 @@ def test_keras_namespace_matches_horovod_names():
         assert hasattr(bps_keras, name), name
     with pytest.raises(NotImplementedError, match="BroadcastGlobalVariablesCallback"):
         bps_keras.broadcast_global_variables(0)
+    # Eager code has no global variables: the TF1 op says what to use instead.
+    with pytest.raises(RuntimeError, match="bps_tf.broadcast_variables"):
+        bps_tf.broadcast_global_variables(0)
     out = bps_keras.allreduce(np.array([2.0, 4.0]), op=bps_keras.Sum, name="k")
     np.testing.assert_array_equal(out.numpy(), [2.0, 4.0])
 

@@ -63,3 +63,15 @@ def test_the_graph_rewrite_refuses_an_untraceable_sparse_update_naming_it(run):
         assert "sparse gradient" in message and "ResourceScatterAdd" in message, message
         assert "cannot be traced" in message
         assert "bps_tf.DistributedOptimizer" in message
+
+
+def test_global_variables_come_from_the_root_through_the_hook_and_the_op(run):
+    # Rank r starts w at r + 1 and v at 10 (r + 1); the hook broadcasts from
+    # rank 1 when the MonitoredTrainingSession is created, the op from rank 0.
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        text = (out / f"broadcast_globals.rank{rank}.txt").read_text()
+        assert not text.startswith("error"), text
+        got = json.loads(text)
+        assert got == {"hook_w": [2.0, 2.0, 2.0], "hook_step": 0, "op_v": [10.0]}, got

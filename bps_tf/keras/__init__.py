@@ -48,12 +48,27 @@ def broadcast_model(model, root_rank=0):
 
 
 def broadcast_global_variables(root_rank):
-    """Keras 3 has no global variable collection; say what to use instead."""
-    raise NotImplementedError(
-        "Keras 3 has no global variables. Use "
-        "bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(root_rank) with "
-        "fit, or bps_tf.keras.broadcast_model(model, root_rank) / "
-        "broadcast_variables(variables, root_rank) in a custom loop.")
+    """tf_keras in a TF1 graph (eager execution disabled): broadcasts every
+    global variable in the Keras session. Eager code (Keras 3 always) has no
+    global variables: the error says what to use instead."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        raise NotImplementedError(
+            "broadcast_global_variables needs a TF1 graph; eager Keras has no global "
+            "variables. Use bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(root_rank) "
+            "with fit, or bps_tf.keras.broadcast_model(model, root_rank) / "
+            "broadcast_variables(variables, root_rank) in a custom loop.")
+    from bps_tf import tf1_session
+    op = tf1_session.broadcast_global_variables(root_rank)
+    # tf_keras' session holds the model's variables; a plain TF1 script's
+    # default session otherwise.
+    session = tf.compat.v1.get_default_session()
+    backend = getattr(getattr(tf.compat.v1, "keras", None), "backend", None)
+    if backend is not None and hasattr(backend, "get_session"):
+        session = backend.get_session()
+    if session is None:
+        raise RuntimeError("broadcast_global_variables: no TF1 session to run the broadcast in")
+    return session.run(op)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

@@ -15,6 +15,7 @@ reference):
 
 Writes OUT_DIR/<mode>_<case>.rank<r>.npz with both sets of final weights.
 """
+import json
 import os
 import sys
 import traceback
@@ -82,6 +83,25 @@ def untraceable_sparse_update(rows):
             sess.run(update, {tokens: data()[0][0, rows]})
 
 
+def broadcast_globals(rank):
+    got = {}
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.fill([3], float(rank + 1)))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        hook = bps_tf.BroadcastGlobalVariablesHook(1)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook]) as sess:
+            got["hook_w"] = sess.run(w).tolist()
+            got["hook_step"] = int(sess.run(step))
+    with tf.Graph().as_default():
+        v = tf.Variable([float(10 * (rank + 1))], name="v")
+        op = bps_tf.broadcast_global_variables(0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(op)
+            got["op_v"] = sess.run(v).tolist()
+    return got
+
+
 def main():
     out_dir = sys.argv[1]
     tf.compat.v1.disable_eager_execution()
@@ -115,6 +135,14 @@ def main():
     except Exception:  # noqa: BLE001 - reported to the test
         result = "error: " + traceback.format_exc()
     with open(os.path.join(out_dir, f"gradients.rank{rank}.txt"), "w") as f:
+        f.write(result)
+    # Every global variable from the root: the hook in a MonitoredTrainingSession
+    # and the op in a plain session (each rank starts from its own values).
+    try:
+        result = json.dumps(broadcast_globals(rank))
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = "error: " + traceback.format_exc()
+    with open(os.path.join(out_dir, f"broadcast_globals.rank{rank}.txt"), "w") as f:
         f.write(result)
     # A sparse update the rewrite cannot trace to tf.gradients' IndexedSlices
     # (a Softsign of the values): refused, naming the op.
