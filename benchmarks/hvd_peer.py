@@ -27,7 +27,7 @@ SETUP = "benchmarks/setup_horovod.sh"
 def unavailable_reason() -> Optional[str]:
     """None when Horovod with gloo can run, else why not (with the fix)."""
     if not PYTHON.exists() or not HOROVODRUN.exists():
-        return f"Horovod is not installed: {VENV} is missing (run {SETUP}, about 4 minutes)"
+        return f"Horovod is not installed: no {HOROVODRUN} (run {SETUP}, about 4 minutes)"
     probe = subprocess.run([str(PYTHON), "-c", "import horovod.tensorflow as h; "
                             "print(int(h.gloo_built()))"],
                            capture_output=True, text=True, timeout=120,

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         except NetnsUnavailable as exc:
             notes.append(f"namespace hosts left out: {exc}")
             print(f"peers: namespace hosts left out: {exc}", file=sys.stderr)
-    if loop_rows:
+    if loop_rows and net_rows:
         print_tables("loopback (repeated from above)", "size", loop_rows, "ms", 1e3)
     if net_rows:
         print_tables(f"ResNet-50 gradient set ({case['bytes'] / 1e6:.0f} MB) per step, "
