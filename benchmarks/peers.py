@@ -224,6 +224,9 @@ def plot(loop_rows, net_rows, path: Path) -> None:
                     hi.append(r["spread_seconds"][name][1] - y)
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
+        for i, r in enumerate(net_rows):
+            ax.hlines(r["bound_m_over_b"], i - width / 2, i + 0.8 - width / 2, colors="black",
+                      linestyles="dashed", label="M/B" if i == 0 else None)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(net_rows))],
                       [r["label"] for r in net_rows])
         ax.set_ylabel("seconds per step (lower is better)")
