@@ -67,7 +67,11 @@ def run_job(procs: Processes, spec: Path, *, num_workers: int,
                  HOROVOD_HOSTNAME=slot["hostname"],
                  **{f"HOROVOD_{k.upper()}": str(slot[k]) for k in
                     ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")})
-        ranks.append(procs.start(f"hvd_rank{slot['rank']}", [str(PYTHON), str(WORKER), str(spec)],
-                                 e, host.prefix))
+        # Horovod 0.28.1 builds its process-set gloo device without HOROVOD_GLOO_IFACE, from
+        # the host name, which resolves to 127.0.0.1 here; a UTS namespace per rank whose host
+        # name is the host's address makes that device reachable from the other hosts.
+        argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host.ip,
+                str(PYTHON), str(WORKER), str(spec)]
+        ranks.append(procs.start(f"hvd_rank{slot['rank']}", argv, e, host.prefix))
     procs.wait(ranks, timeout)
     return common.read_results(procs.log_dir, num_workers)
