@@ -1,8 +1,12 @@
 """bps_tf against its peers in one run: the C++ raw-TCP bound, Horovod 0.28.1 +
 gloo, and TensorFlow's ring all-reduce, on loopback and on namespace hosts.
 
-    python benchmarks/peers.py --quick         # < 8 min on 2 cores
-    python benchmarks/peers.py                 # the full tables (see docs/performance.md)
+    sudo python benchmarks/peers.py --quick    # 3 sizes, 1 gbit hosts; ~11 min at load 10-19 on 2 cores
+    sudo python benchmarks/peers.py            # the full tables (see docs/performance.md)
+
+Most of the time is process start-up (every column of every round starts
+its processes afresh, TensorFlow's take seconds each), so a quiet machine is
+much faster. Without root the namespace part is left out, with the reason.
 
 Columns, every one measured in this run, in >= 3 interleaved rounds (round 1
 runs each column once, then round 2, ...: a drift in the machine's load hits
@@ -277,8 +281,11 @@ def main(argv=None) -> int:
     args.bps_env = {"BYTEPS_ENCRYPTION": "1" if args.encryption == "on" else "0"}
     started = time.monotonic()
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))
-    netns = [] if args.netns == "none" else parse_netns(
-        args.netns or (QUICK_NETNS if args.quick else FULL_NETNS))
+    try:
+        netns = [] if args.netns == "none" else parse_netns(
+            args.netns or (QUICK_NETNS if args.quick else FULL_NETNS))
+    except ValueError as exc:
+        ap.error(f"--netns: {exc} (format: RATE/MTU,..., e.g. 1gbit/1500,500mbit/9000)")
     steps = args.steps or (2 if args.quick else 5)
 
     horovod = False

@@ -50,5 +50,5 @@ HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
 CXXFLAGS="-I$TFI/external/highwayhash -I$TFI/external/farmhash_archive/src -I$SHIM" \
   "$PY" -m pip install --no-cache-dir --no-build-isolation horovod==0.28.1
 
-"$PY" -c "import horovod.tensorflow as hvd; print('horovod', hvd.__version__ if hasattr(hvd, '__version__') else '', 'gloo built:', hvd.gloo_built())"
+"$PY" -c "import horovod, horovod.tensorflow as hvd; print('horovod', horovod.__version__, 'gloo built:', hvd.gloo_built())"
 echo "Horovod installed in $VENV; run benchmarks with: $VENV/bin/horovodrun -np 2 -H localhost:2 --gloo ..."
