@@ -14,7 +14,8 @@ Per rate, measured in this run on the same hosts:
 * bps_tf: the 214 ResNet-50 gradients (25.6 M float32, ~102 MB) push_pulled
   at once per step by numpy workers, priorities in forward order;
 * tcp-echo: the raw-TCP ceiling of the same data movement on these links
-  (each worker host sends M split over the server hosts and gets it back);
+  (each worker host sends M split over the server hosts and gets it back;
+  the C++ tool benchmarks/echo/ps_echo.cc, or --echo python);
 * TF ring: MultiWorkerMirroredStrategy (RING) all-reducing the same 214
   tensors from a tf.function, one process per worker host.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, link_usage  # noqa: E402
+from benchmarks import common, cxx_echo, link_usage  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 from benchmarks.resnet50_shapes import count_values, resnet50_trainable_shapes  # noqa: E402
@@ -79,10 +80,11 @@ def run_bps(net, case, workers, servers, script="bps_numpy.py", env=None, monito
         return step_times(results)
 
 
-def run_echo(net, case, workers, servers):
+def run_echo(net, case, workers, servers, impl="cxx"):
     echo_case = {k: case[k] for k in ("label", "warmup", "reps", "bytes")}
+    run = cxx_echo.run_job if impl == "cxx" else common.run_echo_job
     with common.processes() as procs:
-        results = common.run_echo_job(procs, [echo_case], num_clients=workers,
+        results = run(procs, [echo_case], num_clients=workers,
                                       num_servers=servers, client_hosts=net.hosts[:workers],
                                       server_hosts=net.hosts[workers:workers + servers],
                                       timeout=3600)
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--no-tf", action="store_true", help="skip TensorFlow's ring all-reduce")
     ap.add_argument("--no-echo", action="store_true", help="skip the raw-TCP ceiling")
+    ap.add_argument("--echo", choices=("cxx", "python"), default="cxx",
+                    help="which raw-TCP echo is the ceiling (C++ tool or the Python one)")
     ap.add_argument("--tf-op", action="store_true", help="also time bps_tf through the TF op")
     ap.add_argument("--flat-priority", action="store_true",
                     help="every gradient at priority 0 (FIFO in enqueue order)")
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
                 plan = []
                 if not args.no_echo:
                     plan.append(("tcp-echo", lambda: run_echo(net, case, args.workers,
-                                                              args.servers)))
+                                                              args.servers, args.echo)))
                 for pb in partitions:
                     env = dict(bps_env, **({"BYTEPS_PARTITION_BYTES": str(pb)} if pb else {}))
                     name = "bps_tf" if pb == partitions[0] else f"bps_tf part {pb}"

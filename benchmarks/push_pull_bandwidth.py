@@ -8,7 +8,9 @@ Per tensor size, all measured in this run, one after the other:
 
 * tcp-echo: the raw-TCP bound. Each of W client processes sends its M bytes
   split over S echo-server processes and receives them back, all at once --
-  what a bps_tf worker does against S servers, minus the summing;
+  what a bps_tf worker does against S servers, minus the summing. The C++
+  tool benchmarks/echo/ps_echo.cc by default; --echo python for the older
+  Python echo (workers/tcp_echo.py), which bps_tf outruns at small sizes;
 * bps_tf (numpy): W workers x S servers, one push_pull of an M-byte float32
   tensor per repetition (no TensorFlow in the process: fast start-up);
 * bps_tf (TF op): the same through `push_pull_sum` in a tf.function (--tf-op);
@@ -32,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, cxx_echo  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, fmt_size, median  # noqa: E402
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB,256MiB"
@@ -66,9 +68,10 @@ def case_times(results, count):
     return out
 
 
-def run_echo(cases, workers, servers):
+def run_echo(cases, workers, servers, impl="cxx"):
+    run = cxx_echo.run_job if impl == "cxx" else common.run_echo_job
     with common.processes() as procs:
-        results = common.run_echo_job(procs, cases, num_clients=workers, num_servers=servers)
+        results = run(procs, cases, num_clients=workers, num_servers=servers)
     return case_times(results, len(cases))
 
 
@@ -133,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--encryption", choices=("on", "off", "both"), default="on",
                     help="BYTEPS_ENCRYPTION of the bps_tf jobs; both: an extra numpy column "
                          "without encryption, interleaved with the others")
+    ap.add_argument("--echo", choices=("cxx", "python"), default="cxx",
+                    help="which raw-TCP echo is the bound (C++ tool or the Python one)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args(argv)
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     cases = make_cases(sizes, args.quick, args.warmup)
     enc = {"BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
-    runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers),
+    runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers, args.echo),
                "bps_tf numpy": lambda: run_bps(cases, args.workers, args.servers,
                                                "bps_numpy.py", enc)}
     if args.encryption == "both":
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
                        headers, table)
     out = common.write_json("push_pull_bandwidth", {
         "workers": args.workers, "servers": args.servers, "rounds": args.rounds,
-        "tf_api": args.tf_api, "encryption": args.encryption,
+        "tf_api": args.tf_api, "encryption": args.encryption, "echo": args.echo,
         "columns": names, "rows": rows,
         "targets": {"64MiB bps/bound": ">= 0.80", "64MiB bps vs TF ring": ">= 3.0"}},
         args.out_dir)
