@@ -69,3 +69,36 @@ def test_mismatches_fail_on_every_rank_within_seconds(ranks, name):
 def test_add_process_set_with_different_ranks_fails_on_every_rank(ranks):
     for rank, detail in _check(ranks, "add_mismatch").items():
         assert "add_process_set" in detail and "differs across workers" in detail, detail
+
+
+# --------------------------------------------------------------------------
+# The core alone (numpy workers): servers, scheduler and stall check
+# --------------------------------------------------------------------------
+CORE_CHECKS = os.path.join(ROOT, "tests", "workers", "process_set_core.py")
+
+
+@pytest.fixture(scope="module")
+def core_ranks(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("process_set_core"))
+    env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_STALL_CHECK_TIME_SECONDS": "2",
+           "BYTEPS_LOG_LEVEL": "WARNING"}
+    found, log, code = run_checks(WORKERS, SERVERS, CORE_CHECKS, out, env=env, timeout=120)
+    return found, log, code
+
+
+def test_core_overlapping_sets_and_global_sums_are_exact_over_many_rounds(core_ranks):
+    found, log, _ = core_ranks
+    assert set(passed_details(found, log, "exact_sums").values()) == {"20"}
+
+
+def test_core_refuses_a_rank_outside_the_set_and_malformed_sets(core_ranks):
+    found, log, _ = core_ranks
+    passed_details(found, log, "refusals")
+
+
+def test_core_stall_check_names_only_the_missing_member(core_ranks):
+    found, log, code = core_ranks
+    passed_details(found, log, "finished")
+    assert code == 0, log
+    # Rank 2 is outside the set [0, 1]: only rank 0 is missing.
+    assert "tensor 'core/stalled' submitted by worker(s) 1 but not by worker(s) 0 (" in log, log

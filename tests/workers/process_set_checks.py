@@ -211,7 +211,11 @@ def check_min_max_mismatch(rank):
 
 
 def check_set_mismatch(rank, sets):
+    """Ranks 0 and 1 clash at once; rank 2 declares after the clash and
+    must get the same error instead of waiting for the others."""
     ps = sets[0] if rank == 0 else bps_tf.global_process_set
+    if rank == 2:
+        time.sleep(1.0)
     return expect_error_on_every_rank(
         "process set mismatch",
         lambda: api.allreduce(tf.constant([1.0]), op=api.Sum, name="mm/set", process_set=ps),
