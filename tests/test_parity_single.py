@@ -178,8 +178,8 @@ def test_barrier_and_rank_queries(op_names):
                         (bps_tf.local_size_op, 1), (bps_tf.local_rank_op, 0)):
         t = query()
         assert t.dtype == tf.int32 and t.shape == () and int(t) == want
-    with pytest.raises(NotImplementedError, match="process sets"):
-        bps_tf.size_op(process_set_id=1)
+    with pytest.raises(ValueError, match="no process set has process_set_id=7"):
+        bps_tf.size_op(process_set_id=7)
 
 
 def test_broadcast_in_place_returns_the_variables(op_names):
