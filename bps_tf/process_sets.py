@@ -148,6 +148,8 @@ def register_at_init(process_sets) -> None:
     """``init(process_sets=[...])``: a fresh registry holding these sets
     (ProcessSet objects or lists of ranks), registered in list order."""
     reset_registry()
+    if isinstance(process_sets, str) and process_sets == "dynamic":
+        return   # Horovod's switch for add_process_set later: always on here
     for ps in process_sets or ():
         add_process_set(ps)
 
