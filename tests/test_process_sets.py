@@ -54,6 +54,10 @@ def test_tf_function_and_gradients_within_a_set(ranks):
     assert set(_check(ranks, "tf_function").values()) == {"ok"}
 
 
+def test_keras_distributed_optimizer_within_a_set(ranks):
+    assert _check(ranks, "keras_optimizer") == {0: "ok", 1: "ok", 2: "outside"}
+
+
 def test_tf1_session_within_a_set(ranks):
     assert _check(ranks, "tf1_session") == {0: "outside", 1: "ok", 2: "ok"}
 

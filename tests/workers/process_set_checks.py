@@ -169,6 +169,21 @@ def check_tf_function_and_gradients(rank, sets):
     return "ok"
 
 
+def check_keras_optimizer(rank, sets):
+    """A Keras 3 DistributedOptimizer over set A averages A's gradients."""
+    import keras
+    import bps_tf.keras as bps_keras
+    a = sets[0]
+    if rank not in A_RANKS:
+        return "outside"
+    w = keras.Variable(np.ones(4, np.float32), name="ps_w")
+    opt = bps_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=a)
+    opt.apply([tf.constant(value(rank))], [w])
+    expect_equal("SGD step with A's average", w.numpy(),
+                 1.0 - sum(value(r) for r in A_RANKS) / 2)
+    return "ok"
+
+
 def check_tf1_session(rank, sets):
     """A set allreduce in a tf.compat.v1 graph run by a Session."""
     _, b, _ = sets
@@ -245,6 +260,7 @@ def main(out_dir):
     checks.run("eager", lambda: check_eager_collectives(rank, sets))
     checks.run("disjoint_same_name", lambda: check_same_name_in_disjoint_sets(rank, sets))
     checks.run("tf_function", lambda: check_tf_function_and_gradients(rank, sets))
+    checks.run("keras_optimizer", lambda: check_keras_optimizer(rank, sets))
     checks.run("tf1_session", lambda: check_tf1_session(rank, sets))
     checks.run("op_mismatch", lambda: check_op_mismatch(rank))
     checks.run("min_max_mismatch", lambda: check_min_max_mismatch(rank))
