@@ -61,7 +61,8 @@ _LAZY = {
         "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
         "rocm_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported")},
     **{name: "bps_tf.process_sets" for name in (
-        "ProcessSet", "global_process_set", "add_process_set", "remove_process_set")},
+        "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+        "process_set_by_id")},
 }
 
 

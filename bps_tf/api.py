@@ -32,7 +32,8 @@ from bps_tf.collectives import SUPPORTED_DTYPES, require_init
 from bps_tf import compression as compression_lib
 from bps_tf.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from bps_tf.naming import variable_name
-from bps_tf.process_sets import check_process_set, global_process_set
+from bps_tf import process_sets
+from bps_tf.process_sets import global_process_set
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -87,8 +88,10 @@ def resolve_op(average, op):
 
 # Reduce ops computed from an allgather (the servers only sum): op -> kind
 # of bps_tf.collectives.reduce_by_gather and the key family.
-GATHERED_OPS = {Min: ("min", "AllreduceMin"), Max: ("max", "AllreduceMax"),
-                Product: ("product", "AllreduceProduct")}
+# One family for every op, so that workers passing different ops under one
+# name meet on one key and fail, naming both ops (their agreement differs).
+GATHERED_OPS = {Min: ("min", "PushPull"), Max: ("max", "PushPull"),
+                Product: ("product", "PushPull")}
 
 
 # --------------------------------------------------------------------------
@@ -107,67 +110,82 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     the average. ``priority``: higher leaves first. An ``IndexedSlices`` is
     gathered (its values and indices concatenated over workers, values divided
     by ``size()`` for Average), as Horovod does.
+
+    ``process_set``: a registered ProcessSet; only its members take part
+    (and call this), the average divides by its size. Workers that pass
+    different ops or sets under one name all fail, naming both.
     """
-    check_process_set(process_set, "push_pull")
+    ps = process_sets.resolve(process_set, "push_pull")
     require_init()
     op = resolve_op(average, op)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=op.name.lower()):
+        return _push_pull(tensor, name, compression, op, priority, device_dense,
+                          device_sparse, prescale_factor, postscale_factor, ps)
+
+
+def _push_pull(tensor, name, compression, op, priority, device_dense, device_sparse,
+               prescale_factor, postscale_factor, ps):
     if isinstance(tensor, tf.IndexedSlices):
         if op in GATHERED_OPS:
             raise NotImplementedError(f"push_pull of an IndexedSlices takes Sum or Average, "
                                       f"not {op.name}.")
         with tf.device(device_sparse):
             return _push_pull_sparse(tensor, name, op, prescale_factor,
-                                     postscale_factor)
+                                     postscale_factor, ps)
     tensor = tf.convert_to_tensor(tensor)
     collectives.check_dtype(tensor, "push_pull", collectives.REDUCE_DTYPES)
+    size = ps.size()
     with tf.device(device_dense):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
         if op in GATHERED_OPS:
             kind, family = GATHERED_OPS[op]
             result = collectives.reduce_by_gather(
-                sent, naming.op_key(family, name, tensor), basics.rank(), basics.size(),
+                sent, naming.op_key(family, name, tensor, ps.process_set_id), ps.rank(), size,
                 kind, priority)
             return collectives.scale(result, postscale_factor, "postscale_factor")
-        key = naming.op_key("PushPull", name, tensor)
+        key = naming.op_key("PushPull", name, tensor, ps.process_set_id)
         if compression is FP16Compressor and sent.dtype in (tf.float32, tf.float64):
             # Scaled so that no sum overflows float16 (a plain cast would).
             result = collectives.push_pull_sum_fp16(sent, key, priority)
             if op == Average:
-                result = collectives.divide(result, basics.size())
+                result = collectives.divide(result, size)
         elif compression_lib.is_core(compression):
             # The engine compresses each partition; summing compress()'s bytes would be wrong.
-            result = sum_exact(sent, key, op, priority, compression_lib.core_spec(compression))
+            result = sum_exact(sent, key, op, priority, compression_lib.core_spec(compression),
+                               size=size)
         else:
             sent, ctx = compression.compress(sent)
-            result = compression.decompress(sum_exact(sent, key, op, priority), ctx)
+            result = compression.decompress(sum_exact(sent, key, op, priority, size=size), ctx)
         return collectives.scale(result, postscale_factor, "postscale_factor")
 
 
-def sum_exact(tensor, key, op, priority=0, compression=""):
-    """Sum (or average, ``op``) of ``tensor`` over workers under ``key``.
+def sum_exact(tensor, key, op, priority=0, compression="", size=None):
+    """Sum (or average, ``op``) of ``tensor`` over workers under ``key``
+    (``size``: how many take part, by default every worker).
 
     Narrow integers (int8, uint8, int16, uint16) travel as int32: their sum
     comes back wrapped as the type wraps; their average is the floor of the
     exact mean (taken before narrowing, so it never wraps).
     """
     dtype = tensor.dtype
+    size = basics.size() if size is None else size
     wide = collectives.WIDEN.get(dtype) if dtype in collectives.REDUCE_DTYPES else None
     if wide is None:
         summed = collectives.push_pull_sum(tensor, key, priority, compression=compression)
-        return collectives.divide(summed, basics.size()) if op == Average else summed
+        return collectives.divide(summed, size) if op == Average else summed
     summed = collectives.push_pull_sum(tf.cast(tensor, wide), key, priority)
     if op == Average:
-        summed = collectives.divide(summed, basics.size())
+        summed = collectives.divide(summed, size)
     return tf.cast(summed, dtype)
 
 
-def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor):
-    base = naming.sparse_base(name, slices)
+def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor, ps):
+    base = naming.sparse_base(name, slices, ps.process_set_id)
     values = collectives.scale(slices.values, prescale_factor, "prescale_factor")
-    values = allgather(values, name=naming.part_key(base, "values"))
-    indices = allgather(slices.indices, name=naming.part_key(base, "indices"))
+    values = allgather(values, name=naming.part_key(base, "values"), process_set=ps)
+    indices = allgather(slices.indices, name=naming.part_key(base, "indices"), process_set=ps)
     if op == Average:
-        values = collectives.divide(values, basics.size())
+        values = collectives.divide(values, ps.size())
     values = collectives.scale(values, postscale_factor, "postscale_factor")
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
@@ -178,25 +196,24 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
               priority=0, process_set=global_process_set):
     """``push_pull`` under Horovod's name and argument order.
     ``ignore_name_scope`` is accepted for compatibility and has no effect."""
-    check_process_set(process_set, "allreduce")
     del ignore_name_scope
     return push_pull(tensor, average=average, name=name, compression=compression,
                      op=op, priority=priority, device_dense=device_dense,
                      device_sparse=device_sparse, prescale_factor=prescale_factor,
-                     postscale_factor=postscale_factor)
+                     postscale_factor=postscale_factor, process_set=process_set)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, name=None, process_set=global_process_set):
     """``allreduce`` of a list; the ops run concurrently inside a tf.function."""
-    check_process_set(process_set, "grouped_allreduce")
+    process_sets.resolve(process_set, "grouped_allreduce")
     names = [None] * len(tensors) if name is None else \
         [f"{name}/{i}" for i in range(len(tensors))]
     return [allreduce(t, average=average, device_dense=device_dense,
                       device_sparse=device_sparse, compression=compression,
                       op=op, prescale_factor=prescale_factor,
-                      postscale_factor=postscale_factor, name=n)
+                      postscale_factor=postscale_factor, name=n, process_set=process_set)
             for t, n in zip(tensors, names)]
 
 
@@ -209,13 +226,13 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     must agree. Exact for every supported dtype, except that a float -0.0
     comes back as +0.0 (see ``bps_tf.collectives.allgather``).
     """
-    check_process_set(process_set, "allgather")
+    ps = process_sets.resolve(process_set, "allgather")
     del ignore_name_scope
     require_init()
     tensor = collectives.row_tensor(tensor, "allgather", collectives.GATHER_DTYPES)
-    key = naming.op_key("Allgather", name, tensor)
-    gathered, _ = collectives.allgather(tensor, key, basics.rank(), basics.size(),
-                                        widen=True)
+    key = naming.op_key("Allgather", name, tensor, ps.process_set_id)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
+        gathered, _ = collectives.allgather(tensor, key, ps.rank(), ps.size(), widen=True)
     return gathered
 
 
@@ -224,13 +241,25 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 # --------------------------------------------------------------------------
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
-    """Every worker gets ``root_rank``'s value of ``tensor``."""
-    check_process_set(process_set, "broadcast")
+    """Every worker gets ``root_rank``'s value of ``tensor``. With a
+    ``process_set``, ``root_rank`` is a global rank in the set (as in Horovod)."""
+    ps = process_sets.resolve(process_set, "broadcast")
     del ignore_name_scope
     require_init()
-    root_rank = collectives.check_root(root_rank)
+    root_rank = check_set_root(root_rank, ps)
     tensor = tf.convert_to_tensor(tensor)
-    return collectives.broadcast(tensor, naming.op_key("Broadcast", name, tensor), root_rank)
+    key = naming.op_key("Broadcast", name, tensor, ps.process_set_id)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
+        return collectives.broadcast(tensor, key, root_rank)
+
+
+def check_set_root(root_rank, ps):
+    """``root_rank`` checked: a global rank, and a member of ``ps``."""
+    root_rank = collectives.check_root(root_rank)
+    if ps.ranks is not None and root_rank not in ps.ranks:
+        raise ValueError(f"root_rank {root_rank} is not in {ps!r} (root_rank is a global "
+                         "rank, as in Horovod).")
+    return root_rank
 
 
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
@@ -244,9 +273,9 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     trainable ones are also written into the servers' store
     (bps_tf.async_training.start_from_root; eager calls only).
     """
-    check_process_set(process_set, "broadcast_variables")
+    ps = process_sets.resolve(process_set, "broadcast_variables")
     require_init()
-    root_rank = collectives.check_root(root_rank)
+    root_rank = check_set_root(root_rank, ps)
     variables = list(variables)
     if not variables:
         return
@@ -254,10 +283,11 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
 
     def assign_all():
         assigns = []
-        for priority, (var, key) in enumerate(zip(variables, keys)):
-            value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
-                                          priority=-priority)
-            assigns.append(var.assign(value))
+        with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
+            for priority, (var, key) in enumerate(zip(variables, keys)):
+                value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
+                                              priority=-priority)
+                assigns.append(var.assign(value))
         return tf.group(*assigns)
 
     if tf.executing_eagerly():
@@ -274,17 +304,23 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
         return assign_all()
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` on every worker (any picklable object).
 
     Eager only. The pickled bytes travel as int32 words; their length is
     broadcast first so the other workers can size the buffer.
     """
+    ps = process_sets.resolve(process_set, "broadcast_object")
     require_init()
     if not tf.executing_eagerly():
         raise RuntimeError("broadcast_object works in eager mode only.")
-    root_rank = collectives.check_root(root_rank)
-    base = naming.op_key("BroadcastObject", name)
+    root_rank = check_set_root(root_rank, ps)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
+        return _broadcast_object(obj, root_rank, naming.op_key("BroadcastObject", name, None,
+                                                               ps.process_set_id))
+
+
+def _broadcast_object(obj, root_rank, base):
     is_root = basics.rank() == root_rank
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
     length = collectives.broadcast(tf.constant([len(payload)], tf.int64),
@@ -307,15 +343,16 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     (first dimension may differ per worker), after an allgather of their
     lengths.
     """
-    check_process_set(process_set, "allgather_object")
+    ps = process_sets.resolve(process_set, "allgather_object")
     require_init()
     if not tf.executing_eagerly():
         raise RuntimeError("allgather_object works in eager mode only.")
-    base = naming.op_key("AllgatherObject", name)
+    base = naming.op_key("AllgatherObject", name, None, ps.process_set_id)
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     lengths = allgather(tf.constant([payload.size], tf.int64),
-                        name=naming.part_key(base, "lengths")).numpy()
-    data = allgather(tf.constant(payload), name=naming.part_key(base, "data")).numpy()
+                        name=naming.part_key(base, "lengths"), process_set=ps).numpy()
+    data = allgather(tf.constant(payload), name=naming.part_key(base, "data"),
+                     process_set=ps).numpy()
     out, start = [], 0
     for length in lengths:
         out.append(pickle.loads(data[start:start + int(length)].tobytes()))
@@ -344,7 +381,8 @@ def predivide_scales(op, gradient_predivide_factor, where: str):
 
 def reduce_gradients(grads, sources, prefix, compression=Compression.none,
                      sparse_as_dense=False, op=Average, priority_fn=None,
-                     postscale_factor=1.0, prescale_factor=1.0):
+                     postscale_factor=1.0, prescale_factor=1.0,
+                     process_set=global_process_set):
     """Push-pulls a list of gradients named after their ``sources``.
 
     Priority is ``-index`` by default: earlier sources are needed earlier
@@ -367,5 +405,5 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
         with collectives.keep_priority(priority_fn is not None):
             out.append(push_pull(grad, name=name, compression=compression, op=op,
                                  priority=priority, prescale_factor=prescale_factor,
-                                 postscale_factor=postscale_factor))
+                                 postscale_factor=postscale_factor, process_set=process_set))
     return out

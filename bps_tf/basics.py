@@ -27,16 +27,23 @@ def core():
     return _core
 
 
-def init(environ=None) -> None:
+def init(environ=None, process_sets=None) -> None:
     """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1).
 
     Blocks until every worker and server has met; raises with the reason if
     they disagree or do not all arrive in BYTEPS_RENDEZVOUS_TIMEOUT seconds.
+    ``process_sets``: Horovod's list of ProcessSet (or rank lists) to
+    register now (bps_tf.process_sets.add_process_set, on every worker alike).
     """
-    global _atexit_registered
     c = core()
     if c.is_initialized():
         return
+    _join(c, environ)
+    from bps_tf import process_sets as sets  # imports this module: loaded late
+    sets.register_at_init(process_sets)
+
+
+def _join(c, environ) -> None:
     spec = cluster.resolve(environ)
     if spec.role in ("server", "scheduler"):
         raise RuntimeError(
@@ -48,6 +55,7 @@ def init(environ=None) -> None:
     _configure_logging(values.get("log_level", "WARNING"), c.rank())
     log.info("initialized: rank %d of %d, local rank %d of %d", c.rank(), c.size(),
              c.local_rank(), c.local_size())
+    global _atexit_registered
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True

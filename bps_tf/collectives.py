@@ -24,6 +24,7 @@ The op library is loaded on first use, so importing this module (and
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -51,6 +52,34 @@ BLOCKING_PRIORITY = 1
 # Updates of non-trainable state (BatchNormalization's moving statistics):
 # nothing in the step waits for them, so they go after every gradient.
 STATE_PRIORITY = -(1 << 20)
+
+
+# What the ops created now must agree on across workers (see agreement_scope).
+_agreement = threading.local()
+
+
+@contextlib.contextmanager
+def agreement_scope(**terms):
+    """Every push_pull and broadcast created inside carries ``terms`` in its
+    ``agreement`` attr (``op=average``, ``set=0,2`` ...): workers that pass
+    different values under one name all fail at once, naming both. A
+    ``set`` term makes the op a process-set collective: only those ranks
+    take part (the core waits for them alone). Inner scopes override
+    outer ones term by term; a term given as "" is dropped."""
+    previous = getattr(_agreement, "terms", {})
+    merged = dict(previous)
+    merged.update(terms)
+    _agreement.terms = {k: v for k, v in merged.items() if v}
+    try:
+        yield
+    finally:
+        _agreement.terms = previous
+
+
+def current_agreement() -> str:
+    """The agreement text of the innermost :func:`agreement_scope` ("" if none)."""
+    terms = getattr(_agreement, "terms", {})
+    return " ".join(f"{k}={terms[k]}" for k in sorted(terms))
 
 
 def _ops():
@@ -141,17 +170,16 @@ def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False,
     applied by the engine to float32 tensors of at least BYTEPS_MIN_COMPRESS_BYTES.
     """
     dtype = tensor.dtype
+    agreement = current_agreement()
     if widen and dtype in WIDEN:
         summed = _ops().push_pull_sum(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
-                                      priority=int(priority))
+                                      priority=int(priority), agreement=agreement)
         return tf.cast(summed, dtype)
     if widen and dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
                         f"({key}); supported: {_supported_list()}.")
-    if compression:
-        return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
-                                    compression=compression)
-    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority))
+    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
+                                compression=compression, agreement=agreement)
 
 
 def keep_priority(keep: bool):
@@ -200,20 +228,22 @@ def broadcast(tensor, key: str, root_rank: int, priority: int = 0):
     """``root_rank``'s value of ``tensor`` under ``key``, exact for every dtype."""
     ops = _ops()
     dtype = tensor.dtype
+    agreement = current_agreement()
     if dtype in WIDEN:
         wide = ops.broadcast_raw(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
-                                 root_rank=root_rank, priority=priority)
+                                 root_rank=root_rank, priority=priority, agreement=agreement)
         return tf.cast(wide, dtype)
     if dtype == tf.uint64:
         wide = ops.broadcast_raw(tf.bitcast(tensor, tf.int64), tensor_name=key,
-                                 root_rank=root_rank, priority=priority)
+                                 root_rank=root_rank, priority=priority, agreement=agreement)
         return tf.bitcast(wide, tf.uint64)
     check_dtype(tensor, "broadcast")
-    return ops.broadcast_raw(tensor, tensor_name=key, root_rank=root_rank, priority=priority)
+    return ops.broadcast_raw(tensor, tensor_name=key, root_rank=root_rank, priority=priority,
+                             agreement=agreement)
 
 
 def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
-              widen: bool = False, key_per_size: bool = False):
+              widen: bool = False, key_per_size: bool = False, counts_key=None):
     """Rows of ``tensor`` from all workers, in rank order; returns
     ``(rows, [push_pull ops])`` (no ops in eager mode).
 
@@ -225,7 +255,8 @@ def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
     """
     rows = tf.shape(tensor, out_type=tf.int64)[0]
     slots = tf.scatter_nd([[rank]], tf.reshape(rows, [1]), [size])
-    counts = push_pull_sum(slots, naming.part_key(key, "counts"), priority, widen)
+    counts_key = naming.part_key(key, "counts") if counts_key is None else counts_key
+    counts = push_pull_sum(slots, counts_key, priority, widen)
     total = tf.reduce_sum(counts)
     offset = tf.reduce_sum(counts[:rank])
     pad = tf.stack([tf.stack([offset, total - offset - rows])] +
@@ -245,7 +276,9 @@ def reduce_by_gather(tensor, key: str, rank: int, size: int, kind: str, priority
     integers wraps as the type does)."""
     reduce = GATHER_REDUCTIONS[kind]
     rows = tf.expand_dims(tensor, 0)
-    gathered, _ = allgather(rows, key, rank, size, priority, widen=True)
+    # The row counts go under ``key`` itself: a worker that sums under the
+    # same name meets this one there, and their agreements (op=...) clash.
+    gathered, _ = allgather(rows, key, rank, size, priority, widen=True, counts_key=key)
     return reduce(gathered, axis=0)
 
 

@@ -17,8 +17,9 @@ How a name is formed
   same on every worker that traces the same program). A name used twice in
   one graph gets ``_1``, ``_2`` ... in tracing order.
   Families: ``PushPull``, ``Broadcast``, ``Allgather``, ``BroadcastObject``,
-  ``AllreduceMin``/``AllreduceMax``/``AllreduceProduct`` (an allgather:
-  ``<key>/counts``, ``<key>/data``), ``Reducescatter``, ``Alltoall`` (two
+  ``PushPull`` for Min/Max/Product too (an allgather: its counts under
+  ``<key>`` itself, so a Sum and a Min under one name meet and fail,
+  and the data under ``<key>/data``), ``Reducescatter``, ``Alltoall`` (two
   allgathers ``<key>/splits`` and ``<key>/data``), ``Barrier``,
   ``Broadcast_`` (in place: ``Broadcast_[/<name>]/<variable path>``),
   ``SyncBatchNormalization`` (``<family>/<layer path>``); grouped calls with
@@ -27,6 +28,12 @@ How a name is formed
   ``<name>/indices``; an allgather is two sums ``<key>/counts`` and
   ``<key>/data``; ``broadcast_object`` two broadcasts ``<key>/length`` and
   ``<key>/data``.
+* **Process sets** (``process_set=``): the same names as above, except
+  that unnamed eager calls are numbered per set: ``<Family>/set<id>.eager.<i>``.
+  The set's ranks travel in the op's agreement (``set=0,2``), so the
+  servers' key (from name and signature) differs from a global call's of
+  the same name, while workers that pass different sets under one name
+  meet and all fail, naming both sets.
 * **A variable** (``broadcast_variables``, gradients of
   ``DistributedGradientTape`` / ``DistributedOptimizer``): ``<prefix>/<path>``
   where ``path`` is the Keras 3 ``variable.path`` (else the tf name without
@@ -99,10 +106,17 @@ _UID_SUFFIX = re.compile(r"_\d+$")
 # --------------------------------------------------------------------------
 # Horovod face
 # --------------------------------------------------------------------------
-def next_eager_index() -> int:
-    """The next number of the per-process counter of unnamed eager calls."""
+_set_counters: dict = {}
+
+
+def next_eager_index(process_set_id: int = 0) -> int:
+    """The next number of the per-process counter of unnamed eager calls
+    (one counter per process set: only its members make those calls)."""
     with _eager_lock:
-        return next(_eager_counter)
+        if not process_set_id:
+            return next(_eager_counter)
+        counter = _set_counters.setdefault(process_set_id, itertools.count())
+        return next(counter)
 
 
 def unique_name(base: str, taken: set) -> str:
@@ -125,11 +139,13 @@ def tensor_op_name(tensor) -> Optional[str]:
         return None
 
 
-def op_key(family: str, name: Optional[str], tensor=None) -> str:
-    """The key of one Horovod-face op: family prefix + explicit or derived name."""
+def op_key(family: str, name: Optional[str], tensor=None, process_set_id: int = 0) -> str:
+    """The key of one Horovod-face op: family prefix + explicit or derived name.
+    Unnamed eager calls of a process set are numbered within the set."""
     if tf.executing_eagerly():
         if name is None:
-            name = f"eager.{next_eager_index()}"
+            index = next_eager_index(process_set_id)
+            name = f"set{process_set_id}.eager.{index}" if process_set_id else f"eager.{index}"
         return f"{family}/{name}"
     if name is None:
         name = tensor_op_name(tensor) or "tensor"
@@ -137,12 +153,13 @@ def op_key(family: str, name: Optional[str], tensor=None) -> str:
     return unique_name(f"{family}/{name}", _graph_names.setdefault(graph, set()))
 
 
-def sparse_base(name: Optional[str], slices) -> str:
+def sparse_base(name: Optional[str], slices, process_set_id: int = 0) -> str:
     """Base name of an IndexedSlices push_pull (its values and indices are
     gathered under ``<base>/values`` and ``<base>/indices``)."""
     base = name if name is not None else tensor_op_name(slices)
     if base is None:   # eager, unnamed: one counter value for both parts
-        base = f"eager.{next_eager_index()}"
+        index = next_eager_index(process_set_id)
+        base = f"set{process_set_id}.eager.{index}" if process_set_id else f"eager.{index}"
     return base
 
 

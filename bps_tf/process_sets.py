@@ -1,75 +1,211 @@
-"""Horovod's process sets, as far as a parameter-server job can honour them.
+"""Horovod's process sets: collectives among a subset of the workers.
 
-Every bps_tf collective runs over all workers: the servers wait for every
-worker's part of a tensor. So the one process set is the global one.
-Horovod code that passes ``process_set=hvd.global_process_set`` (or queries
-it) runs unchanged; asking for a subset of ranks is an error that says so,
-never a collective that silently runs over everyone.
+A set is registered on every worker by :func:`add_process_set` (a
+collective over all workers, called in the same order everywhere, so a
+set has the same ``process_set_id`` on every worker). A collective given
+``process_set=`` carries the set's ranks in its agreement text
+(``set=0,2``, bps_tf.collectives.agreement_scope): the scheduler then waits
+for those ranks' declarations only, and the servers complete a round when
+those ranks have pushed (the push header's ``contributors``). Within a set,
+size and rank are the set's (allgather order, the average's divisor);
+a broadcast's ``root_rank`` is a global rank, as in Horovod. A worker
+outside the set that calls a collective with it fails at once.
 
 No TensorFlow here.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from bps_tf import basics
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "check_process_set"]
+           "check_process_set", "resolve", "process_set_by_id", "set_agreement",
+           "reset_registry", "register_at_init"]
+
+# How long add_process_set waits for every worker to register the set.
+REGISTER_TIMEOUT_S = 120.0
 
 
 class ProcessSet:
-    """A set of ranks. ``ranks=None`` (the global set) means every worker."""
+    """A set of ranks; ``ranks=None`` (the global set) means every worker.
+    Usable once registered by :func:`add_process_set` (the global one always is)."""
 
-    def __init__(self, ranks: Optional[Sequence[int]] = None):
-        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else None
+    def __init__(self, ranks_or_comm: Optional[Sequence[int]] = None):
+        if ranks_or_comm is not None and not isinstance(ranks_or_comm, (list, tuple, range)):
+            raise TypeError("ProcessSet takes a list of ranks (MPI communicators are not "
+                            f"available in bps_tf), got {type(ranks_or_comm).__name__}.")
+        self.ranks = None if ranks_or_comm is None else sorted(int(r) for r in ranks_or_comm)
+        if self.ranks is not None and len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ProcessSet ranks {list(ranks_or_comm)} repeat a rank.")
+        self.process_set_id = 0 if ranks_or_comm is None else None
 
-    def is_global(self) -> bool:
-        return self.ranks is None or (basics.is_initialized()
-                                      and self.ranks == list(range(basics.size())))
+    def _ranks(self) -> List[int]:
+        return list(range(basics.size())) if self.ranks is None else self.ranks
 
-    def size(self) -> int:
+    def size(self) -> Optional[int]:
+        """Number of ranks in the set (None until registered)."""
+        if self.process_set_id is None:
+            return None
         return basics.size() if self.ranks is None else len(self.ranks)
 
-    def rank(self) -> int:
-        return basics.rank() if self.ranks is None else self.ranks.index(basics.rank())
+    def rank(self) -> Optional[int]:
+        """This worker's rank within the set, -1 outside it (None until
+        registered). Collectives still take global ranks as ``root_rank``."""
+        if self.process_set_id is None:
+            return None
+        return self._ranks().index(basics.rank()) if self.included() else -1
 
-    def included(self) -> bool:
+    def included(self) -> Optional[bool]:
+        """Whether this worker belongs to the set (None until registered)."""
+        if self.process_set_id is None:
+            return None
         return self.ranks is None or basics.rank() in self.ranks
 
+    def __eq__(self, other):
+        return isinstance(other, ProcessSet) and self.ranks == other.ranks
+
+    def __hash__(self):
+        return hash(None if self.ranks is None else tuple(self.ranks))
+
     def __repr__(self):
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+        if self.ranks is None:
+            return "ProcessSet(process_set_id=0, global)"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
 global_process_set = ProcessSet()
 
-
-def _refuse(what: str):
-    raise NotImplementedError(
-        f"{what}: bps_tf runs every collective over all workers (the parameter servers "
-        "wait for every worker), so process sets other than the global one are not "
-        "available; use process_set=global_process_set (the default).")
+_lock = threading.Lock()
+_registered: Dict[int, ProcessSet] = {0: global_process_set}
+_next_id = itertools.count(1)
+_add_calls = itertools.count()
 
 
-def add_process_set(process_set):
-    """Refused unless it names every rank (then it is the global set)."""
+def reset_registry() -> None:
+    """Forgets every registered set but the global one (a new job after shutdown)."""
+    global _next_id, _add_calls
+    with _lock:
+        for ps in list(_registered.values()):
+            if ps is not global_process_set:
+                ps.process_set_id = None
+        _registered.clear()
+        _registered[0] = global_process_set
+        _next_id = itertools.count(1)
+        _add_calls = itertools.count()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Registers ``process_set`` (a ProcessSet or a list of ranks) on every
+    worker and returns it with its ``process_set_id``.
+
+    A collective over all workers: each must call it with the same ranks, in
+    the same order relative to other add_process_set calls; workers that
+    pass different ranks all fail, naming both lists. A set with the same
+    ranks as a registered one (the global set included) is a ValueError, as
+    in Horovod.
+    """
+    if not basics.is_initialized():
+        raise basics.NotInitializedError("add_process_set: call bps_tf.init() first.")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if not ps.is_global(): 
-        _refuse(f"add_process_set({ps.ranks})")
-    return global_process_set
+    if ps.ranks is None:
+        raise ValueError("add_process_set needs a list of ranks (the global set is "
+                         "always registered).")
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is registered already.")
+    size = basics.size()
+    if not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= size:
+        raise ValueError(f"add_process_set({ps.ranks}): ranks must be in [0, {size}) and "
+                         "the set not empty.")
+    with _lock:
+        for known in _registered.values():
+            if known._ranks() == ps.ranks:  # pylint: disable=protected-access
+                raise ValueError(f"a process set with ranks {ps.ranks} exists already: "
+                                 f"{known!r}.")
+        call = next(_add_calls)
+    ranks = ",".join(str(r) for r in ps.ranks)
+    # One tiny sum over all workers whose agreement is the ranks: a worker
+    # that registers other ranks makes every worker fail at once.
+    if size > 1:
+        zero = np.zeros([1], np.int32)
+        handle = basics.core().push_pull_async(f"ProcessSets/add.{call}", zero, zero.copy(),
+                                               agreement=f"ranks={ranks}")
+        try:
+            handle.wait(REGISTER_TIMEOUT_S)
+        except Exception as e:  # the core's message names both lists
+            raise ValueError(f"add_process_set({ps.ranks}) failed: {e}") from e
+    with _lock:
+        ps.process_set_id = next(_next_id)
+        _registered[ps.process_set_id] = ps
+    return ps
+
+
+def register_at_init(process_sets) -> None:
+    """``init(process_sets=[...])``: a fresh registry holding these sets
+    (ProcessSet objects or lists of ranks), registered in list order."""
+    reset_registry()
+    if isinstance(process_sets, str) and process_sets == "dynamic":
+        return   # Horovod's switch for add_process_set later: always on here
+    for ps in process_sets or ():
+        add_process_set(ps)
 
 
 def remove_process_set(process_set) -> bool:
-    """Horovod returns whether it was removed; the global set never is."""
-    del process_set
-    return False
+    """Unregisters ``process_set`` on this worker; returns whether it was
+    registered (the global set never is removed). Call it on every worker."""
+    if not isinstance(process_set, ProcessSet) or process_set is global_process_set:
+        return False
+    with _lock:
+        if _registered.get(process_set.process_set_id) is not process_set:
+            return False
+        del _registered[process_set.process_set_id]
+        process_set.process_set_id = None
+    return True
+
+
+def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """The registered set with ``process_set_id``; a ValueError if none."""
+    with _lock:
+        ps = _registered.get(int(process_set_id))
+    if ps is None:
+        raise ValueError(f"no process set has process_set_id={process_set_id} on this worker "
+                         "(add_process_set registers one).")
+    return ps
+
+
+def resolve(process_set, what: str) -> ProcessSet:
+    """The registered set a collective runs over (the global one for None).
+    Raises unless it is registered and this worker belongs to it."""
+    if process_set is None or process_set is global_process_set:
+        return global_process_set
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{what}: process_set must be a ProcessSet, got "
+                        f"{type(process_set).__name__}.")
+    if process_set.process_set_id is None or \
+            _registered.get(process_set.process_set_id) is not process_set:
+        raise ValueError(f"{what}: {process_set!r} is not registered; call "
+                         "add_process_set on every worker first.")
+    if basics.is_initialized() and not process_set.included():
+        raise ValueError(f"{what}: this worker (rank {basics.rank()}) is not in "
+                         f"{process_set!r}; only its members may call collectives with it.")
+    return process_set
+
+
+def set_agreement(process_set: ProcessSet) -> str:
+    """The ``set`` term of a collective's agreement: "" for the global set."""
+    if process_set.ranks is None:
+        return ""
+    return ",".join(str(r) for r in process_set.ranks)
 
 
 def check_process_set(process_set, what: str) -> None:
-    """Raises unless ``process_set`` is the global set (or None)."""
+    """Raises unless ``process_set`` is the global set (or None): for the
+    calls that cannot run over a subset of workers."""
     if process_set is None or process_set is global_process_set:
         return
-    if isinstance(process_set, ProcessSet) and process_set.is_global():
-        return
-    _refuse(f"{what}(process_set={process_set!r})")
+    raise NotImplementedError(f"{what}(process_set={process_set!r}): only the global "
+                              "process set is available here.")

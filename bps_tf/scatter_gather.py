@@ -21,7 +21,8 @@ from bps_tf import basics, collectives, naming
 from bps_tf import compression as compression_lib
 from bps_tf.api import Average, Compression, ReduceOp, Sum, allgather, sum_exact
 from bps_tf.collectives import require_init
-from bps_tf.process_sets import check_process_set, global_process_set
+from bps_tf import process_sets
+from bps_tf.process_sets import global_process_set
 
 __all__ = ["grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
            "scatter_rows"]
@@ -35,8 +36,9 @@ def grouped_names(name, count):
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """``allgather`` of each tensor of a list; inside a tf.function the
     gathers run concurrently."""
-    check_process_set(process_set, "grouped_allgather")
-    return [allgather(t, name=n) for t, n in zip(tensors, grouped_names(name, len(tensors)))]
+    process_sets.resolve(process_set, "grouped_allgather")
+    return [allgather(t, name=n, process_set=process_set)
+            for t, n in zip(tensors, grouped_names(name, len(tensors)))]
 
 
 # --------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     evenly as possible, lower ranks getting one row more when it does not
     divide. ``prescale_factor`` multiplies before the reduction,
     ``postscale_factor`` after it. Every worker must pass the same shape."""
-    check_process_set(process_set, "reducescatter")
+    ps = process_sets.resolve(process_set, "reducescatter")
     del ignore_name_scope
     require_init()
     op = ReduceOp(op)
@@ -72,17 +74,19 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     collectives.check_dtype(tensor, "reducescatter", collectives.REDUCE_DTYPES)
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension.")
-    key = naming.op_key("Reducescatter", name, tensor)
-    rank, size = basics.rank(), basics.size()
-    with tf.device(device_dense):
+    key = naming.op_key("Reducescatter", name, tensor, ps.process_set_id)
+    rank, size = ps.rank(), ps.size()
+    with tf.device(device_dense), collectives.agreement_scope(
+            set=process_sets.set_agreement(ps), op=op.name.lower()):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
         if compression_lib.is_core(compression):
             # Every worker receives the whole sum and slices it: the same
             # compressed push_pull as push_pull's.
-            reduced = sum_exact(sent, key, op, compression=compression_lib.core_spec(compression))
+            reduced = sum_exact(sent, key, op, compression=compression_lib.core_spec(compression),
+                                size=size)
         else:
             sent, ctx = compression.compress(sent)
-            reduced = compression.decompress(sum_exact(sent, key, op), ctx)
+            reduced = compression.decompress(sum_exact(sent, key, op, size=size), ctx)
         rows = tensor.shape[0] if tensor.shape[0] is not None else \
             tf.shape(reduced, out_type=tf.int64)[0]
         start, count = scatter_rows(rows, rank, size)
@@ -93,10 +97,10 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none,
                           op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """``reducescatter`` of each tensor of a list."""
-    check_process_set(process_set, "grouped_reducescatter")
+    process_sets.resolve(process_set, "grouped_reducescatter")
     return [reducescatter(t, device_dense=device_dense, compression=compression, op=op,
                           name=n, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor)
+                          postscale_factor=postscale_factor, process_set=process_set)
             for t, n in zip(tensors, grouped_names(name, len(tensors)))]
 
 
@@ -136,18 +140,19 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     this one, concatenated in rank order, and how many came from each rank
     (int32). ``splits=None`` splits the first dimension evenly. A rank may
     send or receive nothing (zeros in the splits, or an empty tensor)."""
-    check_process_set(process_set, "alltoall")
+    ps = process_sets.resolve(process_set, "alltoall")
     del ignore_name_scope
     require_init()
     tensor = collectives.row_tensor(tensor, "alltoall", collectives.GATHER_DTYPES)
-    rank, size = basics.rank(), basics.size()
-    key = naming.op_key("Alltoall", name, tensor)
+    rank, size = ps.rank(), ps.size()
+    key = naming.op_key("Alltoall", name, tensor, ps.process_set_id)
     splits = _checked_splits(tensor, splits, size)
-    # matrix[s, d]: rows rank s sends to rank d
-    matrix, _ = collectives.allgather(tf.reshape(splits, [1, size]),
-                                      naming.part_key(key, "splits"), rank, size)
-    data, _ = collectives.allgather(tensor, naming.part_key(key, "data"), rank, size,
-                                    widen=True)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
+        # matrix[s, d]: rows rank s sends to rank d (ranks within the set)
+        matrix, _ = collectives.allgather(tf.reshape(splits, [1, size]),
+                                          naming.part_key(key, "splits"), rank, size)
+        data, _ = collectives.allgather(tensor, naming.part_key(key, "data"), rank, size,
+                                        widen=True)
     source_start = tf.cumsum(tf.reduce_sum(matrix, axis=1), exclusive=True)
     received_splits = matrix[:, rank]
     starts = source_start + tf.reduce_sum(matrix[:, :rank], axis=1)

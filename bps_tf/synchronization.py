@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
 from bps_tf.collectives import BLOCKING_PRIORITY, require_init
-from bps_tf.process_sets import check_process_set, global_process_set
+from bps_tf import process_sets
+from bps_tf.process_sets import global_process_set
 
 __all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op"]
 
@@ -23,16 +24,17 @@ def barrier(name=None, process_set=global_process_set):
     """Blocks until every worker reaches the barrier. In eager mode it
     returns None once all have arrived; inside a tf.function it returns a
     tensor (the number of workers) that later ops can depend on."""
-    check_process_set(process_set, "barrier")
+    ps = process_sets.resolve(process_set, "barrier")
     require_init()
     if name is None and not tf.executing_eagerly():
         name = "barrier"
-    key = naming.op_key("Barrier", name)
-    arrived = collectives.push_pull_sum(tf.ones([1], tf.int32), key, BLOCKING_PRIORITY)
+    key = naming.op_key("Barrier", name, None, ps.process_set_id)
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps)):
+        arrived = collectives.push_pull_sum(tf.ones([1], tf.int32), key, BLOCKING_PRIORITY)
     if tf.executing_eagerly():
         count = int(arrived.numpy()[0])
-        if count != basics.size():
-            raise RuntimeError(f"barrier {key}: {count} of {basics.size()} workers arrived")
+        if count != ps.size():
+            raise RuntimeError(f"barrier {key}: {count} of {ps.size()} workers arrived")
         return None
     return tf.reshape(arrived, [])
 
@@ -42,9 +44,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     list) in place on every worker and returns them (eager) or the assigned
     values (inside a tf.function). Keys come from ``name`` and the variables'
     paths, so every worker must pass the same variables in the same order."""
-    check_process_set(process_set, "broadcast_")
+    ps = process_sets.resolve(process_set, "broadcast_")
     require_init()
     root_rank = collectives.check_root(root_rank)
+    if ps.ranks is not None and root_rank not in ps.ranks:
+        raise ValueError(f"broadcast_: root_rank {root_rank} is not in {ps!r} (a global rank).")
     single = isinstance(variables, tf.Variable) or not isinstance(variables, (list, tuple))
     targets = [variables] if single else list(variables)
     prefix = "Broadcast_" if name is None else f"Broadcast_/{name}"
@@ -52,10 +56,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
     def assign_all():
         out = []
-        for priority, (var, key) in enumerate(zip(targets, keys)):
-            value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
-                                          priority=-priority)
-            out.append(var.assign(value, read_value=True))
+        with collectives.agreement_scope(set=process_sets.set_agreement(ps)):
+            for priority, (var, key) in enumerate(zip(targets, keys)):
+                value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
+                                              priority=-priority)
+                out.append(var.assign(value, read_value=True))
         return out
 
     if tf.executing_eagerly():
@@ -66,29 +71,28 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return assigned[0] if single else assigned
 
 
-def _query_op(value_fn, process_set_id, name):
-    if process_set_id != 0:
-        raise NotImplementedError("process sets are not available in bps_tf: only "
-                                  "process_set_id=0 (all workers).")
+def _query_op(value_fn, name):
     require_init()
     return tf.constant(value_fn(), dtype=tf.int32, name=name)
 
 
 def size_op(process_set_id=0, name=None):
-    """The number of workers, as an int32 scalar tensor."""
-    return _query_op(basics.size, process_set_id, name)
+    """The number of workers (of the registered process set
+    ``process_set_id``), as an int32 scalar tensor."""
+    ps = process_sets.process_set_by_id(process_set_id)
+    return _query_op(ps.size, name)
 
 
 def rank_op(name=None):
     """This worker's rank, as an int32 scalar tensor."""
-    return _query_op(basics.rank, 0, name)
+    return _query_op(basics.rank, name)
 
 
 def local_size_op(name=None):
     """The number of workers on this machine, as an int32 scalar tensor."""
-    return _query_op(basics.local_size, 0, name)
+    return _query_op(basics.local_size, name)
 
 
 def local_rank_op(name=None):
     """This worker's rank on its machine, as an int32 scalar tensor."""
-    return _query_op(basics.local_rank, 0, name)
+    return _query_op(basics.local_rank, name)

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from bps_tf.api import Average, Compression, predivide_scales, reduce_gradients, resolve_op
 from bps_tf.async_training import refuse_gradient_exchange
-from bps_tf.process_sets import check_process_set, global_process_set
+from bps_tf.process_sets import global_process_set, resolve
 from bps_tf.collectives import require_init
 
 
@@ -46,7 +46,7 @@ class DistributedGradientTape(tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(gradtape).__name__}.")
         # No super().__init__: this object *is* the wrapped tape, state shared.
-        check_process_set(process_set, "DistributedGradientTape")
+        resolve(process_set, "DistributedGradientTape")
         del num_groups, groups
         op = resolve_op(None, op)
         prescale, postscale = predivide_scales(op, gradient_predivide_factor,
@@ -55,7 +55,8 @@ class DistributedGradientTape(tf.GradientTape):
         self._bps = dict(compression=compression, sparse_as_dense=sparse_as_dense,
                          op=op, priority_fn=priority_fn,
                          prescale=prescale, postscale=postscale,
-                         device_dense=device_dense, device_sparse=device_sparse)
+                         device_dense=device_dense, device_sparse=device_sparse,
+                         process_set=process_set)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -70,5 +71,6 @@ class DistributedGradientTape(tf.GradientTape):
                 flat_grads, flat_sources, "DistributedGradientTape",
                 compression=opts["compression"], sparse_as_dense=opts["sparse_as_dense"],
                 op=opts["op"], priority_fn=opts["priority_fn"],
-                prescale_factor=opts["prescale"], postscale_factor=opts["postscale"])
+                prescale_factor=opts["prescale"], postscale_factor=opts["postscale"],
+                process_set=opts["process_set"])
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)

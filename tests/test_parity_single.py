@@ -34,13 +34,14 @@ def op_names(monkeypatch):
     names = []
     real_pp, real_bc = bps_ops.push_pull_sum, bps_ops.broadcast_raw
 
-    def push_pull_sum(tensor, tensor_name, priority=0):
+    def push_pull_sum(tensor, tensor_name, priority=0, **kwargs):
         names.append(tensor_name)
-        return real_pp(tensor, tensor_name=tensor_name, priority=priority)
+        return real_pp(tensor, tensor_name=tensor_name, priority=priority, **kwargs)
 
-    def broadcast_raw(tensor, tensor_name, root_rank, priority=0):
+    def broadcast_raw(tensor, tensor_name, root_rank, priority=0, **kwargs):
         names.append(tensor_name)
-        return real_bc(tensor, tensor_name=tensor_name, root_rank=root_rank, priority=priority)
+        return real_bc(tensor, tensor_name=tensor_name, root_rank=root_rank, priority=priority,
+                       **kwargs)
 
     monkeypatch.setattr(bps_ops, "push_pull_sum", push_pull_sum)
     monkeypatch.setattr(bps_ops, "broadcast_raw", broadcast_raw)
@@ -90,7 +91,7 @@ def test_min_max_product_keys_scaling_and_graph_mode(op_names):
     x = tf.constant([2.0, -3.0])
     out = api.allreduce(x, op=api.Product, name="p", prescale_factor=2.0, postscale_factor=0.5)
     np.testing.assert_array_equal(out.numpy(), [2.0, -3.0])
-    assert op_names == ["AllreduceProduct/p/counts", "AllreduceProduct/p/data"]
+    assert op_names == ["PushPull/p", "PushPull/p/data"]
 
     @tf.function
     def in_graph(t):
@@ -99,7 +100,7 @@ def test_min_max_product_keys_scaling_and_graph_mode(op_names):
     low, high = in_graph(x)
     np.testing.assert_array_equal(low.numpy(), [2.0, -3.0])
     assert int(high) == 4           # a scalar comes back a scalar
-    assert "AllreduceMin/m/data" in op_names
+    assert "PushPull/m/data" in op_names
     with pytest.raises(NotImplementedError, match="ADASUM"):
         api.allreduce(x, op=api.Adasum)
     with pytest.raises(NotImplementedError, match="Sum or Average"):
@@ -177,8 +178,8 @@ def test_barrier_and_rank_queries(op_names):
                         (bps_tf.local_size_op, 1), (bps_tf.local_rank_op, 0)):
         t = query()
         assert t.dtype == tf.int32 and t.shape == () and int(t) == want
-    with pytest.raises(NotImplementedError, match="process sets"):
-        bps_tf.size_op(process_set_id=1)
+    with pytest.raises(ValueError, match="no process set has process_set_id=7"):
+        bps_tf.size_op(process_set_id=7)
 
 
 def test_broadcast_in_place_returns_the_variables(op_names):
@@ -229,7 +230,7 @@ def test_sync_batch_norm_trains_in_fit():
     assert np.isfinite(history.history["loss"][0])
 
 
-def test_the_global_process_set_is_accepted_and_subsets_are_refused():
+def test_the_global_process_set_and_refused_process_sets():
     gps = bps_tf.global_process_set
     assert gps.size() == 1 and gps.rank() == 0 and gps.included()
     x = tf.constant([1.0, 2.0])
@@ -238,12 +239,16 @@ def test_the_global_process_set_is_accepted_and_subsets_are_refused():
     np.testing.assert_array_equal(api.broadcast(x, 0, process_set=gps).numpy(), [1, 2])
     np.testing.assert_array_equal(
         scatter_gather.reducescatter(x, op=api.Sum, process_set=gps).numpy(), [1, 2])
-    # A set naming every rank is the global one; anything smaller is refused.
-    assert bps_tf.add_process_set([0]) is gps
+    # Every rank is the global set, registered already (Horovod refuses it too).
+    with pytest.raises(ValueError, match="exists already"):
+        bps_tf.add_process_set([0])
+    with pytest.raises(ValueError, match=r"ranks must be in \[0, 1\)"):
+        bps_tf.add_process_set([0, 1])
     subset = bps_tf.ProcessSet([0, 1])
+    assert subset.size() is None and subset.process_set_id is None
     for call in (lambda: api.allreduce(x, process_set=subset),
                  lambda: scatter_gather.alltoall(x, process_set=subset),
-                 lambda: bps_tf.add_process_set([0, 1])):
-        with pytest.raises(NotImplementedError, match="process sets other than the global one"):
+                 lambda: api.broadcast(x, 0, process_set=subset)):
+        with pytest.raises(ValueError, match="is not registered"):
             call()
     assert bps_tf.remove_process_set(gps) is False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import api, async_training, basics, collectives
+from bps_tf import api, async_training, basics, collectives, process_sets
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 
@@ -38,7 +38,7 @@ class DistributedOptimizer(_V1Optimizer):
 
     def __init__(self, optimizer, name=None, use_locking=False, device_dense="",
                  device_sparse="", compression=api.Compression.none, sparse_as_dense=False,
-                 op=api.Average, priority_fn=None):
+                 op=api.Average, priority_fn=None, process_set=process_sets.global_process_set):
         if not isinstance(optimizer, _V1Optimizer):
             raise TypeError("bps_tf.compat.v1.DistributedOptimizer wraps a "
                             f"tf.compat.v1.train.Optimizer, got {type(optimizer).__name__}.")
@@ -47,10 +47,11 @@ class DistributedOptimizer(_V1Optimizer):
         super().__init__(use_locking=use_locking,
                          name=f"Distributed{type(optimizer).__name__}")
         del device_dense, device_sparse
+        process_sets.resolve(process_set, "DistributedOptimizer")
         self._optimizer = optimizer
         self._bps = dict(prefix=name or "DistributedOptimizer", compression=compression,
                          sparse_as_dense=bool(sparse_as_dense), op=api.resolve_op(None, op),
-                         priority_fn=priority_fn)
+                         priority_fn=priority_fn, process_set=process_set)
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's (gradient, variable) pairs, each gradient
@@ -64,7 +65,8 @@ class DistributedOptimizer(_V1Optimizer):
         reduced = api.reduce_gradients(grads, variables, opts["prefix"],
                                        compression=opts["compression"],
                                        sparse_as_dense=opts["sparse_as_dense"], op=opts["op"],
-                                       priority_fn=opts["priority_fn"])
+                                       priority_fn=opts["priority_fn"],
+                                       process_set=opts["process_set"])
         return list(zip(reduced, variables))
 
     def apply_gradients(self, *args, **kwargs):

@@ -65,8 +65,11 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape,
 // "topk ratio=0.01 ef=1", see docs/compression.md; tensors of other dtypes,
 // or smaller than BYTEPS_MIN_COMPRESS_BYTES, travel uncompressed; a bad text
 // fails the operation with BPS_ERR_INVALID), and `agreement`, anything else
-// the workers must agree on for this name (e.g. "root=1" for a broadcast).
-// Both are declared with the shape: workers that differ all fail at once.
+// the workers must agree on for this name: space-separated key=value terms
+// (e.g. "root=1" for a broadcast, "op=average"). Both are declared with the
+// shape: workers that differ all fail at once. The term "set=0,2" (rising
+// ranks, this worker among them) makes it a process-set operation: only
+// those workers take part, and the sum is theirs.
 void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape, int ndim,
                               const void* in, void* out, int64_t priority,
                               const char* compression, const char* agreement,

@@ -188,7 +188,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "push_pull_async",
       [](const std::string& name, py::array in, py::array out, int64_t priority,
-         const std::string& dtype_name, const std::string& compression) {
+         const std::string& dtype_name, const std::string& compression,
+         const std::string& agreement) {
         if (!(in.flags() & py::array::c_style) || !(out.flags() & py::array::c_style)) {
           throw py::value_error("push_pull_async needs C-contiguous arrays");
         }
@@ -203,10 +204,10 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release release;
           bps_enqueue_push_pull_ex(name.c_str(), dtype, shape.data(),
                                    static_cast<int>(shape.size()), src, dst, priority,
-                                   compression.c_str(), "", &Handle::Done, ctx);
+                                   compression.c_str(), agreement.c_str(), &Handle::Done, ctx);
         }
         return handle;
       },
       py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
-      py::arg("dtype_name") = "", py::arg("compression") = "");
+      py::arg("dtype_name") = "", py::arg("compression") = "", py::arg("agreement") = "");
 }

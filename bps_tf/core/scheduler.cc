@@ -1,6 +1,7 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace bps {
 
@@ -303,21 +304,115 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(from, MsgType::kDeclared, encode(a), h.request_id));
     return;
   }
+  std::vector<int> members;
+  std::string list = kv.Get("members");
+  for (size_t at = 0; !list.empty() && at <= list.size();) {
+    size_t comma = list.find(',', at);
+    if (comma == std::string::npos) comma = list.size();
+    std::string item = list.substr(at, comma - at);
+    char* stop = nullptr;
+    long r = item.empty() ? -1 : std::strtol(item.c_str(), &stop, 10);
+    members.push_back(r >= 0 && *stop == '\0' && r < num_workers_ ? static_cast<int>(r) : -1);
+    at = comma + 1;
+  }
+  bool valid_set = std::find(members.begin(), members.end(), rank) != members.end() ||
+                   members.empty();
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] < 0 || members[i] >= num_workers_ || (i && members[i] <= members[i - 1])) {
+      valid_set = false;
+    }
+  }
+  auto reply_error = [&](const Peer& to, uint64_t request_id, const std::string& why) {
+    Config c;
+    c.Set("error", why);
+    out->push_back(Reply(to, MsgType::kDeclared, c.Serialize(), request_id));
+  };
+  if (!valid_set) {
+    reply_error(from, h.request_id, "malformed process set [" + list + "] of tensor '" + name +
+                                        "' from worker " + std::to_string(rank));
+    return;
+  }
+  auto conflict = set_conflicts_.find(name);
+  if (conflict != set_conflicts_.end() && conflict->second.expected.erase(rank)) {
+    reply_error(from, h.request_id, conflict->second.error);
+    if (conflict->second.expected.empty()) set_conflicts_.erase(conflict);
+    return;
+  }
   auto& waiting = pending_[name];
   if (waiting.empty()) pending_since_[name] = Clock::now();
-  waiting[rank] = Pending{sig, from, h.request_id};
-  if (waiting.size() < static_cast<size_t>(num_workers_)) return;
-
-  std::string first_sig = waiting.begin()->second.sig;
-  int first_rank = waiting.begin()->first;
-  std::string error;
+  auto overlaps = [](const std::vector<int>& a, const std::vector<int>& b) {
+    if (a.empty() || b.empty()) return true;
+    for (int r : a) {
+      if (std::binary_search(b.begin(), b.end(), r)) return true;
+    }
+    return false;
+  };
+  auto describe = [](const std::vector<int>& m) {
+    std::string d;
+    for (int r : m) d += (d.empty() ? "" : ",") + std::to_string(r);
+    return m.empty() ? std::string("the global process set") : "process set [" + d + "]";
+  };
   for (const auto& w : waiting) {
-    if (w.second.sig != first_sig) {
+    if (w.second.members == members || !overlaps(w.second.members, members)) continue;
+    // Members of one name must pass one process set: a round that waited for
+    // either set would never complete (or complete with the wrong ranks).
+    SetConflict c;
+    c.error = "tensor '" + name + "' differs across workers: worker " + std::to_string(w.first) +
+              " uses " + describe(w.second.members) + " but worker " + std::to_string(rank) +
+              " uses " + describe(members) +
+              " (every member must pass the same process_set under one name)";
+    BPS_LOG(kError, c.error);
+    for (const auto& m : {w.second.members, members}) {
+      for (int r = 0; r < num_workers_; ++r) {
+        if (m.empty() || std::binary_search(m.begin(), m.end(), r)) c.expected.insert(r);
+      }
+    }
+    std::vector<int> failed;
+    for (const auto& other : waiting) {
+      if (!overlaps(other.second.members, members) &&
+          !overlaps(other.second.members, w.second.members)) {
+        continue;  // a disjoint process set using the same name
+      }
+      reply_error(other.second.peer, other.second.request_id, c.error);
+      c.expected.erase(other.first);
+      failed.push_back(other.first);
+    }
+    reply_error(from, h.request_id, c.error);
+    c.expected.erase(rank);
+    if (!c.expected.empty()) set_conflicts_[name] = c;
+    for (int r : failed) waiting.erase(r);
+    stall_reported_.erase(name);
+    if (waiting.empty()) {
+      pending_.erase(name);
+      pending_since_.erase(name);
+    }
+    return;
+  }
+  waiting[rank] = Pending{sig, from, h.request_id, members};
+  std::vector<int> group = members;
+  if (group.empty()) {
+    for (int r = 0; r < num_workers_; ++r) group.push_back(r);
+  }
+  for (int r : group) {
+    auto w = waiting.find(r);
+    if (w == waiting.end() || w->second.members != members) return;
+  }
+  Complete(name, group, static_cast<int>(h.dtype), bytes, out);
+}
+
+void Scheduler::Complete(const std::string& name, const std::vector<int>& ranks, int dtype,
+                         int64_t bytes, std::vector<Outgoing>* out) {
+  auto& waiting = pending_[name];
+  const Pending& first = waiting.at(ranks.front());
+  std::string error;
+  for (int r : ranks) {
+    const Pending& w = waiting.at(r);
+    if (w.sig != first.sig) {
       error = "tensor '" + name + "' differs across workers: worker " +
-              std::to_string(first_rank) + " has " + first_sig + " but worker " +
-              std::to_string(w.first) + " has " + w.second.sig +
-              " (every worker must push_pull the same shape and dtype under one name, and "
-              "broadcast from the same root)";
+              std::to_string(ranks.front()) + " has " + first.sig + " but worker " +
+              std::to_string(r) + " has " + w.sig +
+              " (every worker must push_pull the same shape and dtype under one name, "
+              "broadcast from the same root and reduce with the same op)";
       break;
     }
   }
@@ -328,17 +423,30 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     c.Set("error", error);
     payload = c.Serialize();
   } else {
-    int dtype = static_cast<int>(h.dtype);
-    Assignment a = Assign(name, first_sig, dtype, static_cast<uint64_t>(bytes));
-    assigned_[name + "|" + first_sig] = a;
-    payload = encode(a);
+    Assignment a = Assign(name, first.sig, dtype, static_cast<uint64_t>(bytes));
+    assigned_[name + "|" + first.sig] = a;
+    Config c;
+    c.Set("key", std::to_string(a.key));
+    std::string servers;
+    for (size_t i = 0; i < a.servers.size(); ++i) {
+      if (i) servers += ",";
+      servers += std::to_string(a.servers[i]);
+    }
+    c.Set("servers", servers);
+    payload = c.Serialize();
   }
-  for (const auto& w : waiting) {
-    out->push_back(Reply(w.second.peer, MsgType::kDeclared, payload, w.second.request_id));
+  for (int r : ranks) {
+    const Pending& w = waiting.at(r);
+    out->push_back(Reply(w.peer, MsgType::kDeclared, payload, w.request_id));
   }
-  pending_.erase(name);
-  pending_since_.erase(name);
+  for (int r : ranks) waiting.erase(r);
   stall_reported_.erase(name);
+  if (waiting.empty()) {
+    pending_.erase(name);
+    pending_since_.erase(name);
+  } else {
+    pending_since_[name] = Clock::now();  // the other process set's declarations
+  }
 }
 
 // A declaration waits at the scheduler until every worker has made it, so
@@ -362,8 +470,16 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
     if (age < stall_check_s_) continue;
     if (!shutdown && stall_reported_.count(p.first)) continue;
     oldest = std::max(oldest, age);
+    // Who is awaited: every worker, or the members of the process sets named.
+    std::set<int> awaited;
+    for (const auto& w : p.second) {
+      for (int r = 0; r < num_workers_; ++r) {
+        const std::vector<int>& m = w.second.members;
+        if (m.empty() || std::binary_search(m.begin(), m.end(), r)) awaited.insert(r);
+      }
+    }
     std::string have, missing;
-    for (int r = 0; r < num_workers_; ++r) {
+    for (int r : awaited) {
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);
     }

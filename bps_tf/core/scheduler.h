@@ -1,7 +1,7 @@
 // The scheduler: where nodes meet. It checks that every node agrees on the
 // cluster settings, hands out the layout, runs barriers, matches tensor
 // declarations across workers (catching shape/dtype mismatches before any
-// data moves), assigns partitions to servers balanced by bytes, and watches
+// data moves; a process set's declarations wait for its members only), assigns partitions to servers balanced by bytes, and watches
 // heartbeats so a dead peer stops the whole job instead of hanging it.
 //
 // It is pure logic: the node that hosts it feeds it messages and sends what
@@ -56,6 +56,13 @@ class Scheduler {
     std::string sig;
     Peer peer;
     uint64_t request_id;
+    std::vector<int> members;  // its process set; empty: every worker
+  };
+  // A name whose declarations named overlapping but different process sets:
+  // the members that have not declared it yet get the same error.
+  struct SetConflict {
+    std::string error;
+    std::set<int> expected;
   };
   struct Assignment {
     uint64_t key;
@@ -72,6 +79,9 @@ class Scheduler {
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   void CheckStalls(std::vector<Outgoing>* out);
+  // Answers the declarations of `name` by `ranks` (all made with one process set).
+  void Complete(const std::string& name, const std::vector<int>& ranks, int dtype, int64_t bytes,
+                std::vector<Outgoing>* out);
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
 
   Config cfg_;
@@ -87,6 +97,7 @@ class Scheduler {
   std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
   std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
   std::set<std::string> stall_reported_;
+  std::map<std::string, SetConflict> set_conflicts_;            // name -> conflict
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;

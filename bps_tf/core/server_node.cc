@@ -170,7 +170,8 @@ void ServerNode::HandlePush(Message& m) {
   Stats::Get().bytes_received += h.payload_bytes;
   engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
                           (h.request_id & kPushAsync) != 0, std::move(m.payload),
-                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed)});
+                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed),
+                          h.contributors});
 }
 
 void ServerNode::OnWelcome() {

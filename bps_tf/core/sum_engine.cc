@@ -84,6 +84,21 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.async = job.async;
     st.compressed = job.compressed;
     st.pushed.assign(static_cast<size_t>(num_workers_), false);
+    st.contributors = job.contributors;
+    st.needed = job.contributors == 0 ? num_workers_ : static_cast<int>(job.contributors);
+  }
+  if (job.contributors != st.contributors ||
+      job.contributors > static_cast<uint32_t>(num_workers_)) {
+    // Workers that disagree on who takes part (a process set) would make a
+    // round complete too early or never: refuse the push instead.
+    replies->push_back(ErrorReply(
+        job.worker, job.key,
+        "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
+            " pushed key " + std::to_string(job.key) + " for " +
+            std::to_string(job.contributors) + " contributors, but it was first pushed for " +
+            std::to_string(st.contributors) + " (0 = every worker; the job has " +
+            std::to_string(num_workers_) + ")"));
+    return;
   }
   if (job.async != st.async) {
     // Only a key collision between an asynchronous and a synchronous name
@@ -185,10 +200,11 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.sum_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
-  if (++st.count < num_workers_) return;
+  if (++st.count < st.needed) return;
 
   if (st.compressed) st.sum = CompressSum(st, job.key);
   for (int w = 0; w < num_workers_; ++w) {
+    if (!st.pushed[static_cast<size_t>(w)]) continue;  // not in this key's process set
     ServerReply r{w, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_), st.sum.Share()};
     r.header.key = job.key;
     r.header.round = st.round;

@@ -1,7 +1,8 @@
 // The server's summation engine: partitions are bound to engine threads
 // (each key to the least-loaded thread, by bytes), so one key is only ever
 // touched by one thread and needs no lock. A round of a key completes when
-// every worker has pushed it; then each worker gets one reply sharing the
+// its contributors (every worker, or the members of a process set: the
+// push header says how many) have pushed it; then each gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
 // fast worker's next push never disturbs a slow worker's pending reply.
 // An asynchronous key (protocol.h) has no rounds: each push is added to the
@@ -31,6 +32,7 @@ struct PushJob {
   bool async;  // an asynchronous key (protocol.h kPushAsync)
   Msg payload;
   bool compressed = false;  // payload is a compressed float32 partition
+  uint32_t contributors = 0;  // FrameHeader::contributors: 0 = every worker
 };
 
 struct ServerReply {
@@ -53,6 +55,8 @@ class SumEngine {
     size_t bytes = 0;
     uint64_t round = 0;
     int count = 0;
+    uint32_t contributors = 0;  // as the first push declared it
+    int needed = 0;             // pushes that complete a round
     std::vector<bool> pushed;
     bool has_sum = false;
     Msg sum;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "stats.h"
@@ -13,6 +14,45 @@
 #include "worker_task.h"
 
 namespace bps {
+
+namespace {
+// The ranks after "set=" in an agreement ("root=1 set=0,2"): the process set
+// of the operation, which the scheduler and the servers wait for instead of
+// every worker. Empty when there is none. Returns why the text is invalid.
+std::string ParseMembers(const std::string& agreement, int size, std::vector<int>* members) {
+  size_t pos = 0;
+  while (pos < agreement.size()) {
+    size_t end = agreement.find(' ', pos);
+    if (end == std::string::npos) end = agreement.size();
+    std::string token = agreement.substr(pos, end - pos);
+    pos = end + 1;
+    if (token.compare(0, 4, "set=") != 0) continue;
+    std::string list = token.substr(4);
+    size_t at = 0;
+    while (at <= list.size()) {
+      size_t comma = list.find(',', at);
+      if (comma == std::string::npos) comma = list.size();
+      std::string item = list.substr(at, comma - at);
+      at = comma + 1;
+      char* stop = nullptr;
+      long r = item.empty() ? -1 : std::strtol(item.c_str(), &stop, 10);
+      if (r < 0 || r >= size || *stop != '\0' ||
+          (!members->empty() && r <= members->back())) {
+        return "process set '" + list + "' is not a rising list of ranks in [0, " +
+               std::to_string(size) + ")";
+      }
+      members->push_back(static_cast<int>(r));
+    }
+  }
+  return "";
+}
+
+std::string JoinRanks(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
+  return out;
+}
+}  // namespace
 
 WorkerEngine& WorkerEngine::Get() {
   static WorkerEngine* engine = new WorkerEngine();  // never destroyed on purpose
@@ -170,8 +210,24 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     return;
   }
 
+  std::vector<int> members;
+  std::string bad_set = ParseMembers(agreement, size_, &members);
+  if (bad_set.empty() && !members.empty()) {
+    if (!std::binary_search(members.begin(), members.end(), rank_)) {
+      bad_set = "this worker (rank " + std::to_string(rank_) + ") is not in its process set [" +
+                JoinRanks(members) + "]";
+    } else if (IsAsyncName(name)) {
+      bad_set = "asynchronous keys belong to every worker, not to a process set";
+    }
+  }
+  if (!bad_set.empty()) {
+    done(ctx, BPS_ERR_INVALID, ("push_pull '" + name + "': " + bad_set).c_str());
+    return;
+  }
+
   Task* task = new Task();
   task->name = name;
+  task->contributors = static_cast<uint32_t>(members.size());
   task->dtype = dtype;
   task->bytes = bytes;
   task->in = static_cast<const char*>(in);
@@ -225,6 +281,7 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
           kv.Set("sig", sig);
           kv.Set("bytes", std::to_string(bytes));
           kv.Set("dtype", std::to_string(dtype));
+          if (!members.empty()) kv.Set("members", JoinRanks(members));
           uint64_t id = next_request_++;
           request_sig_[id] = sigkey;
           control_outbox_.emplace_back(id, kv.Serialize());

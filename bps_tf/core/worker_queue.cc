@@ -138,6 +138,7 @@ void WorkerEngine::SendReadyParts() {
     h.round = t->round;
     h.dtype = static_cast<uint16_t>(t->dtype);
     if (IsAsyncName(t->name)) h.request_id = kPushAsync;
+    h.contributors = t->contributors;
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
     if (!t->times.empty()) t->times[p.part].sent = Clock::now();

@@ -39,6 +39,7 @@ struct WorkerEngine::Task {
   void* ctx = nullptr;
   std::shared_ptr<TensorInfo> info;
   std::shared_ptr<const CompressorSpec> compressor;  // null: travels as it is
+  uint32_t contributors = 0;  // workers of its process set; 0: every worker
   uint64_t round = 0;
   uint32_t first_part = 0;  // where this worker starts among the partitions
   // Two counts per partition: its reply (or abandonment) and libzmq

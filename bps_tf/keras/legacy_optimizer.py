@@ -55,7 +55,8 @@ class LegacyDistributedMixin:
                 list(grads), list(variables), self._bps_prefix,
                 compression=self._bps_compression, sparse_as_dense=self._bps_sparse_as_dense,
                 op=self._bps_op, priority_fn=self._bps_priority_fn,
-                prescale_factor=self._bps_prescale, postscale_factor=self._bps_postscale)
+                prescale_factor=self._bps_prescale, postscale_factor=self._bps_postscale,
+                process_set=self._bps_process_set)
             grads_and_vars = list(zip(reduced, variables))
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
 

@@ -65,7 +65,8 @@ class _DistributedMixin:
             sparse_as_dense=self._bps_sparse_as_dense, op=self._bps_op,
             priority_fn=self._bps_priority_fn,
             prescale_factor=self._bps_prescale,
-            postscale_factor=postscale_factor * self._bps_postscale)
+            postscale_factor=postscale_factor * self._bps_postscale,
+            process_set=self._bps_process_set)
 
     def _bps_async(self) -> bool:
         # Under a strategy the strategy's mode decides (BytePSStrategy reads
@@ -102,7 +103,8 @@ class _DistributedMixin:
 
 def distributed_class(base, name=None, compression=api.Compression.none,
                       sparse_as_dense=False, op=api.Average, priority_fn=None,
-                      accum_scale=1.0, prescale=1.0, postscale=1.0, mixin=None):
+                      accum_scale=1.0, prescale=1.0, postscale=1.0, mixin=None,
+                      process_set=None):
     """A subclass of ``base`` that reduces gradients before applying them;
     ``mixin`` is the Keras 3 one unless given (tf_keras has its own)."""
     settings = dict(
@@ -114,6 +116,7 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         _bps_accum_scale=float(accum_scale),
         _bps_prescale=float(prescale),
         _bps_postscale=float(postscale),
+        _bps_process_set=process_set,
         # Same name and module as the base: saved models name the plain class.
         __module__=base.__module__,
         __qualname__=base.__qualname__,
@@ -150,8 +153,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``jit_compile=False`` (the op refuses XLA with a message saying so).
     """
     from bps_tf.compat import v1
-    from bps_tf.process_sets import check_process_set
-    check_process_set(process_set, "DistributedOptimizer")
+    from bps_tf.process_sets import resolve
+    resolve(process_set, "DistributedOptimizer")
     del num_groups, groups, scale_local_gradients
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
         if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:
@@ -159,7 +162,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                       "and backward_passes_per_step must stay 1.")
         return v1.DistributedOptimizer(
             optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-            op=op, priority_fn=priority_fn)
+            op=op, priority_fn=priority_fn, process_set=process_set)
     del device_dense, device_sparse
     if isinstance(optimizer, (_DistributedMixin, legacy_optimizer.LegacyDistributedMixin)):
         raise ValueError("this optimizer is already a DistributedOptimizer.")
@@ -176,7 +179,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         cls = distributed_class(type(optimizer), name=name, compression=compression,
                                 sparse_as_dense=sparse_as_dense, op=op, priority_fn=priority_fn,
                                 prescale=prescale, postscale=postscale,
-                                mixin=legacy_optimizer.LegacyDistributedMixin)
+                                mixin=legacy_optimizer.LegacyDistributedMixin,
+                                process_set=process_set)
         return legacy_optimizer.rebuild(cls, optimizer)
     passes = int(backward_passes_per_step)
     if passes < 1:
@@ -193,7 +197,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     cls = distributed_class(type(optimizer), name=name, compression=compression,
                             sparse_as_dense=sparse_as_dense, op=op,
                             priority_fn=priority_fn, accum_scale=accum_scale,
-                            prescale=prescale, postscale=postscale)
+                            prescale=prescale, postscale=postscale, process_set=process_set)
     return cls.from_config(config)
 
 

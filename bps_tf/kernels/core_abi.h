@@ -28,6 +28,12 @@ inline std::string BroadcastAgreement(int64_t root_rank) {
   return "root=" + std::to_string(root_rank);
 }
 
+// The agreement text a kernel passes: its own part and the op's attr.
+inline std::string JoinAgreement(const std::string& own, const std::string& attr) {
+  if (own.empty()) return attr;
+  return attr.empty() ? own : own + " " + attr;
+}
+
 // -1 for a dtype the core does not carry (the op registrations exclude them).
 inline int CoreDType(tensorflow::DataType dt) { return bps::DTypeFromTf(static_cast<int>(dt)); }
 

@@ -180,6 +180,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
     if (broadcast_) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
     if (!broadcast_) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
+    OP_REQUIRES_OK(c, c->GetAttr("agreement", &agreement_));
     if (name_.empty()) name_ = def().name();
   }
 
@@ -206,7 +207,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     c->ctx = ctx;
     c->done = std::move(done);
     c->name = name_;
-    if (broadcast_) c->agreement = BroadcastAgreement(root_rank_);
+    c->agreement = JoinAgreement(broadcast_ ? BroadcastAgreement(root_rank_) : "", agreement_);
     c->priority = priority_;
     c->compression = compression_;
     c->dtype = CoreDType(first.dtype());
@@ -288,6 +289,7 @@ class PushPullGpuOp : public AsyncOpKernel {
   bool broadcast_;
   std::string name_;
   std::string compression_;
+  std::string agreement_;
   tensorflow::int64 priority_ = 0;
   tensorflow::int64 root_rank_ = 0;
 };

@@ -54,6 +54,7 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
     OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
+    OP_REQUIRES_OK(c, c->GetAttr("agreement", &agreement_));
     if (name_.empty()) name_ = def().name();
   }
 
@@ -66,12 +67,13 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
-    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, "");
+    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, agreement_);
   }
 
  private:
   std::string name_;
   std::string compression_;
+  std::string agreement_;
   tensorflow::int64 priority_ = 0;
 };
 
@@ -81,6 +83,7 @@ class BroadcastOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
+    OP_REQUIRES_OK(c, c->GetAttr("agreement", &agreement_));
     if (name_.empty()) name_ = def().name();
   }
 
@@ -113,11 +116,13 @@ class BroadcastOp : public AsyncOpKernel {
                   p->zeros.tensor_data().size());
       src = p->zeros.tensor_data().data();
     }
-    Enqueue(name_, priority_, p, src, "", BroadcastAgreement(root_rank_));
+    Enqueue(name_, priority_, p, src, "",
+            JoinAgreement(BroadcastAgreement(root_rank_), agreement_));
   }
 
  private:
   std::string name_;
+  std::string agreement_;
   tensorflow::int64 root_rank_ = 0;
   tensorflow::int64 priority_ = 0;
 };

@@ -36,17 +36,21 @@ auto_control_deps.ASYNC_STATEFUL_OPS = frozenset(
     set(auto_control_deps.ASYNC_STATEFUL_OPS) | set(OP_TYPES))
 
 
-def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str = ""):
+def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str = "",
+                  agreement: str = ""):
     """Sum of `tensor` over all workers (a copy when there is one);
-    `compression`: the core's compressor text for float32 tensors."""
+    `compression`: the core's compressor text for float32 tensors;
+    `agreement`: what every worker must pass alike ("set=0,2": a process set)."""
     return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority),
-                                 compression=compression)
+                                 compression=compression, agreement=agreement)
 
 
-def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):
-    """root_rank's value of `tensor`, on every worker."""
+def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0,
+                  agreement: str = ""):
+    """root_rank's value of `tensor`, on every worker (of the process set
+    `agreement` names, if any)."""
     return _ops.byteps_broadcast(tensor, tensor_name=tensor_name, root_rank=int(root_rank),
-                                 priority=int(priority))
+                                 priority=int(priority), agreement=agreement)
 
 
 def push_pull_start(tensor, tensor_name: str, priority: int = 0):
@@ -84,7 +88,8 @@ def _push_pull_grad(op, grad):
     # The output is the sum of every worker's input, so each input's
     # gradient is the sum of every worker's output gradient.
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    return [push_pull_sum(grad, name, op.get_attr("priority"))]
+    return [push_pull_sum(grad, name, op.get_attr("priority"),
+                          agreement=op.get_attr("agreement").decode())]
 
 
 @tf.RegisterGradient("BytepsBroadcast")
@@ -92,7 +97,8 @@ def _broadcast_grad(op, grad):
     # Only the root's input reaches the output: it receives the summed
     # gradient, the others none.
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    summed = push_pull_sum(grad, name, op.get_attr("priority"))
+    summed = push_pull_sum(grad, name, op.get_attr("priority"),
+                           agreement=op.get_attr("agreement").decode())
     if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
         # The zeros must still wait for the push_pull: the root waits for
         # this worker's share, and in a TF1 session (or after Grappler folds

@@ -14,6 +14,7 @@ REGISTER_OP("BytepsPushPull")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
     .Attr("compression: string = ''")
+    .Attr("agreement: string = ''")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc(R"doc(
@@ -23,6 +24,8 @@ tensor_name: matches this tensor across workers; must be the same everywhere.
 priority: partitions of higher-priority tensors are sent first.
 compression: the core's compressor for float32 tensors ("" for none), e.g.
   "topk ratio=0.01 ef=1"; see docs/compression.md.
+agreement: what every worker must pass alike under this name, e.g. the reduce
+  op or "set=0,2" (a process set: only those ranks take part).
 )doc");
 
 REGISTER_OP("BytepsBroadcast")
@@ -32,10 +35,14 @@ REGISTER_OP("BytepsBroadcast")
     .Attr("tensor_name: string")
     .Attr("root_rank: int")
     .Attr("priority: int = 0")
+    .Attr("agreement: string = ''")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc(R"doc(
 Returns root_rank's value of `tensor` on every worker.
+
+agreement: as BytepsPushPull's ("set=0,2": among those ranks; root_rank is a
+  global rank).
 )doc");
 
 }  // namespace bps_tf
