@@ -54,6 +54,7 @@ _LAZY = {
     "rank_op": "bps_tf.synchronization",
     "local_size_op": "bps_tf.synchronization",
     "local_rank_op": "bps_tf.synchronization",
+    "join": "bps_tf.synchronization",
     "SyncBatchNormalization": "bps_tf.sync_batch_norm",
     **{query: "bps_tf.build_info" for query in (
         "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",

@@ -111,6 +111,10 @@ def test_parity_allreduce_every_dtype_sum_average_min_max_product_wrapping(ranks
         assert detail.split() == list(PARITY_DTYPES)
 
 
+def test_parity_min_max_product_on_servers_function_gradients_and_op_mismatch(ranks):
+    _check(ranks, "parity_server_reductions")
+
+
 def test_parity_allgather_and_broadcast_every_dtype_and_bool(ranks):
     _check(ranks, "parity_allgather_broadcast")
 

@@ -16,7 +16,8 @@ namespace bps {
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
-constexpr uint16_t kProtocolVersion = 2;
+// 3: a push carries its key's contributors and reduce op.
+constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -36,8 +37,12 @@ enum class MsgType : uint16_t {
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum
+  kJoin = 17,            // worker -> each server, after its pushes: it has joined;
+                         // server -> worker: every worker has joined at this server
+  kJoinNotice = 18,      // worker -> scheduler: it has joined;
+                         // scheduler -> worker: every worker has joined ("last=<rank>")
 };
-constexpr uint16_t kMaxMsgType = 16;
+constexpr uint16_t kMaxMsgType = 18;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -53,7 +58,9 @@ struct FrameHeader {
   uint64_t round;        // how many times this worker pushed this key before
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
-  uint8_t reserved[16];  // zero
+  uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
+  uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp in protocol.h)
+  uint8_t reserved[11];   // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
@@ -87,6 +94,12 @@ constexpr SharedSetting kSharedSettings[] = {
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
 };
 
+// How a server combines the pushes of one round of a key (FrameHeader's
+// reduce_op). Every push of a key must carry the same one.
+enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
+constexpr uint8_t kMaxReduceOp = 3;
+const char* ReduceOpName(uint8_t op);  // "sum", "min", ...; "unknown" past kMaxReduceOp
+
 // Partition keys: the tensor key's low 16 bits hold the part index.
 constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;
@@ -100,6 +113,10 @@ inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key 
 // so one server serves synchronous and asynchronous keys side by side.
 constexpr char kAsyncNamePrefix[] = "bps_async/";
 constexpr uint64_t kPushAsync = 1;
+// A push's request_id bit for a key that must not complete with a joined
+// worker's contribution missing (broadcasts and allgathers, which Horovod
+// refuses under join): its round fails instead, naming the joined workers.
+constexpr uint64_t kPushRefuseJoined = 2;
 inline bool IsAsyncName(const std::string& name) {
   return name.compare(0, sizeof(kAsyncNamePrefix) - 1, kAsyncNamePrefix) == 0;
 }

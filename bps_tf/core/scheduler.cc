@@ -76,6 +76,10 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnDeclare(from, h, kv, out);
       return;
+    case MsgType::kJoinNotice:
+      if (it == nodes_.end() || it->second.role != Role::kWorker) return;
+      OnJoin(it->second.id, out);
+      return;
     case MsgType::kHeartbeat:
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       return;
@@ -248,6 +252,18 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   return a;
 }
 
+std::string Scheduler::Encode(const Assignment& a) {
+  Config c;
+  c.Set("key", std::to_string(a.key));
+  std::string servers;
+  for (size_t i = 0; i < a.servers.size(); ++i) {
+    if (i) servers += ",";
+    servers += std::to_string(a.servers[i]);
+  }
+  c.Set("servers", servers);
+  return c.Serialize();
+}
+
 void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                           std::vector<Outgoing>* out) {
   std::string name = kv.Get("name");
@@ -268,20 +284,9 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(from, MsgType::kDeclared, c.Serialize(), h.request_id));
     return;
   }
-  auto encode = [](const Assignment& a) {
-    Config c;
-    c.Set("key", std::to_string(a.key));
-    std::string servers;
-    for (size_t i = 0; i < a.servers.size(); ++i) {
-      if (i) servers += ",";
-      servers += std::to_string(a.servers[i]);
-    }
-    c.Set("servers", servers);
-    return c.Serialize();
-  };
   auto done = assigned_.find(name + "|" + sig);
   if (done != assigned_.end()) {
-    out->push_back(Reply(from, MsgType::kDeclared, encode(done->second), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, Encode(done->second), h.request_id));
     return;
   }
   if (IsAsyncName(name)) {
@@ -300,13 +305,36 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     Assignment a = Assign(name, sig, static_cast<int>(h.dtype), static_cast<uint64_t>(bytes));
     assigned_[name + "|" + sig] = a;
     async_sig_[name] = sig;
-    out->push_back(Reply(from, MsgType::kDeclared, encode(a), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, Encode(a), h.request_id));
     return;
   }
   auto& waiting = pending_[name];
   if (waiting.empty()) pending_since_[name] = Clock::now();
-  waiting[rank] = Pending{sig, from, h.request_id};
-  if (waiting.size() < static_cast<size_t>(num_workers_)) return;
+  waiting[rank] = Pending{sig, from, h.request_id, static_cast<int>(h.dtype), bytes};
+  MaybeDeclare(name, out);
+}
+
+void Scheduler::OnJoin(int rank, std::vector<Outgoing>* out) {
+  joined_.insert(rank);
+  std::vector<std::string> names;
+  for (const auto& p : pending_) names.push_back(p.first);
+  for (const auto& name : names) MaybeDeclare(name, out);
+  if (joined_.size() < static_cast<size_t>(num_workers_)) return;
+  joined_.clear();
+  for (const auto& n : nodes_) {
+    if (n.second.role == Role::kWorker && !n.second.departed) {
+      out->push_back(Reply(n.first, MsgType::kJoinNotice, "last=" + std::to_string(rank)));
+    }
+  }
+}
+
+void Scheduler::MaybeDeclare(const std::string& name, std::vector<Outgoing>* out) {
+  auto found = pending_.find(name);
+  if (found == pending_.end()) return;
+  auto& waiting = found->second;
+  size_t present = waiting.size();
+  for (int r : joined_) present += waiting.count(r) ? 0 : 1;
+  if (present < static_cast<size_t>(num_workers_)) return;
 
   std::string first_sig = waiting.begin()->second.sig;
   int first_rank = waiting.begin()->first;
@@ -328,10 +356,10 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     c.Set("error", error);
     payload = c.Serialize();
   } else {
-    int dtype = static_cast<int>(h.dtype);
-    Assignment a = Assign(name, first_sig, dtype, static_cast<uint64_t>(bytes));
+    const Pending& first = waiting.begin()->second;
+    Assignment a = Assign(name, first_sig, first.dtype, static_cast<uint64_t>(first.bytes));
     assigned_[name + "|" + first_sig] = a;
-    payload = encode(a);
+    payload = Encode(a);
   }
   for (const auto& w : waiting) {
     out->push_back(Reply(w.second.peer, MsgType::kDeclared, payload, w.second.request_id));
@@ -364,6 +392,7 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
     oldest = std::max(oldest, age);
     std::string have, missing;
     for (int r = 0; r < num_workers_; ++r) {
+      if (joined_.count(r)) continue;  // it contributes nothing until every worker joins
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);
     }

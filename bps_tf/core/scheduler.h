@@ -56,6 +56,8 @@ class Scheduler {
     std::string sig;
     Peer peer;
     uint64_t request_id;
+    int dtype;
+    int64_t bytes;
   };
   struct Assignment {
     uint64_t key;
@@ -67,11 +69,17 @@ class Scheduler {
   void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                  std::vector<Outgoing>* out);
   void MaybeWelcome(std::vector<Outgoing>* out);
+  // A worker joined: declarations stop waiting for it; when every worker
+  // has, each is told which joined last.
+  void OnJoin(int rank, std::vector<Outgoing>* out);
+  // Answers a declaration once every worker not joined has made it.
+  void MaybeDeclare(const std::string& name, std::vector<Outgoing>* out);
   void Fail(const std::string& message, std::vector<Outgoing>* out);
   Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   void CheckStalls(std::vector<Outgoing>* out);
+  static std::string Encode(const Assignment& a);
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
 
   Config cfg_;
@@ -87,6 +95,7 @@ class Scheduler {
   std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
   std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
   std::set<std::string> stall_reported_;
+  std::set<int> joined_;  // workers in join(), until every worker is
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;

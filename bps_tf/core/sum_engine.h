@@ -6,9 +6,17 @@
 // fast worker's next push never disturbs a slow worker's pending reply.
 // An asynchronous key (protocol.h) has no rounds: each push is added to the
 // stored value and answered at once with a copy of it.
+//
+// Join: a worker's kJoin reaches every lane after that worker's earlier
+// pushes (one connection, one queue per lane, in order). From then on it
+// counts as having pushed zeros in every round of every key of the lane,
+// until every worker has joined; the server then answers each worker's
+// kJoin. A worker's rounds skipped that way are remembered per key, so its
+// own round numbers (how often it pushed) still match after the join.
 #ifndef BPS_TF_CORE_SUM_ENGINE_H_
 #define BPS_TF_CORE_SUM_ENGINE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -31,6 +39,9 @@ struct PushJob {
   bool async;  // an asynchronous key (protocol.h kPushAsync)
   Msg payload;
   bool compressed = false;  // payload is a compressed float32 partition
+  uint8_t reduce_op = 0;    // protocol.h ReduceOp
+  bool refuse_joined = false;  // protocol.h kPushRefuseJoined
+  bool join = false;        // not a push: the worker has joined (no payload)
 };
 
 struct ServerReply {
@@ -45,10 +56,14 @@ class SumEngine {
   SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
   void Submit(PushJob&& job);  // called by the I/O thread only
+  void SubmitJoin(int worker);  // every lane sees it, after the worker's pushes
 
  private:
   struct KeyState {
     int dtype = -1;
+    uint8_t reduce_op = 0;  // the first push's; every later push must match
+    bool refuse_joined = false;
+    std::vector<uint64_t> skipped;  // per worker: rounds completed while it had joined
     bool async = false;
     size_t bytes = 0;
     uint64_t round = 0;
@@ -73,11 +88,16 @@ class SumEngine {
     std::deque<PushJob> queue;
     bool stop = false;
     std::unordered_map<uint64_t, KeyState> keys;
+    std::vector<bool> joined;  // per worker, until every worker has joined
+    int joined_count = 0;
   };
 
   void Run(Lane* lane);
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
   ServerReply ErrorReply(int worker, uint64_t key, const std::string& why);
+  void OnJoin(Lane* lane, int worker, std::vector<ServerReply>* replies);
+  // Ends the key's round when every worker pushed it or has joined.
+  void MaybeComplete(Lane* lane, uint64_t key, KeyState& st, std::vector<ServerReply>* replies);
   // Checks a compressed push against its key's description; "" when valid.
   std::string CheckCompressed(KeyState& st, const PushJob& job);
   void AddCompressed(KeyState& st, const PushJob& job);
@@ -89,6 +109,7 @@ class SumEngine {
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::unordered_map<uint64_t, size_t> lane_of_key_;
   std::vector<uint64_t> lane_bytes_;
+  std::atomic<int> join_lanes_left_{0};  // lanes yet to see every worker's join
 };
 
 }  // namespace bps

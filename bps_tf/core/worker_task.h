@@ -30,6 +30,8 @@ struct WorkerEngine::TensorInfo {
 struct WorkerEngine::Task {
   std::string name;
   int dtype = 0;
+  uint8_t reduce_op = 0;  // protocol.h ReduceOp
+  bool refuse_joined = false;  // protocol.h kPushRefuseJoined
   uint64_t bytes = 0;
   const char* in = nullptr;
   char* out = nullptr;

@@ -43,6 +43,13 @@ def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str 
                                  compression=compression)
 
 
+def push_pull_reduce(tensor, tensor_name: str, reduce_op: str, priority: int = 0):
+    """Min, max or product (`reduce_op`) of `tensor` over all workers, computed
+    by the servers in the tensor's dtype (a copy when there is one worker)."""
+    return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority),
+                                 reduce_op=reduce_op)
+
+
 def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0):
     """root_rank's value of `tensor`, on every worker."""
     return _ops.byteps_broadcast(tensor, tensor_name=tensor_name, root_rank=int(root_rank),
@@ -84,7 +91,31 @@ def _push_pull_grad(op, grad):
     # The output is the sum of every worker's input, so each input's
     # gradient is the sum of every worker's output gradient.
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    return [push_pull_sum(grad, name, op.get_attr("priority"))]
+    summed = push_pull_sum(grad, name, op.get_attr("priority"))
+    kind = op.get_attr("reduce_op").decode()
+    if kind == "sum":
+        return [summed]
+    return [_reduce_op_grad(op, kind, summed, name)]
+
+
+def _reduce_op_grad(op, kind, summed, name):
+    """The gradient of min/max/product through one worker's input, as the
+    gradient of TensorFlow's reduce_min/max/prod over the stack of every
+    worker's input: a min/max's gradient is shared among the workers that
+    hold the extreme value, a product's is the product of the others."""
+    x, y = op.inputs[0], op.outputs[0]
+    priority = op.get_attr("priority")
+    if kind in ("min", "max"):
+        held = tf.cast(tf.equal(x, y), summed.dtype)
+        holders = push_pull_sum(held, naming.part_key(name, "holders"), priority)
+        return summed * held / holders
+    rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
+    # Every worker's input, gathered exactly (x + 0 == x), in rank order.
+    rows = tf.scatter_nd([[rank]], tf.expand_dims(x, 0),
+                         tf.concat([[size], tf.shape(x)], 0))
+    every = push_pull_sum(rows, naming.part_key(name, "factors"), priority)
+    others = tf.tensor_scatter_nd_update(every, [[rank]], tf.expand_dims(tf.ones_like(x), 0))
+    return summed * tf.reduce_prod(others, axis=0)
 
 
 @tf.RegisterGradient("BytepsBroadcast")

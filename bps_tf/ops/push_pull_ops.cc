@@ -14,6 +14,7 @@ REGISTER_OP("BytepsPushPull")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
     .Attr("compression: string = ''")
+    .Attr("reduce_op: {'sum', 'min', 'max', 'product'} = 'sum'")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc(R"doc(
@@ -23,6 +24,8 @@ tensor_name: matches this tensor across workers; must be the same everywhere.
 priority: partitions of higher-priority tensors are sent first.
 compression: the core's compressor for float32 tensors ("" for none), e.g.
   "topk ratio=0.01 ef=1"; see docs/compression.md.
+reduce_op: how the servers combine the workers' tensors; anything but 'sum'
+  takes no compression and runs on the CPU kernel.
 )doc");
 
 REGISTER_OP("BytepsBroadcast")
