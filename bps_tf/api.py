@@ -86,9 +86,10 @@ def resolve_op(average, op):
 
 
 # Reduce ops the servers compute besides the sum: op -> kind of
-# bps_tf.collectives.reduce_on_servers and the key family.
-SERVER_OPS = {Min: ("min", "AllreduceMin"), Max: ("max", "AllreduceMax"),
-              Product: ("product", "AllreduceProduct")}
+# bps_tf.collectives.reduce_on_servers. They share the sum's key family, so
+# ranks that pass different ops under one name fail (the op is declared with
+# the shape) instead of waiting for each other under different keys.
+SERVER_OPS = {Min: "min", Max: "max", Product: "product"}
 
 
 # --------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     with tf.device(device_dense):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
         if op in SERVER_OPS:
-            kind, family = SERVER_OPS[op]
+            kind = SERVER_OPS[op]
             if compression is not Compression.none and compression is not NoneCompressor:
                 raise ValueError(f"push_pull: op={op.name.title()} takes no compression "
                                  f"(a compressor approximates a sum); use Compression.none.")
@@ -133,7 +134,7 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
                     f"training (BYTEPS_ENABLE_ASYNC=1: the servers keep running sums, not "
                     f"rounds); use op=Sum or Average, or synchronous training.")
             result = collectives.reduce_on_servers(
-                sent, naming.op_key(family, name, tensor), kind, priority)
+                sent, naming.op_key("PushPull", name, tensor), kind, priority)
             return collectives.scale(result, postscale_factor, "postscale_factor")
         key = naming.op_key("PushPull", name, tensor)
         if compression is FP16Compressor and sent.dtype in (tf.float32, tf.float64):

@@ -356,7 +356,7 @@ def check_server_reductions(rank, size):
     x = tf.constant(every[rank])
     for op, reduce in ((api.Min, tf.reduce_min), (api.Max, tf.reduce_max),
                        (api.Product, tf.reduce_prod)):
-        upstream = tf.constant([1.0, 2.0, 3.0, 4.0]) * (rank + 1)
+        upstream = tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64) * (rank + 1)
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = api.allreduce(x, op=op, name=f"server_reduce/grad/{op.name}")
@@ -366,7 +366,7 @@ def check_server_reductions(rank, size):
         with tf.GradientTape() as tape:
             tape.watch(stacked)
             ref = reduce(stacked, axis=0)
-            total = sum(tf.reduce_sum(ref * tf.constant([1.0, 2.0, 3.0, 4.0]) * (r + 1))
+            total = sum(tf.reduce_sum(ref * tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64) * (r + 1))
                         for r in range(size))
         want = tape.gradient(total, stacked).numpy()[rank]
         if not np.allclose(got, want, rtol=1e-12, atol=0):
