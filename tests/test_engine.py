@@ -36,6 +36,29 @@ def test_sums_exact_for_every_dtype_and_size(tmp_path):
         assert r["stats"]["frames_dropped"] == 0
 
 
+def test_min_max_product_on_the_servers_exact_for_every_dtype(tmp_path):
+    res, _ = run_checks(tmp_path, "reduce")
+    assert sorted(res) == [0, 1, 2]
+    for r in res.values():
+        assert r["bad"] == []
+        assert "compression" in r["compression_error"]
+        assert "asynchronous" in r["async_error"]
+
+
+def test_join_scheduler_and_stall_check_skip_the_joined_worker(tmp_path):
+    res, proc = run_checks(tmp_path, "join", env={"BYTEPS_STALL_CHECK_TIME_SECONDS": "1"})
+    assert sorted(res) == [0, 1, 2]
+    assert res[1]["sum"] == res[2]["sum"] == [5] * 4   # workers 1 and 2 only
+    lasts = {r["last"] for r in res.values()}
+    assert len(lasts) == 1 and lasts <= {1, 2}, lasts
+    assert all(r["after"] == [6, 6] for r in res.values())
+    stalls = re.findall(r"tensor 'join/late' submitted by worker\(s\) ([\d, ]+) but not by "
+                        r"worker\(s\) ([\d, ]+)", proc.stderr)
+    assert stalls, proc.stderr[-3000:]
+    # Worker 0 had joined: never reported as missing.
+    assert all(missing.strip() == "2" for _, missing in stalls), stalls
+
+
 def test_partitions_leave_in_priority_order_under_small_credit(tmp_path):
     res, _ = run_checks(tmp_path, "priority", workers=2, servers=1,
                         env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1"})
