@@ -46,6 +46,11 @@ def test_join_with_distributed_gradient_tape_and_uneven_batches(ranks):
         assert float(detail.split()[-1]) <= 1e-5
 
 
+def test_join_with_distributed_optimizer_fit_and_uneven_batches(ranks):
+    for detail in _check(ranks, "join_fit_distributed_optimizer"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
 def test_min_max_product_every_dtype_on_two_workers(ranks):
     for detail in _check(ranks, "parity_allreduce"):
         assert detail.split() == list(PARITY_DTYPES)

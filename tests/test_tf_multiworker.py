@@ -130,6 +130,11 @@ def test_join_with_distributed_gradient_tape_and_uneven_batches(ranks):
         assert float(detail.split()[-1]) <= 1e-5
 
 
+def test_join_with_distributed_optimizer_fit_and_uneven_batches(ranks):
+    for detail in _check(ranks, "join_fit_distributed_optimizer"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
 def test_parity_allgather_and_broadcast_every_dtype_and_bool(ranks):
     _check(ranks, "parity_allgather_broadcast")
 

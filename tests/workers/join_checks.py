@@ -130,7 +130,13 @@ def check_join_with_gradient_tape_training(rank, size):
     for x, y in _batches(rank, steps_of[rank]):
         step(x, y)
     bps_tf.join()
+    return _compare_with_reference(model, reference, loss_fn, rank, size, steps_of)
 
+
+def _compare_with_reference(model, reference, loss_fn, rank, size, steps_of):
+    """Runs this rank's steps on ``reference`` in one process (the gradient
+    of each step summed over the ranks still training, divided by size(),
+    SGD(0.1)) and compares the weights with ``model``'s."""
     every = {r: _batches(r, steps_of[r]) for r in range(size)}
     for s in range(steps_of[rank]):
         total = None
@@ -151,12 +157,35 @@ def check_join_with_gradient_tape_training(rank, size):
     return f"max difference {worst:.2e}"
 
 
+def check_join_with_distributed_optimizer_fit(rank, size):
+    """model.fit with bps_tf.keras.DistributedOptimizer where rank r has
+    r + 2 batches, then join: the same steps as in one process."""
+    import bps_tf.keras as bps_keras
+    steps_of = [r + 2 for r in range(size)]
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    bps_keras.broadcast_model(model, root_rank=0)
+    reference.set_weights(model.get_weights())
+    loss_fn = keras.losses.MeanSquaredError()
+    model.compile(optimizer=bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=loss_fn, jit_compile=False)
+    batches = _batches(rank, steps_of[rank])
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    bps_tf.join()
+    return _compare_with_reference(model, reference, loss_fn, rank, size, steps_of)
+
+
 def run_all(checks, rank, size):
     """Runs every join check through ``checks.run`` (check_record.Checks)."""
     checks.run("join_uneven_steps", lambda: check_join_uneven_steps_and_again(rank, size))
     checks.run("join_refuses_broadcast_allgather",
                lambda: check_broadcast_and_allgather_refused_under_join(rank, size))
     checks.run("join_tape_training", lambda: check_join_with_gradient_tape_training(rank, size))
+    checks.run("join_fit_distributed_optimizer",
+               lambda: check_join_with_distributed_optimizer_fit(rank, size))
 
 
 def main(out_dir):
