@@ -268,3 +268,12 @@ def test_the_global_process_set_is_accepted_and_subsets_are_refused():
         with pytest.raises(NotImplementedError, match="process sets other than the global one"):
             call()
     assert bps_tf.remove_process_set(gps) is False
+
+
+def test_join_alone_returns_rank_0_and_is_eager_only():
+    assert bps_tf.join() == 0
+    assert bps_tf.join(device="/cpu:0") == 0     # again (next epoch), Horovod's argument
+    out = api.allreduce(tf.constant([3.0]), op=api.Sum, name="single/after_join")
+    np.testing.assert_array_equal(out.numpy(), [3.0])
+    with pytest.raises(RuntimeError, match="eagerly"):
+        tf.function(lambda: bps_tf.join())()
