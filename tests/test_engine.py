@@ -59,6 +59,21 @@ def test_join_scheduler_and_stall_check_skip_the_joined_worker(tmp_path):
     assert all(missing.strip() == "2" for _, missing in stalls), stalls
 
 
+def test_a_joined_worker_that_hangs_is_still_reported(tmp_path):
+    res, proc = run_checks(tmp_path, "join_lost", expect_ok=False,
+                           env={"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5"})
+    assert proc.returncode != 0
+    assert res[0] == {"rank": 0, "stopping": True}
+    for r in (1, 2):
+        # worker 0 had joined: 1 + 2, step after step
+        assert res[r]["sums"] and all(s == [3, 3, 3] for s in res[r]["sums"]), res[r]
+    # The scheduler reports the joined worker once its heartbeats stop, and
+    # the workers still training fail with that report.
+    for who in ("server 0", "worker 1", "worker 2"):
+        assert re.search(rf"\[{who}\].*lost worker 0 .*no heartbeat", proc.stderr), \
+            proc.stderr[-3000:]
+
+
 def test_partitions_leave_in_priority_order_under_small_credit(tmp_path):
     res, _ = run_checks(tmp_path, "priority", workers=2, servers=1,
                         env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1"})

@@ -234,9 +234,38 @@ def check_join():
     result["after"] = out.tolist()
 
 
+def check_join_lost():
+    # Worker 0 joins, then hangs (SIGSTOP): joined or not, it stops
+    # heartbeating, and the scheduler reports it to the others, which fail
+    # instead of waiting in their own join forever.
+    if rank == 0:
+        import signal
+        import threading
+        threading.Thread(target=core.join, daemon=True).start()
+        time.sleep(1.0)
+        with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "stopping": True}, f)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    # The others train on: their sums complete without worker 0 until the
+    # scheduler misses its heartbeats (the launcher then stops the job, so
+    # what they saw is written after every step).
+    result["sums"] = []
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        h, out = start("join_lost/sum", np.full(3, rank, np.int32))
+        h.wait(60)
+        result["sums"].append(out.tolist())
+        tmp = os.path.join(OUT, f"rank{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(OUT, f"rank{rank}.json"))
+        time.sleep(0.1)
+    os._exit(0)
+
+
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
  "rounds": check_rounds, "async": check_async, "reduce": check_reduce_ops,
- "join": check_join}[MODE]()
+ "join": check_join, "join_lost": check_join_lost}[MODE]()
 result["stats"] = {k: v for k, v in basics.stats().items() if k != "send_log"}
 with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
