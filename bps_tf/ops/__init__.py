@@ -92,7 +92,10 @@ def _push_pull_grad(op, grad):
     # gradient is the sum of every worker's output gradient.
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
     summed = push_pull_sum(grad, name, op.get_attr("priority"))
-    kind = op.get_attr("reduce_op").decode()
+    try:
+        kind = op.get_attr("reduce_op").decode()
+    except ValueError:  # a node built without the attr (e.g. an older graph): a sum
+        kind = "sum"
     if kind == "sum":
         return [summed]
     return [_reduce_op_grad(op, kind, summed, name)]
