@@ -54,6 +54,7 @@ _LAZY = {
     "rank_op": "bps_tf.synchronization",
     "local_size_op": "bps_tf.synchronization",
     "local_rank_op": "bps_tf.synchronization",
+    "join": "bps_tf.synchronization",
     "SyncBatchNormalization": "bps_tf.sync_batch_norm",
     "broadcast_global_variables": "bps_tf.tf1_session",
     "BroadcastGlobalVariablesHook": "bps_tf.tf1_session",

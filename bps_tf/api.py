@@ -41,7 +41,7 @@ __all__ = [
     "push_pull", "allreduce", "grouped_allreduce", "allgather", "broadcast",
     "broadcast_variables", "broadcast_object", "allgather_object", "reduce_gradients",
     "predivide_scales", "resolve_op",
-    "variable_name", "SUPPORTED_DTYPES", "GATHERED_OPS", "sum_exact",
+    "variable_name", "SUPPORTED_DTYPES", "SERVER_OPS", "sum_exact",
 ]
 
 
@@ -53,7 +53,7 @@ class ReduceOp(enum.IntEnum):
     SUM = 1
     # Adasum has no parameter-server equivalent: it exists so that code
     # written for Horovod imports, and fails clearly where used. Min, Max
-    # and Product are computed from an allgather (the servers only sum).
+    # and Product are computed by the servers, like the sum.
     ADASUM = 2
     MIN = 3
     MAX = 4
@@ -86,12 +86,11 @@ def resolve_op(average, op):
     return op
 
 
-# Reduce ops computed from an allgather (the servers only sum): op -> kind
-# of bps_tf.collectives.reduce_by_gather and the key family.
-# One family for every op, so that workers passing different ops under one
-# name meet on one key and fail, naming both ops (their agreement differs).
-GATHERED_OPS = {Min: ("min", "PushPull"), Max: ("max", "PushPull"),
-                Product: ("product", "PushPull")}
+# Reduce ops the servers compute besides the sum: op -> kind of
+# bps_tf.collectives.reduce_on_servers. They share the sum's key family, so
+# ranks that pass different ops under one name fail (the op is declared with
+# the shape) instead of waiting for each other under different keys.
+SERVER_OPS = {Min: "min", Max: "max", Product: "product"}
 
 
 # --------------------------------------------------------------------------
@@ -103,8 +102,8 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     """Reduces ``tensor`` across all workers (``op=Average`` by default).
 
     ``Sum``/``Average`` go through the servers' sum; ``Min``, ``Max`` and
-    ``Product`` are computed exactly from an allgather (each worker receives
-    every worker's tensor: ``size()`` times the traffic of a sum).
+    ``Product`` are computed exactly by the servers too, in the tensor's
+    dtype (not with compression or in asynchronous training).
 
     ``prescale_factor`` multiplies before the sum, ``postscale_factor`` after
     the average. ``priority``: higher leaves first. An ``IndexedSlices`` is
@@ -126,7 +125,7 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
 def _push_pull(tensor, name, compression, op, priority, device_dense, device_sparse,
                prescale_factor, postscale_factor, ps):
     if isinstance(tensor, tf.IndexedSlices):
-        if op in GATHERED_OPS:
+        if op in SERVER_OPS:
             raise NotImplementedError(f"push_pull of an IndexedSlices takes Sum or Average, "
                                       f"not {op.name}.")
         with tf.device(device_sparse):
@@ -137,11 +136,18 @@ def _push_pull(tensor, name, compression, op, priority, device_dense, device_spa
     size = ps.size()
     with tf.device(device_dense):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
-        if op in GATHERED_OPS:
-            kind, family = GATHERED_OPS[op]
-            result = collectives.reduce_by_gather(
-                sent, naming.op_key(family, name, tensor, ps.process_set_id), ps.rank(), size,
-                kind, priority)
+        if op in SERVER_OPS:
+            kind = SERVER_OPS[op]
+            if compression is not Compression.none and compression is not NoneCompressor:
+                raise ValueError(f"push_pull: op={op.name.title()} takes no compression "
+                                 f"(a compressor approximates a sum); use Compression.none.")
+            if async_training.enabled():
+                raise NotImplementedError(
+                    f"push_pull: op={op.name.title()} is not available in asynchronous "
+                    f"training (BYTEPS_ENABLE_ASYNC=1: the servers keep running sums, not "
+                    f"rounds); use op=Sum or Average, or synchronous training.")
+            result = collectives.reduce_on_servers(
+                sent, naming.op_key("PushPull", name, tensor, ps.process_set_id), kind, priority)
             return collectives.scale(result, postscale_factor, "postscale_factor")
         key = naming.op_key("PushPull", name, tensor, ps.process_set_id)
         if compression is FP16Compressor and sent.dtype in (tf.float32, tf.float64):

@@ -13,6 +13,8 @@ through these functions; the keys they pass are formed by ``bps_tf.naming``.
   rows at its offset in a zero buffer of the total size and the buffers are
   summed. Exact for every dtype (x + 0 == x), except that a float -0.0
   comes back as +0.0;
+* :func:`reduce_on_servers` -- min, max and product, computed by the
+  servers in the tensor's dtype;
 * :func:`divide` -- averages: floating tensors are divided, integer tensors
   floor-divided (``tf.math.floordiv``, keeping the dtype: the average of 3
   and 4 over 2 workers is 3, of -3 and -4 is -4); :func:`scale` for
@@ -43,8 +45,8 @@ WIDEN = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.
 # type would wrap it (the int32 sum of a few workers never overflows).
 REDUCE_DTYPES = (tf.uint8, tf.int8, tf.uint16, tf.int16) + SUPPORTED_DTYPES
 GATHER_DTYPES = REDUCE_DTYPES + (tf.bool,)
-# Reductions computed from an allgather (the servers only sum).
-GATHER_REDUCTIONS = {"min": tf.reduce_min, "max": tf.reduce_max, "product": tf.reduce_prod}
+# Reductions the servers compute besides the sum (the op's reduce_op attr).
+SERVER_REDUCTIONS = ("min", "max", "product")
 # Reductions that are not a variable's gradient (SyncBatchNorm statistics,
 # end-of-data agreement, metrics) block the step that issues them: send
 # them before any gradient (gradients get 0, -1, -2, ... from their order).
@@ -194,6 +196,14 @@ def keep_priority(keep: bool):
         {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
 
 
+def refuse_when_joined(key: str) -> None:
+    """Operations under ``key`` fail instead of completing while a worker has
+    joined (Horovod refuses allgathers then; a broadcast is refused by the
+    engine itself)."""
+    if basics.is_initialized():
+        basics.core().refuse_when_joined(key)
+
+
 def label_tensor(key: str, label: str) -> None:
     """Shows ``label`` (e.g. the variable's path) beside ``key`` in the core's
     error messages and timeline; keys alone match tensors across workers."""
@@ -256,6 +266,7 @@ def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
     rows = tf.shape(tensor, out_type=tf.int64)[0]
     slots = tf.scatter_nd([[rank]], tf.reshape(rows, [1]), [size])
     counts_key = naming.part_key(key, "counts") if counts_key is None else counts_key
+    refuse_when_joined(counts_key)
     counts = push_pull_sum(slots, counts_key, priority, widen)
     total = tf.reduce_sum(counts)
     offset = tf.reduce_sum(counts[:rank])
@@ -263,23 +274,32 @@ def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
                    [tf.zeros([2], tf.int64)] * (tensor.shape.rank - 1))
     eager_total = int(total) if key_per_size and tf.executing_eagerly() else None
     data_key = naming.allgather_data_key(key, eager_total)
+    refuse_when_joined(data_key)
     gathered = push_pull_sum(tf.pad(tensor, pad), data_key, priority, widen)
     found = [push_pull_op(counts), push_pull_op(gathered)]
     return gathered, [op for op in found if op is not None]
 
 
-def reduce_by_gather(tensor, key: str, rank: int, size: int, kind: str, priority: int = 0):
-    """Min, max or product (``kind``, see :data:`GATHER_REDUCTIONS`) of
-    ``tensor`` over all workers, exactly: the servers only sum, so every
-    worker gathers all the values (``size`` times the tensor) and reduces
-    them over the rank axis in the tensor's own dtype (a product of
-    integers wraps as the type does)."""
-    reduce = GATHER_REDUCTIONS[kind]
-    rows = tf.expand_dims(tensor, 0)
-    # The row counts go under ``key`` itself: a worker that sums under the
-    # same name meets this one there, and their agreements (op=...) clash.
-    gathered, _ = allgather(rows, key, rank, size, priority, widen=True, counts_key=key)
-    return reduce(gathered, axis=0)
+def reduce_on_servers(tensor, key: str, kind: str, priority: int = 0):
+    """Min, max or product (``kind``, one of :data:`SERVER_REDUCTIONS`) of
+    ``tensor`` over all workers (of the process set of the current
+    :func:`agreement_scope`), computed by the servers in the dtype the
+    tensor travels in: exact for every dtype of :data:`REDUCE_DTYPES`. The
+    narrow integers travel as int32, where min and max are exact and a
+    product's low bits -- all that their own type keeps -- are too (integer
+    products wrap as the type does). Runs on the CPU kernel (the GPU kernel
+    only sums)."""
+    if kind not in SERVER_REDUCTIONS:
+        raise ValueError(f"reduce '{key}': unknown reduction {kind!r} "
+                         f"(one of {', '.join(SERVER_REDUCTIONS)}).")
+    check_dtype(tensor, f"reduce ({kind}) '{key}'", REDUCE_DTYPES)
+    dtype = tensor.dtype
+    wide = WIDEN.get(dtype)
+    with tf.device("/device:CPU:0"):
+        sent = tf.cast(tensor, wide) if wide is not None else tensor
+        out = _ops().push_pull_reduce(sent, tensor_name=key, reduce_op=kind,
+                                      priority=int(priority), agreement=current_agreement())
+        return tf.cast(out, dtype) if wide is not None else out
 
 
 def kernel_devices(op_type: str = "BytepsPushPull") -> set:

@@ -16,10 +16,9 @@ How a name is formed
   ``<Family>/<name>``, the name defaulting to the op name of the tensor (the
   same on every worker that traces the same program). A name used twice in
   one graph gets ``_1``, ``_2`` ... in tracing order.
-  Families: ``PushPull``, ``Broadcast``, ``Allgather``, ``BroadcastObject``,
-  ``PushPull`` for Min/Max/Product too (an allgather: its counts under
-  ``<key>`` itself, so a Sum and a Min under one name meet and fail,
-  and the data under ``<key>/data``), ``Reducescatter``, ``Alltoall`` (two
+  Families: ``PushPull`` (every reduce op: Min, Max and Product are told
+  apart by the op's ``reduce_op``, declared with the shape), ``Broadcast``,
+  ``Allgather``, ``BroadcastObject``, ``Reducescatter``, ``Alltoall`` (two
   allgathers ``<key>/splits`` and ``<key>/data``), ``Barrier``,
   ``Broadcast_`` (in place: ``Broadcast_[/<name>]/<variable path>``),
   ``SyncBatchNormalization`` (``<family>/<layer path>``); grouped calls with

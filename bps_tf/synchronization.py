@@ -7,6 +7,8 @@
   variables in place (keys ``Broadcast_/<name or variable path>``).
 * ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``: int32
   scalar tensors (the values are fixed once ``init`` has run).
+* ``join()``: a worker out of data joins; the others' reductions go on
+  without it until every worker has joined (docs/engine.md, "Join").
 """
 from __future__ import annotations
 
@@ -17,7 +19,28 @@ from bps_tf.collectives import BLOCKING_PRIORITY, require_init
 from bps_tf import process_sets
 from bps_tf.process_sets import global_process_set
 
-__all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op"]
+__all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
+           "join"]
+
+
+def join(device=""):
+    """Horovod's ``join``: this worker has run out of data.
+
+    Blocks until every worker has called it and returns the rank that joined
+    last (the same int on every worker). Meanwhile the other workers'
+    allreduces (every op, e.g. the gradients of DistributedGradientTape or
+    DistributedOptimizer) complete with this worker counted as contributing
+    zeros; an Average still divides by ``size()``, as in Horovod. A
+    broadcast or allgather while a worker has joined fails on the workers
+    that call it, as Horovod refuses them. Afterwards every collective runs
+    normally again and workers may join again (next epoch). Eager only;
+    ``device`` is accepted for compatibility."""
+    del device
+    require_init()
+    if not tf.executing_eagerly():
+        raise RuntimeError("join() runs eagerly only (call it outside tf.function, after the "
+                           "training loop has run out of data).")
+    return int(basics.core().join())
 
 
 def barrier(name=None, process_set=global_process_set):

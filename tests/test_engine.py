@@ -36,6 +36,44 @@ def test_sums_exact_for_every_dtype_and_size(tmp_path):
         assert r["stats"]["frames_dropped"] == 0
 
 
+def test_min_max_product_on_the_servers_exact_for_every_dtype(tmp_path):
+    res, _ = run_checks(tmp_path, "reduce")
+    assert sorted(res) == [0, 1, 2]
+    for r in res.values():
+        assert r["bad"] == []
+        assert "compression" in r["compression_error"]
+        assert "asynchronous" in r["async_error"]
+
+
+def test_join_scheduler_and_stall_check_skip_the_joined_worker(tmp_path):
+    res, proc = run_checks(tmp_path, "join", env={"BYTEPS_STALL_CHECK_TIME_SECONDS": "1"})
+    assert sorted(res) == [0, 1, 2]
+    assert res[1]["sum"] == res[2]["sum"] == [5] * 4   # workers 1 and 2 only
+    lasts = {r["last"] for r in res.values()}
+    assert len(lasts) == 1 and lasts <= {1, 2}, lasts
+    assert all(r["after"] == [6, 6] for r in res.values())
+    stalls = re.findall(r"tensor 'join/late' submitted by worker\(s\) ([\d, ]+) but not by "
+                        r"worker\(s\) ([\d, ]+)", proc.stderr)
+    assert stalls, proc.stderr[-3000:]
+    # Worker 0 had joined: never reported as missing.
+    assert all(missing.strip() == "2" for _, missing in stalls), stalls
+
+
+def test_a_joined_worker_that_hangs_is_still_reported(tmp_path):
+    res, proc = run_checks(tmp_path, "join_lost", expect_ok=False,
+                           env={"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5"})
+    assert proc.returncode != 0
+    assert res[0] == {"rank": 0, "stopping": True}
+    for r in (1, 2):
+        # worker 0 had joined: 1 + 2, step after step
+        assert res[r]["sums"] and all(s == [3, 3, 3] for s in res[r]["sums"]), res[r]
+    # The scheduler reports the joined worker once its heartbeats stop, and
+    # the workers still training fail with that report.
+    for who in ("server 0", "worker 1", "worker 2"):
+        assert re.search(rf"\[{who}\].*lost worker 0 .*no heartbeat", proc.stderr), \
+            proc.stderr[-3000:]
+
+
 def test_partitions_leave_in_priority_order_under_small_credit(tmp_path):
     res, _ = run_checks(tmp_path, "priority", workers=2, servers=1,
                         env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1"})

@@ -33,10 +33,16 @@ def op_names(monkeypatch):
     """The tensor_name of every push_pull/broadcast op call, in order."""
     names = []
     real_pp, real_bc = bps_ops.push_pull_sum, bps_ops.broadcast_raw
+    real_reduce = bps_ops.push_pull_reduce
 
     def push_pull_sum(tensor, tensor_name, priority=0, **kwargs):
         names.append(tensor_name)
         return real_pp(tensor, tensor_name=tensor_name, priority=priority, **kwargs)
+
+    def push_pull_reduce(tensor, tensor_name, reduce_op, priority=0, **kwargs):
+        names.append(f"{tensor_name} ({reduce_op})")
+        return real_reduce(tensor, tensor_name=tensor_name, reduce_op=reduce_op,
+                           priority=priority, **kwargs)
 
     def broadcast_raw(tensor, tensor_name, root_rank, priority=0, **kwargs):
         names.append(tensor_name)
@@ -44,6 +50,7 @@ def op_names(monkeypatch):
                        **kwargs)
 
     monkeypatch.setattr(bps_ops, "push_pull_sum", push_pull_sum)
+    monkeypatch.setattr(bps_ops, "push_pull_reduce", push_pull_reduce)
     monkeypatch.setattr(bps_ops, "broadcast_raw", broadcast_raw)
     return names
 
@@ -91,7 +98,8 @@ def test_min_max_product_keys_scaling_and_graph_mode(op_names):
     x = tf.constant([2.0, -3.0])
     out = api.allreduce(x, op=api.Product, name="p", prescale_factor=2.0, postscale_factor=0.5)
     np.testing.assert_array_equal(out.numpy(), [2.0, -3.0])
-    assert op_names == ["PushPull/p", "PushPull/p/data"]
+    # One op on the servers, no allgather.
+    assert op_names == ["PushPull/p (product)"]
 
     @tf.function
     def in_graph(t):
@@ -100,11 +108,24 @@ def test_min_max_product_keys_scaling_and_graph_mode(op_names):
     low, high = in_graph(x)
     np.testing.assert_array_equal(low.numpy(), [2.0, -3.0])
     assert int(high) == 4           # a scalar comes back a scalar
-    assert "PushPull/m/data" in op_names
+    assert "PushPull/m (min)" in op_names
+    for graph_op in in_graph.get_concrete_function(x).graph.get_operations():
+        if graph_op.type == "BytepsPushPull" and graph_op.get_attr("reduce_op") != b"sum":
+            assert "CPU" in graph_op.device.upper(), graph_op.device
     with pytest.raises(NotImplementedError, match="ADASUM"):
         api.allreduce(x, op=api.Adasum)
     with pytest.raises(NotImplementedError, match="Sum or Average"):
         api.allreduce(tf.IndexedSlices(x, tf.constant([0, 1])), op=api.Min)
+    for compression in (bps_tf.Compression.fp16, bps_tf.Compression.topk(0.5)):
+        with pytest.raises(ValueError, match="takes no compression"):
+            api.allreduce(x, op=api.Max, compression=compression)
+
+
+def test_min_max_product_refused_in_async_mode(monkeypatch):
+    from bps_tf import async_training
+    monkeypatch.setattr(async_training, "enabled", lambda: True)
+    with pytest.raises(NotImplementedError, match="asynchronous"):
+        api.allreduce(tf.constant([1.0]), op=api.Min, name="async/min")
 
 
 @pytest.mark.parametrize("rows,size,want", [
@@ -252,3 +273,12 @@ def test_the_global_process_set_and_refused_process_sets():
         with pytest.raises(ValueError, match="is not registered"):
             call()
     assert bps_tf.remove_process_set(gps) is False
+
+
+def test_join_alone_returns_rank_0_and_is_eager_only():
+    assert bps_tf.join() == 0
+    assert bps_tf.join(device="/cpu:0") == 0     # again (next epoch), Horovod's argument
+    out = api.allreduce(tf.constant([3.0]), op=api.Sum, name="single/after_join")
+    np.testing.assert_array_equal(out.numpy(), [3.0])
+    with pytest.raises(RuntimeError, match="eagerly"):
+        tf.function(lambda: bps_tf.join())()

@@ -111,6 +111,30 @@ def test_parity_allreduce_every_dtype_sum_average_min_max_product_wrapping(ranks
         assert detail.split() == list(PARITY_DTYPES)
 
 
+def test_parity_min_max_product_on_servers_function_gradients_and_op_mismatch(ranks):
+    _check(ranks, "parity_server_reductions")
+
+
+# Horovod's join (tests/workers/join_checks.py), in the same cluster
+def test_join_uneven_steps_exact_twice_and_returns_the_last_rank(ranks):
+    assert _check(ranks, "join_uneven_steps") == ["0"] * WORKERS
+
+
+def test_join_refuses_broadcast_from_a_joined_root_and_allgather(ranks):
+    assert _check(ranks, "join_refuses_broadcast_allgather") == \
+        ["root"] + ["refused refused"] * (WORKERS - 1)
+
+
+def test_join_with_distributed_gradient_tape_and_uneven_batches(ranks):
+    for detail in _check(ranks, "join_tape_training"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
+def test_join_with_distributed_optimizer_fit_and_uneven_batches(ranks):
+    for detail in _check(ranks, "join_fit_distributed_optimizer"):
+        assert float(detail.split()[-1]) <= 1e-5
+
+
 def test_parity_allgather_and_broadcast_every_dtype_and_bool(ranks):
     _check(ranks, "parity_allgather_broadcast")
 

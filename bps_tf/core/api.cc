@@ -1,4 +1,5 @@
 // The C ABI of bps_api.h over the C++ engine.
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -48,6 +49,18 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
   }
 }
 
+void bps_enqueue_reduce(const char* name, int dtype, const int64_t* shape, int ndim,
+                        const void* in, void* out, int64_t priority, int reduce_op,
+                        const char* agreement, bps_done_fn done, void* ctx) {
+  std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
+  try {
+    bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
+                                     "", agreement ? agreement : "", reduce_op);
+  } catch (const std::exception& e) {
+    done(ctx, BPS_ERR_INTERNAL, e.what());
+  }
+}
+
 void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape, int ndim,
                               const void* in, void* out, int64_t priority,
                               const char* compression, const char* agreement,
@@ -69,6 +82,21 @@ void bps_trace_wait(const char* name, int64_t begin_ns, int64_t end_ns) {
   using bps::Clock;
   auto at = [](int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); };
   bps::Trace::Get().RecordWait(name ? name : "", at(begin_ns), at(end_ns));
+}
+
+int bps_join(char* err, size_t err_len) {
+  try {
+    return bps::WorkerEngine::Get().Join();
+  } catch (const std::exception& e) {
+    if (err && err_len) {
+      std::snprintf(err, err_len, "%s", e.what());
+    }
+    return -1;
+  }
+}
+
+void bps_refuse_when_joined(const char* name) {
+  bps::WorkerEngine::Get().RefuseWhenJoined(name ? name : "");
 }
 
 void bps_debug_pause_sends(int paused) { bps::WorkerEngine::Get().PauseSends(paused != 0); }

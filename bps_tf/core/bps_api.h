@@ -75,6 +75,27 @@ void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape,
                               const char* compression, const char* agreement,
                               bps_done_fn done, void* ctx);
 
+// bps_enqueue_push_pull with the servers combining the workers' tensors by
+// `reduce_op` instead of summing: 0 sum, 1 min, 2 max, 3 product, in the
+// dtype's own arithmetic (integer products wrap; float16/bfloat16 computed
+// in float32). Declared with the shape: workers that differ all fail with
+// BPS_ERR_INVALID, as does an unknown op or an asynchronous key. `agreement`
+// as bps_enqueue_push_pull_ex's ("set=0,2": among a process set).
+void bps_enqueue_reduce(const char* name, int dtype, const int64_t* shape, int ndim,
+                        const void* in, void* out, int64_t priority, int reduce_op,
+                        const char* agreement, bps_done_fn done, void* ctx);
+
+// Horovod's join: this worker has no more data. Waits for its operations
+// in flight, then blocks until every worker has joined; meanwhile the
+// others' reductions complete with this worker counted as pushing zeros.
+// Returns the rank that joined last (the same on every worker), or -1 with
+// a message in err. Workers may join again afterwards (next epoch).
+int bps_join(char* err, size_t err_len);
+// Operations under tensor name `name` fail (BPS_ERR_INVALID) instead of
+// completing while a worker has joined: for allgathers, which Horovod
+// refuses under join (broadcasts are refused by their root agreement).
+void bps_refuse_when_joined(const char* name);
+
 // Gives tensor key `name` a label a person recognises (the variable it
 // carries); errors and the timeline show it beside the key. Never matched
 // across workers. An empty label removes it.

@@ -32,6 +32,12 @@ std::string ValidateHeader(const void* data, size_t size, size_t payload_size) {
     return "header declares " + std::to_string(h.payload_bytes) + " payload bytes but " +
            std::to_string(payload_size) + " arrived";
   }
+  if (h.reduce_op > kMaxReduceOp) return "unknown reduce op " + std::to_string(h.reduce_op);
+  if (h.members != 0 &&
+      static_cast<uint32_t>(__builtin_popcountll(h.members)) != h.contributors) {
+    return "member mask names " + std::to_string(__builtin_popcountll(h.members)) +
+           " ranks but the header declares " + std::to_string(h.contributors) + " contributors";
+  }
   for (uint8_t b : h.reserved) {
     if (b != 0) return "reserved header bytes are not zero";
   }
@@ -42,8 +48,13 @@ const char* MsgTypeName(uint16_t type) {
   static const char* kNames[] = {"?",        "HELLO",     "WELCOME",   "BARRIER",  "BARRIER_DONE",
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
                                  "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
-                                 "PUSH_COMPRESSED"};
+                                 "PUSH_COMPRESSED", "JOIN", "JOIN_NOTICE"};
   return type <= kMaxMsgType ? kNames[type] : "?";
+}
+
+const char* ReduceOpName(uint8_t op) {
+  static const char* kNames[] = {"sum", "min", "max", "product"};
+  return op <= kMaxReduceOp ? kNames[op] : "unknown";
 }
 
 const char* RoleName(Role role) {

@@ -16,7 +16,8 @@ namespace bps {
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
-// 3: a push says how many workers contribute to its key and how to reduce it.
+// 3: a push says how many workers contribute to its key (and which ones) and how
+//    to reduce it.
 constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
@@ -37,11 +38,12 @@ enum class MsgType : uint16_t {
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum
+  kJoin = 17,            // worker -> each server, after its pushes: it has joined;
+                         // server -> worker: every worker has joined at this server
+  kJoinNotice = 18,      // worker -> scheduler: it has joined;
+                         // scheduler -> worker: every worker has joined ("last=<rank>")
 };
-constexpr uint16_t kMaxMsgType = 16;
-
-// How a server combines the pushes of one round (FrameHeader::reduce_op).
-enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
+constexpr uint16_t kMaxMsgType = 18;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -59,7 +61,9 @@ struct FrameHeader {
   uint64_t payload_bytes;
   uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
   uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp)
-  uint8_t reserved[11];   // zero
+  uint64_t members;       // kPush of a process set: bit r = rank r takes part; 0 = every worker,
+                          // or a set with a rank above kMaxMaskRank (see sum_engine.h)
+  uint8_t reserved[3];    // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
@@ -93,6 +97,14 @@ constexpr SharedSetting kSharedSettings[] = {
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
 };
 
+// How a server combines the pushes of one round of a key (FrameHeader's
+// reduce_op). Every push of a key must carry the same one.
+enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
+constexpr uint8_t kMaxReduceOp = 3;
+// The highest rank FrameHeader::members can name.
+constexpr int kMaxMaskRank = 63;
+const char* ReduceOpName(uint8_t op);  // "sum", "min", ...; "unknown" past kMaxReduceOp
+
 // Partition keys: the tensor key's low 16 bits hold the part index.
 constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;
@@ -106,6 +118,10 @@ inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key 
 // so one server serves synchronous and asynchronous keys side by side.
 constexpr char kAsyncNamePrefix[] = "bps_async/";
 constexpr uint64_t kPushAsync = 1;
+// A push's request_id bit for a key that must not complete with a joined
+// worker's contribution missing (broadcasts and allgathers, which Horovod
+// refuses under join): its round fails instead, naming the joined workers.
+constexpr uint64_t kPushRefuseJoined = 2;
 inline bool IsAsyncName(const std::string& name) {
   return name.compare(0, sizeof(kAsyncNamePrefix) - 1, kAsyncNamePrefix) == 0;
 }

@@ -170,6 +170,19 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_tensor_label", [](const std::string& name, const std::string& label) {
     bps_set_tensor_label(name.c_str(), label.c_str());
   });
+  m.def("join", [] {
+    char err[1024] = {0};
+    int last;
+    {
+      py::gil_scoped_release release;
+      last = bps_join(err, sizeof(err));
+    }
+    if (last < 0) throw std::runtime_error(err);
+    return last;
+  });
+  m.def("refuse_when_joined", [](const std::string& name) {
+    bps_refuse_when_joined(name.c_str());
+  });
   m.def("debug_pause_sends", [](bool paused) { bps_debug_pause_sends(paused ? 1 : 0); });
   m.def("stats_json", [] {
     size_t need = bps_stats_json(nullptr, 0);
@@ -189,11 +202,14 @@ PYBIND11_MODULE(_core, m) {
       "push_pull_async",
       [](const std::string& name, py::array in, py::array out, int64_t priority,
          const std::string& dtype_name, const std::string& compression,
-         const std::string& agreement) {
+         const std::string& agreement, int reduce_op) {
         if (!(in.flags() & py::array::c_style) || !(out.flags() & py::array::c_style)) {
           throw py::value_error("push_pull_async needs C-contiguous arrays");
         }
         if (in.nbytes() != out.nbytes()) throw py::value_error("in and out differ in size");
+        if (reduce_op != 0 && !compression.empty()) {
+          throw py::value_error("push_pull_async: a reduce_op other than sum takes no compression");
+        }
         int dtype = DTypeCode(in, dtype_name);
         std::vector<int64_t> shape(in.shape(), in.shape() + in.ndim());
         auto handle = std::make_shared<Handle>(in, out);
@@ -202,12 +218,19 @@ PYBIND11_MODULE(_core, m) {
         void* dst = out.mutable_data();
         {
           py::gil_scoped_release release;
-          bps_enqueue_push_pull_ex(name.c_str(), dtype, shape.data(),
-                                   static_cast<int>(shape.size()), src, dst, priority,
-                                   compression.c_str(), agreement.c_str(), &Handle::Done, ctx);
+          if (reduce_op != 0) {
+            bps_enqueue_reduce(name.c_str(), dtype, shape.data(), static_cast<int>(shape.size()),
+                               src, dst, priority, reduce_op, agreement.c_str(), &Handle::Done,
+                               ctx);
+          } else {
+            bps_enqueue_push_pull_ex(name.c_str(), dtype, shape.data(),
+                                     static_cast<int>(shape.size()), src, dst, priority,
+                                     compression.c_str(), agreement.c_str(), &Handle::Done, ctx);
+          }
         }
         return handle;
       },
       py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
-      py::arg("dtype_name") = "", py::arg("compression") = "", py::arg("agreement") = "");
+      py::arg("dtype_name") = "", py::arg("compression") = "", py::arg("agreement") = "",
+      py::arg("reduce_op") = 0);
 }

@@ -28,6 +28,62 @@ void SumTyped(void* dst, const void* src, size_t count) {
   for (size_t i = 0; i < count; ++i) d[i] += s[i];
 }
 
+// Min, max and product. nan propagates (as numpy's minimum/maximum and
+// TensorFlow's reduce_min/max do). Integer products wrap: computed unsigned.
+struct MinOp {
+  template <typename T>
+  static T Apply(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return b < a ? b : a;
+  }
+};
+struct MaxOp {
+  template <typename T>
+  static T Apply(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return a < b ? b : a;
+  }
+};
+struct ProdOp {
+  template <typename T>
+  static T Apply(T a, T b) { return a * b; }
+};
+
+template <typename Op, typename T>
+void ApplyTyped(void* dst, const void* src, size_t count) {
+  T* __restrict d = static_cast<T*>(dst);
+  const T* __restrict s = static_cast<const T*>(src);
+  for (size_t i = 0; i < count; ++i) d[i] = Op::Apply(d[i], s[i]);
+}
+
+template <typename Op, float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void ApplyHalfLike(void* dst, const void* src, size_t count) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  for (size_t i = 0; i < count; ++i) d[i] = FromFloat(Op::Apply(ToFloat(d[i]), ToFloat(s[i])));
+}
+
+template <typename Op>
+void ApplyOp(int dtype, void* dst, const void* src, size_t count, bool wrap_ints) {
+  switch (dtype) {
+    case BPS_FLOAT16: ApplyHalfLike<Op, HalfToFloat, FloatToHalf>(dst, src, count); break;
+    case BPS_BFLOAT16: ApplyHalfLike<Op, BFloat16ToFloat, FloatToBFloat16>(dst, src, count); break;
+    case BPS_FLOAT32: ApplyTyped<Op, float>(dst, src, count); break;
+    case BPS_FLOAT64: ApplyTyped<Op, double>(dst, src, count); break;
+    case BPS_INT32:
+      if (wrap_ints) ApplyTyped<Op, uint32_t>(dst, src, count);
+      else ApplyTyped<Op, int32_t>(dst, src, count);
+      break;
+    case BPS_INT64:
+      if (wrap_ints) ApplyTyped<Op, uint64_t>(dst, src, count);
+      else ApplyTyped<Op, int64_t>(dst, src, count);
+      break;
+    default: break;
+  }
+}
+
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
 void SumHalfLike(void* dst, const void* src, size_t count) {
   uint16_t* d = static_cast<uint16_t*>(dst);
@@ -104,6 +160,15 @@ void SumInto(int dtype, void* dst, const void* src, size_t count) {
     case BPS_INT32: SumTyped<uint32_t>(dst, src, count); break;
     case BPS_INT64: SumTyped<uint64_t>(dst, src, count); break;
     default: break;
+  }
+}
+
+void ReduceInto(int op, int dtype, void* dst, const void* src, size_t count) {
+  switch (op) {
+    case 1: ApplyOp<MinOp>(dtype, dst, src, count, false); break;
+    case 2: ApplyOp<MaxOp>(dtype, dst, src, count, false); break;
+    case 3: ApplyOp<ProdOp>(dtype, dst, src, count, true); break;
+    default: SumInto(dtype, dst, src, count); break;
   }
 }
 

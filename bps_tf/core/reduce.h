@@ -11,6 +11,12 @@ namespace bps {
 // float16 and bfloat16 are added in float32 and rounded to nearest even.
 void SumInto(int dtype, void* dst, const void* src, size_t count);
 
+// dst[i] = op(dst[i], src[i]) for a protocol.h ReduceOp (0 sum, 1 min,
+// 2 max, 3 product), in the dtype's own arithmetic (integers wrap; halves
+// computed in float32, rounded to nearest even). Min/max of floats follow
+// IEEE fmin/fmax except that a nan in either operand gives nan.
+void ReduceInto(int op, int dtype, void* dst, const void* src, size_t count);
+
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);

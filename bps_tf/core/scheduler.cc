@@ -77,6 +77,10 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnDeclare(from, h, kv, out);
       return;
+    case MsgType::kJoinNotice:
+      if (it == nodes_.end() || it->second.role != Role::kWorker) return;
+      OnJoin(it->second.id, out);
+      return;
     case MsgType::kHeartbeat:
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       return;
@@ -249,6 +253,18 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   return a;
 }
 
+std::string Scheduler::Encode(const Assignment& a) {
+  Config c;
+  c.Set("key", std::to_string(a.key));
+  std::string servers;
+  for (size_t i = 0; i < a.servers.size(); ++i) {
+    if (i) servers += ",";
+    servers += std::to_string(a.servers[i]);
+  }
+  c.Set("servers", servers);
+  return c.Serialize();
+}
+
 void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                           std::vector<Outgoing>* out) {
   std::string name = kv.Get("name");
@@ -269,20 +285,9 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(from, MsgType::kDeclared, c.Serialize(), h.request_id));
     return;
   }
-  auto encode = [](const Assignment& a) {
-    Config c;
-    c.Set("key", std::to_string(a.key));
-    std::string servers;
-    for (size_t i = 0; i < a.servers.size(); ++i) {
-      if (i) servers += ",";
-      servers += std::to_string(a.servers[i]);
-    }
-    c.Set("servers", servers);
-    return c.Serialize();
-  };
   auto done = assigned_.find(name + "|" + sig);
   if (done != assigned_.end()) {
-    out->push_back(Reply(from, MsgType::kDeclared, encode(done->second), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, Encode(done->second), h.request_id));
     return;
   }
   if (IsAsyncName(name)) {
@@ -301,7 +306,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     Assignment a = Assign(name, sig, static_cast<int>(h.dtype), static_cast<uint64_t>(bytes));
     assigned_[name + "|" + sig] = a;
     async_sig_[name] = sig;
-    out->push_back(Reply(from, MsgType::kDeclared, encode(a), h.request_id));
+    out->push_back(Reply(from, MsgType::kDeclared, Encode(a), h.request_id));
     return;
   }
   std::vector<int> members;
@@ -388,20 +393,49 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     }
     return;
   }
-  waiting[rank] = Pending{sig, from, h.request_id, members};
-  std::vector<int> group = members;
-  if (group.empty()) {
-    for (int r = 0; r < num_workers_; ++r) group.push_back(r);
-  }
-  for (int r : group) {
-    auto w = waiting.find(r);
-    if (w == waiting.end() || w->second.members != members) return;
-  }
-  Complete(name, group, static_cast<int>(h.dtype), bytes, out);
+  waiting[rank] = Pending{sig, from, h.request_id, members, static_cast<int>(h.dtype), bytes};
+  MaybeDeclare(name, members, out);
 }
 
-void Scheduler::Complete(const std::string& name, const std::vector<int>& ranks, int dtype,
-                         int64_t bytes, std::vector<Outgoing>* out) {
+void Scheduler::OnJoin(int rank, std::vector<Outgoing>* out) {
+  joined_.insert(rank);
+  std::vector<std::pair<std::string, std::vector<int>>> sets;
+  for (const auto& p : pending_) {
+    for (const auto& w : p.second) {
+      std::pair<std::string, std::vector<int>> one{p.first, w.second.members};
+      if (std::find(sets.begin(), sets.end(), one) == sets.end()) sets.push_back(one);
+    }
+  }
+  for (const auto& one : sets) MaybeDeclare(one.first, one.second, out);
+  if (joined_.size() < static_cast<size_t>(num_workers_)) return;
+  joined_.clear();
+  for (const auto& n : nodes_) {
+    if (n.second.role == Role::kWorker && !n.second.departed) {
+      out->push_back(Reply(n.first, MsgType::kJoinNotice, "last=" + std::to_string(rank)));
+    }
+  }
+}
+
+void Scheduler::MaybeDeclare(const std::string& name, const std::vector<int>& members,
+                             std::vector<Outgoing>* out) {
+  auto found = pending_.find(name);
+  if (found == pending_.end()) return;
+  // Every member has declared with this set, or has joined (it pushes nothing).
+  std::vector<int> ranks;
+  for (int r = 0; r < num_workers_; ++r) {
+    if (!members.empty() && !std::binary_search(members.begin(), members.end(), r)) continue;
+    auto w = found->second.find(r);
+    if (w != found->second.end() && w->second.members == members) {
+      ranks.push_back(r);
+    } else if (!joined_.count(r)) {
+      return;
+    }
+  }
+  if (!ranks.empty()) Complete(name, ranks, out);
+}
+
+void Scheduler::Complete(const std::string& name, const std::vector<int>& ranks,
+                         std::vector<Outgoing>* out) {
   auto& waiting = pending_[name];
   const Pending& first = waiting.at(ranks.front());
   std::string error;
@@ -423,17 +457,9 @@ void Scheduler::Complete(const std::string& name, const std::vector<int>& ranks,
     c.Set("error", error);
     payload = c.Serialize();
   } else {
-    Assignment a = Assign(name, first.sig, dtype, static_cast<uint64_t>(bytes));
+    Assignment a = Assign(name, first.sig, first.dtype, static_cast<uint64_t>(first.bytes));
     assigned_[name + "|" + first.sig] = a;
-    Config c;
-    c.Set("key", std::to_string(a.key));
-    std::string servers;
-    for (size_t i = 0; i < a.servers.size(); ++i) {
-      if (i) servers += ",";
-      servers += std::to_string(a.servers[i]);
-    }
-    c.Set("servers", servers);
-    payload = c.Serialize();
+    payload = Encode(a);
   }
   for (int r : ranks) {
     const Pending& w = waiting.at(r);
@@ -480,6 +506,7 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
     }
     std::string have, missing;
     for (int r : awaited) {
+      if (joined_.count(r)) continue;  // it contributes nothing until every worker joins
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);
     }

@@ -57,6 +57,8 @@ class Scheduler {
     Peer peer;
     uint64_t request_id;
     std::vector<int> members;  // its process set; empty: every worker
+    int dtype;
+    int64_t bytes;
   };
   // A name whose declarations named overlapping but different process sets:
   // the members that have not declared it yet get the same error.
@@ -74,14 +76,22 @@ class Scheduler {
   void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                  std::vector<Outgoing>* out);
   void MaybeWelcome(std::vector<Outgoing>* out);
+  // A worker joined: declarations stop waiting for it; when every worker
+  // has, each is told which joined last.
+  void OnJoin(int rank, std::vector<Outgoing>* out);
+  // Answers the declarations of `name` with process set `members` (empty:
+  // every worker) once each member has made it or has joined.
+  void MaybeDeclare(const std::string& name, const std::vector<int>& members,
+                    std::vector<Outgoing>* out);
   void Fail(const std::string& message, std::vector<Outgoing>* out);
   Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   void CheckStalls(std::vector<Outgoing>* out);
   // Answers the declarations of `name` by `ranks` (all made with one process set).
-  void Complete(const std::string& name, const std::vector<int>& ranks, int dtype, int64_t bytes,
+  void Complete(const std::string& name, const std::vector<int>& ranks,
                 std::vector<Outgoing>* out);
+  static std::string Encode(const Assignment& a);
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
 
   Config cfg_;
@@ -98,6 +108,7 @@ class Scheduler {
   std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
   std::set<std::string> stall_reported_;
   std::map<std::string, SetConflict> set_conflicts_;            // name -> conflict
+  std::set<int> joined_;  // workers in join(), until every worker is
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;

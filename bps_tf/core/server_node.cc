@@ -135,7 +135,8 @@ void ServerNode::Handle(Message& m) {
   // check is dropped and counted.
   try {
     if (static_cast<MsgType>(m.header.type) == MsgType::kPush ||
-        static_cast<MsgType>(m.header.type) == MsgType::kPushCompressed) {
+        static_cast<MsgType>(m.header.type) == MsgType::kPushCompressed ||
+        static_cast<MsgType>(m.header.type) == MsgType::kJoin) {
       return HandlePush(m);
     }
     if (scheduler_) {
@@ -167,11 +168,12 @@ void ServerNode::HandlePush(Message& m) {
     Stats::Get().frames_dropped++;
     return;
   }
+  if (h.type == static_cast<uint16_t>(MsgType::kJoin)) return engine_->SubmitJoin(h.sender);
   Stats::Get().bytes_received += h.payload_bytes;
   engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
                           (h.request_id & kPushAsync) != 0, std::move(m.payload),
                           h.type == static_cast<uint16_t>(MsgType::kPushCompressed),
-                          h.contributors});
+                          h.contributors, h.members, h.reduce_op, (h.request_id & kPushRefuseJoined) != 0});
 }
 
 void ServerNode::OnWelcome() {

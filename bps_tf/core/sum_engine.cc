@@ -7,12 +7,27 @@
 
 namespace bps {
 
+namespace {
+// An error a worker matches to its pending push by the round it sent.
+ServerReply RoundError(const PushJob& job, ServerReply&& r) {
+  r.header.round = job.round;
+  return std::move(r);
+}
+}  // namespace
+
+bool SumEngine::IsMember(const KeyState& st, int worker) {
+  if (st.contributors == 0 || st.members == 0) return true;
+  return worker <= kMaxMaskRank && ((st.members >> worker) & 1) != 0;
+}
+
 SumEngine::SumEngine(int server_id, int num_workers, int threads, Post post)
     : server_id_(server_id), num_workers_(num_workers), post_(std::move(post)) {
   if (threads < 1) threads = 1;
   lane_bytes_.assign(static_cast<size_t>(threads), 0);
+  join_lanes_left_ = threads;
   for (int i = 0; i < threads; ++i) {
     lanes_.emplace_back(new Lane());
+    lanes_.back()->joined.assign(static_cast<size_t>(num_workers), false);
     Lane* lane = lanes_.back().get();
     lane->thread = std::thread([this, lane] { Run(lane); });
   }
@@ -50,6 +65,37 @@ void SumEngine::Submit(PushJob&& job) {
   lane->cv.notify_one();
 }
 
+void SumEngine::SubmitJoin(int worker) {
+  for (auto& lane : lanes_) {
+    PushJob job{};
+    job.worker = worker;
+    job.join = true;
+    {
+      std::lock_guard<std::mutex> lock(lane->mu);
+      lane->queue.push_back(std::move(job));
+    }
+    lane->cv.notify_one();
+  }
+}
+
+void SumEngine::OnJoin(Lane* lane, int worker, std::vector<ServerReply>* replies) {
+  if (!lane->joined[static_cast<size_t>(worker)]) {
+    lane->joined[static_cast<size_t>(worker)] = true;
+    ++lane->joined_count;
+  }
+  for (auto& kv : lane->keys) MaybeComplete(lane, kv.first, kv.second, replies);
+  if (lane->joined_count < num_workers_) return;
+  // Every worker has joined: no round of this lane is open (each open one
+  // had a pusher, and every pusher has joined since), so it starts afresh.
+  lane->joined.assign(static_cast<size_t>(num_workers_), false);
+  lane->joined_count = 0;
+  if (join_lanes_left_.fetch_sub(1) != 1) return;
+  join_lanes_left_ = static_cast<int>(lanes_.size());
+  for (int w = 0; w < num_workers_; ++w) {
+    replies->push_back(ServerReply{w, MakeHeader(MsgType::kJoin, Role::kServer, server_id_), Msg()});
+  }
+}
+
 void SumEngine::Run(Lane* lane) {
   std::vector<ServerReply> replies;
   while (true) {
@@ -76,6 +122,7 @@ ServerReply SumEngine::ErrorReply(int worker, uint64_t key, const std::string& w
 }
 
 void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies) {
+  if (job.join) return OnJoin(lane, job.worker, replies);
   KeyState& st = lane->keys[job.key];
   size_t elem = DTypeSize(job.dtype);
   if (st.dtype < 0) {
@@ -83,11 +130,15 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.bytes = job.payload.size();
     st.async = job.async;
     st.compressed = job.compressed;
+    st.reduce_op = job.reduce_op;
+    st.refuse_joined = job.refuse_joined;
     st.pushed.assign(static_cast<size_t>(num_workers_), false);
+    st.skipped.assign(static_cast<size_t>(num_workers_), 0);
     st.contributors = job.contributors;
+    st.members = job.members;
     st.needed = job.contributors == 0 ? num_workers_ : static_cast<int>(job.contributors);
   }
-  if (job.contributors != st.contributors ||
+  if (job.contributors != st.contributors || job.members != st.members ||
       job.contributors > static_cast<uint32_t>(num_workers_)) {
     // Workers that disagree on who takes part (a process set) would make a
     // round complete too early or never: refuse the push instead.
@@ -97,7 +148,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             " pushed key " + std::to_string(job.key) + " for " +
             std::to_string(job.contributors) + " contributors, but it was first pushed for " +
             std::to_string(st.contributors) + " (0 = every worker; the job has " +
-            std::to_string(num_workers_) + ")"));
+            std::to_string(num_workers_) + "), or for another process set of that size"));
     return;
   }
   if (job.async != st.async) {
@@ -108,6 +159,24 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
         "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
             " pushed a partition as " + (job.async ? "asynchronous" : "synchronous") +
             " that another push made " + (st.async ? "asynchronous" : "synchronous")));
+    return;
+  }
+  if (job.reduce_op != st.reduce_op) {
+    // Workers that reduce one key differently would get a mixed result.
+    replies->push_back(RoundError(job, ErrorReply(
+        job.worker, job.key,
+        "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
+            " pushed key " + std::to_string(job.key) + " with reduce op " +
+            ReduceOpName(job.reduce_op) + ", another push of it has reduce op " +
+            ReduceOpName(st.reduce_op) + " (every worker must reduce a tensor the same way)")));
+    return;
+  }
+  if (job.reduce_op != 0 && (job.compressed || job.async)) {
+    replies->push_back(ErrorReply(
+        job.worker, job.key,
+        "server " + std::to_string(server_id_) + ": reduce op " + ReduceOpName(job.reduce_op) +
+            " cannot be combined with " + (job.async ? "asynchronous training" : "compression") +
+            " (key " + std::to_string(job.key) + ")"));
     return;
   }
   if (job.compressed || st.compressed) {
@@ -156,15 +225,28 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     return;
   }
 
-  if (job.round != st.round) {
-    if (job.round == st.round + 1) {
+  if (lane->joined[static_cast<size_t>(job.worker)]) {
+    ServerReply r = ErrorReply(job.worker, job.key,
+                               "server " + std::to_string(server_id_) + ": worker " +
+                                   std::to_string(job.worker) +
+                                   " pushed after it joined (join() must be its last call "
+                                   "until every worker has joined)");
+    r.header.round = job.round;
+    replies->push_back(std::move(r));
+    return;
+  }
+  // The worker's round counts its own pushes; rounds it sat out joined
+  // happened without them.
+  const uint64_t round = job.round + st.skipped[static_cast<size_t>(job.worker)];
+  if (round != st.round) {
+    if (round == st.round + 1) {
       st.early.push_back(std::move(job));
       return;
     }
     replies->push_back(ErrorReply(job.worker, job.key,
                                   "server " + std::to_string(server_id_) + ": worker " +
                                       std::to_string(job.worker) + " pushed round " +
-                                      std::to_string(job.round) + " of a partition in round " +
+                                      std::to_string(round) + " of a partition in round " +
                                       std::to_string(st.round)));
     return;
   }
@@ -196,21 +278,77 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   } else {
     st.pushed[static_cast<size_t>(job.worker)] = true;
     auto begin = Clock::now();
-    SumInto(st.dtype, st.sum.data(), job.payload.data(), count);
+    ReduceInto(st.reduce_op, st.dtype, st.sum.data(), job.payload.data(), count);
     st.sum_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
-  if (++st.count < st.needed) return;
+  ++st.count;
+  MaybeComplete(lane, job.key, st, replies);
+}
 
-  if (st.compressed) st.sum = CompressSum(st, job.key);
+void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
+                              std::vector<ServerReply>* replies) {
+  if (st.async || st.count == 0) return;
+  std::string joined;  // workers that joined without pushing this round
+  int absent = 0;
   for (int w = 0; w < num_workers_; ++w) {
-    if (!st.pushed[static_cast<size_t>(w)]) continue;  // not in this key's process set
+    if (st.pushed[static_cast<size_t>(w)] || !lane->joined[static_cast<size_t>(w)]) continue;
+    if (!IsMember(st, w)) continue;  // joined, but not in this key's process set
+    joined += (joined.empty() ? "" : ", ") + std::to_string(w);
+    ++absent;
+  }
+  std::string refused;
+  // A process set with a rank past the header's member mask: the server
+  // cannot tell whether a joined worker belongs to it, so such a round
+  // fails rather than completing too early or waiting forever.
+  const bool unknown_set = st.contributors != 0 && st.members == 0;
+  if (unknown_set && st.count >= st.needed) {
+    absent = 0;
+  } else if (unknown_set && absent > 0) {
+    refused = "server " + std::to_string(server_id_) + ": worker(s) " + joined +
+              " joined while a process set with a rank above " + std::to_string(kMaxMaskRank) +
+              " was reducing; such a set cannot run while a worker has joined (the servers "
+              "cannot tell its members)";
+  } else if (st.count + absent < st.needed) {
+    return;
+  }
+  if (!refused.empty()) {
+  } else if (absent > 0 && st.refuse_joined) {
+    refused = "server " + std::to_string(server_id_) + ": worker(s) " + joined +
+              " joined before this broadcast or allgather; it cannot run while a worker has "
+              "joined (as in Horovod; a gradient that is an IndexedSlices is allgathered: pass "
+              "sparse_as_dense=True)";
+  } else if (absent > 0 && st.reduce_op != static_cast<uint8_t>(ReduceOp::kSum) &&
+             !st.compressed) {
+    // A joined worker contributes zeros (as in Horovod): they change a
+    // min, max or product, not a sum.
+    Msg zeros(st.bytes);
+    std::memset(zeros.data(), 0, st.bytes);
+    ReduceInto(st.reduce_op, st.dtype, st.sum.data(), zeros.data(), st.bytes / DTypeSize(st.dtype));
+  }
+  if (st.compressed && refused.empty()) st.sum = CompressSum(st, key);
+  for (int w = 0; w < num_workers_; ++w) {
+    if (!st.pushed[static_cast<size_t>(w)]) continue;  // not in the set, or joined
+    const uint64_t their_round = st.round - st.skipped[static_cast<size_t>(w)];
+    if (!refused.empty()) {
+      ServerReply r = ErrorReply(w, key, refused);
+      r.header.round = their_round;
+      replies->push_back(std::move(r));
+      continue;
+    }
     ServerReply r{w, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_), st.sum.Share()};
-    r.header.key = job.key;
-    r.header.round = st.round;
+    r.header.key = key;
+    r.header.round = their_round;
     r.header.dtype = static_cast<uint16_t>(st.dtype);
     r.header.request_id = st.sum_ns / 1000;  // read by the worker's timeline
     replies->push_back(std::move(r));
+  }
+  // Only its joined members sat this round out; other workers never push the key.
+  for (int w = 0; w < num_workers_; ++w) {
+    if (!st.pushed[static_cast<size_t>(w)] && lane->joined[static_cast<size_t>(w)] &&
+        IsMember(st, w)) {
+      ++st.skipped[static_cast<size_t>(w)];
+    }
   }
   st.sum_ns = 0;
   st.sum = Msg();

@@ -7,9 +7,17 @@
 // fast worker's next push never disturbs a slow worker's pending reply.
 // An asynchronous key (protocol.h) has no rounds: each push is added to the
 // stored value and answered at once with a copy of it.
+//
+// Join: a worker's kJoin reaches every lane after that worker's earlier
+// pushes (one connection, one queue per lane, in order). From then on it
+// counts as having pushed zeros in every round of every key of the lane,
+// until every worker has joined; the server then answers each worker's
+// kJoin. A worker's rounds skipped that way are remembered per key, so its
+// own round numbers (how often it pushed) still match after the join.
 #ifndef BPS_TF_CORE_SUM_ENGINE_H_
 #define BPS_TF_CORE_SUM_ENGINE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -33,6 +41,10 @@ struct PushJob {
   Msg payload;
   bool compressed = false;  // payload is a compressed float32 partition
   uint32_t contributors = 0;  // FrameHeader::contributors: 0 = every worker
+  uint64_t members = 0;       // FrameHeader::members: the process set's ranks as bits
+  uint8_t reduce_op = 0;    // protocol.h ReduceOp
+  bool refuse_joined = false;  // protocol.h kPushRefuseJoined
+  bool join = false;        // not a push: the worker has joined (no payload)
 };
 
 struct ServerReply {
@@ -47,15 +59,20 @@ class SumEngine {
   SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
   void Submit(PushJob&& job);  // called by the I/O thread only
+  void SubmitJoin(int worker);  // every lane sees it, after the worker's pushes
 
  private:
   struct KeyState {
     int dtype = -1;
+    uint8_t reduce_op = 0;  // the first push's; every later push must match
+    bool refuse_joined = false;
+    std::vector<uint64_t> skipped;  // per worker: rounds completed while it had joined
     bool async = false;
     size_t bytes = 0;
     uint64_t round = 0;
     int count = 0;
     uint32_t contributors = 0;  // as the first push declared it
+    uint64_t members = 0;       // as the first push declared it (0: unknown or every worker)
     int needed = 0;             // pushes that complete a round
     std::vector<bool> pushed;
     bool has_sum = false;
@@ -77,11 +94,18 @@ class SumEngine {
     std::deque<PushJob> queue;
     bool stop = false;
     std::unordered_map<uint64_t, KeyState> keys;
+    std::vector<bool> joined;  // per worker, until every worker has joined
+    int joined_count = 0;
   };
 
+  // Whether `worker` takes part in the key (true when the set is unknown).
+  static bool IsMember(const KeyState& st, int worker);
   void Run(Lane* lane);
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
   ServerReply ErrorReply(int worker, uint64_t key, const std::string& why);
+  void OnJoin(Lane* lane, int worker, std::vector<ServerReply>* replies);
+  // Ends the key's round when every worker pushed it or has joined.
+  void MaybeComplete(Lane* lane, uint64_t key, KeyState& st, std::vector<ServerReply>* replies);
   // Checks a compressed push against its key's description; "" when valid.
   std::string CheckCompressed(KeyState& st, const PushJob& job);
   void AddCompressed(KeyState& st, const PushJob& job);
@@ -93,6 +117,7 @@ class SumEngine {
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::unordered_map<uint64_t, size_t> lane_of_key_;
   std::vector<uint64_t> lane_bytes_;
+  std::atomic<int> join_lanes_left_{0};  // lanes yet to see every worker's join
 };
 
 }  // namespace bps

@@ -176,8 +176,19 @@ void WorkerEngine::CloseChannel() {
 void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                            const void* in, void* out, int64_t priority, bps_done_fn done,
                            void* ctx, const std::string& compression,
-                           const std::string& agreement) {
+                           const std::string& agreement, int reduce_op) {
   size_t elem = DTypeSize(dtype);
+  if (reduce_op < 0 || reduce_op > kMaxReduceOp) {
+    done(ctx, BPS_ERR_INVALID, ("push_pull '" + name + "': unknown reduce op " +
+                                std::to_string(reduce_op)).c_str());
+    return;
+  }
+  if (reduce_op != 0 && IsAsyncName(name)) {
+    done(ctx, BPS_ERR_INVALID,
+         ("push_pull '" + name + "': reduce op " + ReduceOpName(static_cast<uint8_t>(reduce_op)) +
+          " is not available for asynchronous keys (the server keeps a running sum)").c_str());
+    return;
+  }
   if (elem == 0) {
     done(ctx, BPS_ERR_INVALID,
          ("push_pull '" + name + "': unsupported dtype code " + std::to_string(dtype)).c_str());
@@ -228,7 +239,12 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   Task* task = new Task();
   task->name = name;
   task->contributors = static_cast<uint32_t>(members.size());
+  if (!members.empty() && members.back() <= kMaxMaskRank) {
+    for (int r : members) task->members |= 1ULL << r;
+  }
   task->dtype = dtype;
+  task->reduce_op = static_cast<uint8_t>(reduce_op);
+  task->refuse_joined = agreement.compare(0, 5, "root=") == 0;
   task->bytes = bytes;
   task->in = static_cast<const char*>(in);
   task->out = static_cast<char*>(out);
@@ -238,7 +254,19 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   // What workers must agree on for this name; the scheduler compares it.
   std::string sig = ShapeString(dtype, shape);
   if (!agreement.empty()) sig += " " + agreement;
+  if (reduce_op != 0) {
+    // Declared with the shape: workers that reduce a name differently all fail at once.
+    sig += std::string(" reduce=") + ReduceOpName(static_cast<uint8_t>(reduce_op));
+  }
   if (Compresses(spec, dtype, bytes)) {
+    if (reduce_op != 0) {
+      delete task;
+      done(ctx, BPS_ERR_INVALID,
+           ("push_pull '" + name + "': reduce op " +
+            ReduceOpName(static_cast<uint8_t>(reduce_op)) +
+            " cannot be combined with compression (a compressor approximates a sum)").c_str());
+      return;
+    }
     // In the signature, so the scheduler refuses workers that disagree.
     sig += " " + spec.Text();
     task->compressor = std::make_shared<const CompressorSpec>(spec);
@@ -258,12 +286,16 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
       error = "push_pull '" + name + "' cannot complete: " + peer_left_ +
               " has left the job (every worker must make the same push_pulls)";
       status = BPS_ERR_UNAVAILABLE;
+    } else if (joining_) {
+      error = "push_pull '" + name + "': this worker has called join() and is waiting for the "
+              "others; it can make no other call until every worker has joined";
     } else if (names_in_flight_.count(name)) {
       error = "push_pull '" + name +
               "' was started again before the previous one finished; names must be unique "
               "among operations in flight";
     } else {
       names_in_flight_.insert(name);
+      if (refuse_joined_names_.count(name)) task->refuse_joined = true;
       auto it = tensors_.find(sigkey);
       if (it != tensors_.end()) {
         if (!it->second->error.empty()) {
@@ -404,6 +436,47 @@ void WorkerEngine::Fatal(const std::string& message, int status, bool peer_failu
   // every input buffer and the remaining counts reach zero.
   for (const Peer& server : servers_) channel_->Close(server);
   servers_.clear();
+}
+
+void WorkerEngine::RefuseWhenJoined(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  refuse_joined_names_.insert(name);
+}
+
+int WorkerEngine::Join() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!initialized_) throw Error("bps_tf is not initialized: call bps_tf.init() first");
+  if (local_mode_) return 0;
+  if (joining_) throw Error("join() is already running in another thread");
+  // The join must reach each server after this worker's pushes.
+  state_cv_.wait(lock, [this] { return names_in_flight_.empty() || !fatal_.empty(); });
+  if (!fatal_.empty()) throw Error("join() failed: " + fatal_);
+  joining_ = true;
+  join_send_ = true;
+  join_acks_ = 0;
+  join_last_ = -1;
+  lock.unlock();
+  wake_.Notify();
+  lock.lock();
+  state_cv_.wait(lock, [this] {
+    return (join_acks_ == num_servers_ && join_last_ >= 0) || !fatal_.empty();
+  });
+  joining_ = false;
+  if (!fatal_.empty()) throw Error("join() failed: " + fatal_);
+  return join_last_;
+}
+
+void WorkerEngine::SendJoin() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!join_send_) return;
+    join_send_ = false;
+  }
+  for (const Peer& server : servers_) {
+    FrameHeader h = MakeHeader(MsgType::kJoin, Role::kWorker, rank_);
+    channel_->Send(server, h, Msg());
+  }
+  membership_->Send(MsgType::kJoinNotice, "");
 }
 
 }  // namespace bps

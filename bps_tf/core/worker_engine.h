@@ -53,7 +53,16 @@ class WorkerEngine {
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
-               const std::string& compression = "", const std::string& agreement = "");
+               const std::string& compression = "", const std::string& agreement = "",
+               int reduce_op = 0);
+
+  // join(): waits for this worker's operations in flight, tells every
+  // server (after its pushes) and the scheduler that it joined, and blocks
+  // until every worker has; returns the rank that joined last. Throws Error.
+  int Join();
+  // Operations under `name` fail instead of completing while a worker has
+  // joined (allgathers; broadcasts are marked by their root agreement).
+  void RefuseWhenJoined(const std::string& name);
 
   struct TensorInfo;
   struct Task;
@@ -74,6 +83,7 @@ class WorkerEngine {
   void OnWelcome(const Config& w);
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
+  void SendJoin();
   void FlushControl();
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
@@ -130,6 +140,13 @@ class WorkerEngine {
   uint64_t next_request_ = 1;
 
   bool sends_paused_ = false;
+
+  // join(), guarded by mu_.
+  std::set<std::string> refuse_joined_names_;
+  bool joining_ = false;
+  bool join_send_ = false;   // the I/O thread has the join messages to send
+  int join_acks_ = 0;        // servers that saw every worker join
+  int join_last_ = -1;       // the scheduler's answer: who joined last
 
   // Credit: bytes handed to libzmq (I/O thread) minus bytes it released.
   uint64_t credit_handed_ = 0;

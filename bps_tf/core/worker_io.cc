@@ -30,6 +30,7 @@ void WorkerEngine::IoLoop() {
       }
       FlushControl();
       if (!servers_.empty()) SendReadyParts();
+      if (!servers_.empty()) SendJoin();
       CheckTimers();
     } catch (const std::exception& e) {
       Fatal(e.what(), BPS_ERR_INTERNAL);
@@ -53,6 +54,12 @@ void WorkerEngine::FlushControl() {
 
 void WorkerEngine::HandleData(const Message& m) {
   const FrameHeader& h = m.header;
+  if (h.type == static_cast<uint16_t>(MsgType::kJoin)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (joining_) ++join_acks_;
+    state_cv_.notify_all();
+    return;
+  }
   auto it = in_flight_.find(h.key);
   if (it == in_flight_.end() || it->second.task->round != h.round) {
     Stats::Get().frames_dropped++;
@@ -123,6 +130,12 @@ void WorkerEngine::HandleControl(const Message& m) {
     case MsgType::kError:
       Fatal(m.payload.str(), BPS_ERR_UNAVAILABLE);
       break;
+    case MsgType::kJoinNotice: {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (joining_) join_last_ = static_cast<int>(Config::Parse(m.payload.str()).GetInt("last", 0));
+      state_cv_.notify_all();
+      break;
+    }
     case MsgType::kStall:
       BPS_LOG(kWarning, m.payload.str());
       break;

@@ -58,6 +58,7 @@ void WorkerEngine::Complete(Task* task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     names_in_flight_.erase(task->name);
+    if (names_in_flight_.empty()) state_cv_.notify_all();  // a join() may wait for that
   }
   std::string error;
   int status;
@@ -139,6 +140,9 @@ void WorkerEngine::SendReadyParts() {
     h.dtype = static_cast<uint16_t>(t->dtype);
     if (IsAsyncName(t->name)) h.request_id = kPushAsync;
     h.contributors = t->contributors;
+    h.members = t->members;
+    h.reduce_op = t->reduce_op;
+    if (t->refuse_joined) h.request_id |= kPushRefuseJoined;
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
     if (!t->times.empty()) t->times[p.part].sent = Clock::now();

@@ -30,6 +30,8 @@ struct WorkerEngine::TensorInfo {
 struct WorkerEngine::Task {
   std::string name;
   int dtype = 0;
+  uint8_t reduce_op = 0;  // protocol.h ReduceOp
+  bool refuse_joined = false;  // protocol.h kPushRefuseJoined
   uint64_t bytes = 0;
   const char* in = nullptr;
   char* out = nullptr;
@@ -40,6 +42,7 @@ struct WorkerEngine::Task {
   std::shared_ptr<TensorInfo> info;
   std::shared_ptr<const CompressorSpec> compressor;  // null: travels as it is
   uint32_t contributors = 0;  // workers of its process set; 0: every worker
+  uint64_t members = 0;       // FrameHeader::members
   uint64_t round = 0;
   uint32_t first_part = 0;  // where this worker starts among the partitions
   // Two counts per partition: its reply (or abandonment) and libzmq

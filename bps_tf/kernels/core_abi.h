@@ -34,6 +34,16 @@ inline std::string JoinAgreement(const std::string& own, const std::string& attr
   return attr.empty() ? own : own + " " + attr;
 }
 
+// The op attr reduce_op ('sum', 'min', 'max', 'product') as the code
+// bps_enqueue_reduce takes (protocol.h ReduceOp); the attr's allowed values
+// make anything else impossible.
+inline int ReduceOpCode(const std::string& op) {
+  if (op == "min") return 1;
+  if (op == "max") return 2;
+  if (op == "product") return 3;
+  return 0;
+}
+
 // -1 for a dtype the core does not carry (the op registrations exclude them).
 inline int CoreDType(tensorflow::DataType dt) { return bps::DTypeFromTf(static_cast<int>(dt)); }
 

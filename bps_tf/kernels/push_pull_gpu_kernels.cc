@@ -181,6 +181,16 @@ class PushPullGpuOp : public AsyncOpKernel {
     if (broadcast_) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
     if (!broadcast_) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
     OP_REQUIRES_OK(c, c->GetAttr("agreement", &agreement_));
+    if (!broadcast_) {
+      // Its local reduce of the replicas only sums; bps_tf places the other
+      // reduce ops on the CPU.
+      std::string op;
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
+      OP_REQUIRES(c, op == "sum",
+                  tensorflow::errors::InvalidArgument(
+                      "push_pull '", def().name(), "': reduce_op ", op,
+                      " has no GPU kernel; place the op on the CPU"));
+    }
     if (name_.empty()) name_ = def().name();
   }
 

@@ -37,9 +37,16 @@ void OnDone(void* arg, int status, const char* error) {
 }
 
 void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* src,
-             const std::string& compression, const std::string& agreement) {
+             const std::string& compression, const std::string& agreement, int reduce_op = 0) {
   std::vector<int64_t> shape;
   for (int i = 0; i < p->input.dims(); ++i) shape.push_back(p->input.dim_size(i));
+  if (reduce_op != 0) {
+    bps_enqueue_reduce(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
+                       static_cast<int>(shape.size()), src,
+                       const_cast<char*>(p->output.tensor_data().data()), priority, reduce_op,
+                       agreement.c_str(), &OnDone, p);
+    return;
+  }
   bps_enqueue_push_pull_ex(name.c_str(), CoreDType(p->input.dtype()), shape.data(),
                            static_cast<int>(shape.size()), src,
                            const_cast<char*>(p->output.tensor_data().data()), priority,
@@ -55,6 +62,12 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("priority", &priority_));
     OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
     OP_REQUIRES_OK(c, c->GetAttr("agreement", &agreement_));
+    std::string op;
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
+    reduce_op_ = ReduceOpCode(op);
+    OP_REQUIRES(c, reduce_op_ == 0 || compression_.empty() || compression_ == "none",
+                tensorflow::errors::InvalidArgument("push_pull '", def().name(), "': reduce_op ",
+                                                    op, " takes no compression"));
     if (name_.empty()) name_ = def().name();
   }
 
@@ -67,13 +80,14 @@ class PushPullOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
     Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
-    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, agreement_);
+    Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, agreement_, reduce_op_);
   }
 
  private:
   std::string name_;
   std::string compression_;
   std::string agreement_;
+  int reduce_op_ = 0;
   tensorflow::int64 priority_ = 0;
 };
 

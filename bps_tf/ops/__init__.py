@@ -45,6 +45,15 @@ def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str 
                                  compression=compression, agreement=agreement)
 
 
+def push_pull_reduce(tensor, tensor_name: str, reduce_op: str, priority: int = 0,
+                     agreement: str = ""):
+    """Min, max or product (`reduce_op`) of `tensor` over all workers (of the
+    process set `agreement` names, if any), computed by the servers in the
+    tensor's dtype (a copy when there is one worker)."""
+    return _ops.byteps_push_pull(tensor, tensor_name=tensor_name, priority=int(priority),
+                                 reduce_op=reduce_op, agreement=agreement)
+
+
 def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0,
                   agreement: str = ""):
     """root_rank's value of `tensor`, on every worker (of the process set
@@ -88,8 +97,47 @@ def _push_pull_grad(op, grad):
     # The output is the sum of every worker's input, so each input's
     # gradient is the sum of every worker's output gradient.
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    return [push_pull_sum(grad, name, op.get_attr("priority"),
-                          agreement=op.get_attr("agreement").decode())]
+    agreement = op.get_attr("agreement").decode()
+    summed = push_pull_sum(grad, name, op.get_attr("priority"), agreement=agreement)
+    try:
+        kind = op.get_attr("reduce_op").decode()
+    except ValueError:  # a node built without the attr (e.g. an older graph): a sum
+        kind = "sum"
+    if kind == "sum":
+        return [summed]
+    return [_reduce_op_grad(op, kind, summed, name, agreement)]
+
+
+def _set_rank_size(agreement):
+    """This worker's rank and the size of the process set an agreement names
+    ("set=0,2"), or of every worker when it names none."""
+    rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
+    for term in agreement.split():
+        if term.startswith("set="):
+            members = [int(r) for r in term[4:].split(",")]
+            return members.index(rank), len(members)
+    return rank, size
+
+
+def _reduce_op_grad(op, kind, summed, name, agreement):
+    """The gradient of min/max/product through one worker's input, as the
+    gradient of TensorFlow's reduce_min/max/prod over the stack of every
+    worker's input: a min/max's gradient is shared among the workers that
+    hold the extreme value, a product's is the product of the others."""
+    x, y = op.inputs[0], op.outputs[0]
+    priority = op.get_attr("priority")
+    if kind in ("min", "max"):
+        held = tf.cast(tf.equal(x, y), summed.dtype)
+        holders = push_pull_sum(held, naming.part_key(name, "holders"), priority,
+                                agreement=agreement)
+        return summed * held / holders
+    rank, size = _set_rank_size(agreement)
+    # Every worker's input, gathered exactly (x + 0 == x), in rank order.
+    rows = tf.scatter_nd([[rank]], tf.expand_dims(x, 0),
+                         tf.concat([[size], tf.shape(x)], 0))
+    every = push_pull_sum(rows, naming.part_key(name, "factors"), priority, agreement=agreement)
+    others = tf.tensor_scatter_nd_update(every, [[rank]], tf.expand_dims(tf.ones_like(x), 0))
+    return summed * tf.reduce_prod(others, axis=0)
 
 
 @tf.RegisterGradient("BytepsBroadcast")

@@ -15,6 +15,7 @@ REGISTER_OP("BytepsPushPull")
     .Attr("priority: int = 0")
     .Attr("compression: string = ''")
     .Attr("agreement: string = ''")
+    .Attr("reduce_op: {'sum', 'min', 'max', 'product'} = 'sum'")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc(R"doc(
@@ -26,6 +27,8 @@ compression: the core's compressor for float32 tensors ("" for none), e.g.
   "topk ratio=0.01 ef=1"; see docs/compression.md.
 agreement: what every worker must pass alike under this name, e.g. the reduce
   op or "set=0,2" (a process set: only those ranks take part).
+reduce_op: how the servers combine the workers' tensors; anything but 'sum'
+  takes no compression and runs on the CPU kernel.
 )doc");
 
 REGISTER_OP("BytepsBroadcast")

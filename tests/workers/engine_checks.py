@@ -171,8 +171,101 @@ def check_async():
         result["async_shape_error"] = str(exc)
 
 
+def check_reduce_ops():
+    # Min, max and product on the servers, exact in every dtype the core
+    # carries (products of small integers are exact in the float types;
+    # int32/int64 products wrap as numpy's do).
+    bad = []
+    for dname in ["float16", "bfloat16", "float32", "float64", "int32", "int64"]:
+        dt = dtype_of(dname)
+        every = [np.array([r + 1, -2 * (r + 1), 3 - r, 1 << (4 * r)], dtype=dt) for r in range(size)]
+        if dname in ("int32", "int64"):
+            big = 1 << (24 if dname == "int32" else 56)
+            every = [np.concatenate([e, np.array([big + r], dtype=dt)])
+                     for r, e in enumerate(every)]
+        for op, fn in ((1, np.minimum.reduce), (2, np.maximum.reduce), (3, np.multiply.reduce)):
+            out = np.empty_like(every[rank])
+            core.push_pull_async(f"reduce/{dname}/{op}", every[rank], out, 0,
+                                 "bfloat16" if dname == "bfloat16" else "", "", op).wait(60)
+            # numpy widens integer products: narrowed back, they wrap as the type does
+            want = fn(np.stack(every).astype(np.float64) if dname == "bfloat16"
+                      else np.stack(every), axis=0)
+            want = np.asarray(want).astype(np.float64 if dname == "bfloat16" else dt)
+            if not np.array_equal(out.astype(np.float64), np.asarray(want).astype(np.float64)):
+                bad.append(f"{dname} op {op}: {out.tolist()} != {np.asarray(want).tolist()}")
+    nan_in = np.array([np.nan if rank == 1 else 1.0, float(rank)], np.float32)
+    out = np.empty_like(nan_in)
+    core.push_pull_async("reduce/nan", nan_in, out, 0, "", "", 2).wait(60)
+    if not (np.isnan(out[0]) and out[1] == size - 1):
+        bad.append(f"max with nan: {out.tolist()}")
+    try:
+        core.push_pull_async("reduce/compressed", np.ones(8, np.float32), np.empty(8, np.float32),
+                             0, "", "topk ratio=0.5", 1)
+        bad.append("a reduce op with compression was accepted")
+    except ValueError as exc:
+        result["compression_error"] = str(exc)
+    h = core.push_pull_async("bps_async/reduce", np.ones(8, np.float32),
+                             np.empty(8, np.float32), 0, "", "", 1)
+    try:
+        h.wait(60)
+        bad.append("a reduce op on an asynchronous key was accepted")
+    except RuntimeError as exc:
+        result["async_error"] = str(exc)
+    result["bad"] = bad
+
+
+def check_join():
+    # Worker 0 joins at once. Workers 1 and 2 then sum a new tensor, worker 2
+    # late: the scheduler waits for worker 2 only (the stall check names it,
+    # not the joined worker 0) and the sum is theirs. Then they join, and
+    # every worker gets the same last rank.
+    if rank == 0:
+        result["last"] = core.join()
+    else:
+        if rank == 2:
+            time.sleep(2.5)
+        h, out = start("join/late", np.full(4, rank + 1, np.int32))
+        h.wait(60)
+        result["sum"] = out.tolist()
+        result["last"] = core.join()
+    # Everyone back: a full sum again.
+    h, out = start("join/after", np.full(2, rank + 1, np.int64))
+    h.wait(60)
+    result["after"] = out.tolist()
+
+
+def check_join_lost():
+    # Worker 0 joins, then hangs (SIGSTOP): joined or not, it stops
+    # heartbeating, and the scheduler reports it to the others, which fail
+    # instead of waiting in their own join forever.
+    if rank == 0:
+        import signal
+        import threading
+        threading.Thread(target=core.join, daemon=True).start()
+        time.sleep(1.0)
+        with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "stopping": True}, f)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    # The others train on: their sums complete without worker 0 until the
+    # scheduler misses its heartbeats (the launcher then stops the job, so
+    # what they saw is written after every step).
+    result["sums"] = []
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        h, out = start("join_lost/sum", np.full(3, rank, np.int32))
+        h.wait(60)
+        result["sums"].append(out.tolist())
+        tmp = os.path.join(OUT, f"rank{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(OUT, f"rank{rank}.json"))
+        time.sleep(0.1)
+    os._exit(0)
+
+
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
- "rounds": check_rounds, "async": check_async}[MODE]()
+ "rounds": check_rounds, "async": check_async, "reduce": check_reduce_ops,
+ "join": check_join, "join_lost": check_join_lost}[MODE]()
 result["stats"] = {k: v for k, v in basics.stats().items() if k != "send_log"}
 with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)

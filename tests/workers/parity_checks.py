@@ -325,9 +325,69 @@ def check_gradient_predivide_factor(rank, size):
     return "ok"
 
 
+def check_server_reductions(rank, size):
+    """Min/Max/Product computed by the servers: every dtype inside one
+    tf.function (exact vs numpy, including nan and the 16-bit types'
+    products), their gradients against TensorFlow's own reduce_min/max/prod
+    over the stack of every rank's input, and a reduce op that differs
+    between ranks for one name is an error on every rank, not a mixed result."""
+    ops = ((api.Min, np.min), (api.Max, np.max), (api.Product, np.prod))
+
+    @tf.function
+    def every_dtype(xs):
+        return [[api.allreduce(x, op=op, name=f"server_reduce/{op.name}/{x.dtype.name}")
+                 for op, _ in ops] for x in xs]
+
+    xs = [tf.constant(small_values(rank, d), d) for d in DTYPES]
+    for dtype, outs in zip(DTYPES, every_dtype(xs)):
+        small = np.stack([small_values(r, dtype) for r in range(size)])
+        for (op, fn), got in zip(ops, outs):
+            assert got.dtype == dtype
+            expect_equal(f"function {op.name} {dtype.name}", as_numpy(got),
+                         wrap(fn(small, 0), dtype))
+    # nan wins a min and a max, as in numpy
+    got = api.allreduce(tf.constant([np.nan if rank == 1 else 1.0, float(rank)]), op=api.Min,
+                        name="server_reduce/nan")
+    want = np.min([[np.nan if r == 1 else 1.0, float(r)] for r in range(size)], 0)
+    if not np.array_equal(got.numpy(), want, equal_nan=True):
+        raise AssertionError(f"min with nan: {got.numpy()} != {want}")
+    # ties share a min's gradient, a product's is the product of the others
+    every = np.asarray([[1.0, 2.0 + r, 3.0, -1.0 - r] for r in range(size)])
+    x = tf.constant(every[rank])
+    for op, reduce in ((api.Min, tf.reduce_min), (api.Max, tf.reduce_max),
+                       (api.Product, tf.reduce_prod)):
+        upstream = tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64) * (rank + 1)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = api.allreduce(x, op=op, name=f"server_reduce/grad/{op.name}")
+            loss = tf.reduce_sum(y * upstream)
+        got = tape.gradient(loss, x).numpy()
+        stacked = tf.constant(every)
+        with tf.GradientTape() as tape:
+            tape.watch(stacked)
+            ref = reduce(stacked, axis=0)
+            total = sum(tf.reduce_sum(ref * tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64) * (r + 1))
+                        for r in range(size))
+        want = tape.gradient(total, stacked).numpy()[rank]
+        if not np.allclose(got, want, rtol=1e-12, atol=0):
+            raise AssertionError(f"gradient of {op.name}: {got} != {want}")
+    try:
+        api.allreduce(tf.constant([1.0]), op=api.Min if rank == 0 else api.Max,
+                      name="server_reduce/mismatch")
+    except tf.errors.InvalidArgumentError as exc:
+        message = str(exc)
+        if "server_reduce/mismatch" not in message or "min" not in message \
+                or "max" not in message:
+            raise AssertionError(f"mismatch error does not name the op and both values: "
+                                 f"{message}")
+        return "ok"
+    raise AssertionError("Min on one rank and Max on another under one name did not fail")
+
+
 def run_all(checks, rank, size):
     """Runs every parity check through ``checks.run`` (tf_checks.Checks)."""
     checks.run("parity_allreduce", lambda: check_allreduce_every_dtype_and_op(rank, size))
+    checks.run("parity_server_reductions", lambda: check_server_reductions(rank, size))
     checks.run("parity_allgather_broadcast",
                lambda: check_allgather_and_broadcast_every_dtype(rank, size))
     checks.run("parity_reducescatter", lambda: check_reducescatter(rank, size))

@@ -23,6 +23,7 @@ import bps_tf
 from bps_tf import api, config
 from bps_tf.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
+import join_checks
 import parity_checks
 from check_record import Checks  # noqa: E402
 
@@ -338,6 +339,7 @@ def main(out_dir):
     checks.run("fit_distributed_optimizer",
                lambda: check_fit_with_distributed_optimizer(rank, size))
     parity_checks.run_all(checks, rank, size)
+    join_checks.run_all(checks, rank, size)
     checks.run("strategy_fp16", lambda: check_strategy_fp16_compression(rank, size))
     checks.run("shape_mismatch", lambda: check_shape_mismatch_is_reported(rank, size))
     checks.run("root_mismatch", lambda: check_broadcast_root_mismatch_is_reported(rank, size))
