@@ -253,7 +253,7 @@ def broadcast(tensor, key: str, root_rank: int, priority: int = 0):
 
 
 def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
-              widen: bool = False, key_per_size: bool = False, counts_key=None):
+              widen: bool = False, key_per_size: bool = False):
     """Rows of ``tensor`` from all workers, in rank order; returns
     ``(rows, [push_pull ops])`` (no ops in eager mode).
 
@@ -265,7 +265,7 @@ def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,
     """
     rows = tf.shape(tensor, out_type=tf.int64)[0]
     slots = tf.scatter_nd([[rank]], tf.reshape(rows, [1]), [size])
-    counts_key = naming.part_key(key, "counts") if counts_key is None else counts_key
+    counts_key = naming.part_key(key, "counts")
     refuse_when_joined(counts_key)
     counts = push_pull_sum(slots, counts_key, priority, widen)
     total = tf.reduce_sum(counts)

@@ -54,6 +54,10 @@ def test_tf_function_and_gradients_within_a_set(ranks):
     assert set(_check(ranks, "tf_function").values()) == {"ok"}
 
 
+def test_min_max_product_on_the_servers_within_sets(ranks):
+    assert set(_check(ranks, "reduce_ops").values()) == {"ok"}
+
+
 def test_keras_distributed_optimizer_within_a_set(ranks):
     assert _check(ranks, "keras_optimizer") == {0: "ok", 1: "ok", 2: "outside"}
 
@@ -98,6 +102,12 @@ def test_core_overlapping_sets_and_global_sums_are_exact_over_many_rounds(core_r
 def test_core_refuses_a_rank_outside_the_set_and_malformed_sets(core_ranks):
     found, log, _ = core_ranks
     passed_details(found, log, "refusals")
+
+
+def test_core_join_within_sets_counts_only_joined_members(core_ranks):
+    found, log, _ = core_ranks
+    # Rank 0 joined last, and every rank hears it.
+    assert set(passed_details(found, log, "join_in_sets").values()) == {"0"}
 
 
 def test_core_stall_check_names_only_the_missing_member(core_ranks):

@@ -10,8 +10,9 @@
 //
 // Join: a worker's kJoin reaches every lane after that worker's earlier
 // pushes (one connection, one queue per lane, in order). From then on it
-// counts as having pushed zeros in every round of every key of the lane,
-// until every worker has joined; the server then answers each worker's
+// counts as having pushed zeros in every round of every key of the lane
+// whose process set it belongs to (FrameHeader::members), until every
+// worker has joined; the server then answers each worker's
 // kJoin. A worker's rounds skipped that way are remembered per key, so its
 // own round numbers (how often it pushed) still match after the join.
 #ifndef BPS_TF_CORE_SUM_ENGINE_H_

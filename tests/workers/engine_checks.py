@@ -186,7 +186,8 @@ def check_reduce_ops():
         for op, fn in ((1, np.minimum.reduce), (2, np.maximum.reduce), (3, np.multiply.reduce)):
             out = np.empty_like(every[rank])
             core.push_pull_async(f"reduce/{dname}/{op}", every[rank], out, 0,
-                                 "bfloat16" if dname == "bfloat16" else "", "", op).wait(60)
+                                 "bfloat16" if dname == "bfloat16" else "", "",
+                                 reduce_op=op).wait(60)
             # numpy widens integer products: narrowed back, they wrap as the type does
             want = fn(np.stack(every).astype(np.float64) if dname == "bfloat16"
                       else np.stack(every), axis=0)
@@ -195,17 +196,17 @@ def check_reduce_ops():
                 bad.append(f"{dname} op {op}: {out.tolist()} != {np.asarray(want).tolist()}")
     nan_in = np.array([np.nan if rank == 1 else 1.0, float(rank)], np.float32)
     out = np.empty_like(nan_in)
-    core.push_pull_async("reduce/nan", nan_in, out, 0, "", "", 2).wait(60)
+    core.push_pull_async("reduce/nan", nan_in, out, 0, "", "", reduce_op=2).wait(60)
     if not (np.isnan(out[0]) and out[1] == size - 1):
         bad.append(f"max with nan: {out.tolist()}")
     try:
         core.push_pull_async("reduce/compressed", np.ones(8, np.float32), np.empty(8, np.float32),
-                             0, "", "topk ratio=0.5", 1)
+                             0, "", "topk ratio=0.5", reduce_op=1)
         bad.append("a reduce op with compression was accepted")
     except ValueError as exc:
         result["compression_error"] = str(exc)
     h = core.push_pull_async("bps_async/reduce", np.ones(8, np.float32),
-                             np.empty(8, np.float32), 0, "", "", 1)
+                             np.empty(8, np.float32), 0, "", "", reduce_op=1)
     try:
         h.wait(60)
         bad.append("a reduce op on an asynchronous key was accepted")

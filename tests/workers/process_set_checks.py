@@ -169,6 +169,29 @@ def check_tf_function_and_gradients(rank, sets):
     return "ok"
 
 
+def check_reduce_ops_in_sets(rank, sets):
+    """Min, Max and Product on the servers within a set, and a Product's
+    gradient (the product of the other members' inputs)."""
+    a, b, _ = sets
+    if rank in B_RANKS:
+        x = tf.constant(value(rank) - 12)
+        ins = [value(r) - 12 for r in B_RANKS]
+        for op, want in ((api.Min, np.minimum(*ins)), (api.Max, np.maximum(*ins)),
+                         (api.Product, ins[0] * ins[1])):
+            expect_equal(f"B {op.name}", api.allreduce(x, op=op, process_set=b), want)
+    if rank in A_RANKS:
+        with tf.GradientTape() as tape:
+            x = tf.constant(value(rank))
+            tape.watch(x)
+            y = api.allreduce(x, op=api.Product, process_set=a, name="grad/prod_a")
+            loss = tf.reduce_sum(y)
+        other = value(A_RANKS[1 - A_RANKS.index(rank)])
+        expect_equal("A product", y, value(0) * value(1))
+        # Each member's output gradient is 1: their sum (2) times the other's input.
+        expect_equal("gradient of a set product", tape.gradient(loss, x), 2 * other)
+    return "ok"
+
+
 def check_keras_optimizer(rank, sets):
     """A Keras 3 DistributedOptimizer over set A averages A's gradients."""
     import keras
@@ -260,6 +283,7 @@ def main(out_dir):
     checks.run("eager", lambda: check_eager_collectives(rank, sets))
     checks.run("disjoint_same_name", lambda: check_same_name_in_disjoint_sets(rank, sets))
     checks.run("tf_function", lambda: check_tf_function_and_gradients(rank, sets))
+    checks.run("reduce_ops", lambda: check_reduce_ops_in_sets(rank, sets))
     checks.run("keras_optimizer", lambda: check_keras_optimizer(rank, sets))
     checks.run("tf1_session", lambda: check_tf1_session(rank, sets))
     checks.run("op_mismatch", lambda: check_op_mismatch(rank))

@@ -7,6 +7,9 @@ ranks 0 and 2 only. Overlapping sets and global sums run concurrently for
 many rounds over several partitions on both servers, checked exactly; a
 rank outside a set is refused at once; a set whose member never calls is
 reported by the stall check with that member only (the test reads the log).
+Join inside sets: a non-member's join changes nothing in a set's sum or
+min, a joined member counts as zeros in its set's max (also on a key it
+never pushed), and every rank hears the same last joiner.
 """
 import sys
 
@@ -62,6 +65,38 @@ def check_refusals(core, rank):
     return expect_invalid(core, "core/unsorted", "set=2,0", "is not a rising list of ranks")
 
 
+def run(core, name, x, agreement, reduce_op=0):
+    out = np.empty_like(x)
+    core.push_pull_async(name, x, out, 0, "", agreement=agreement,
+                         reduce_op=reduce_op).wait(60)
+    return out
+
+
+def check_join_in_sets(core, rank):
+    """Rank 2 joins first, then rank 1, then rank 0 (1 = min, 2 = max)."""
+    x = {0: np.array([-3, 5, 7], np.int64), 1: np.array([4, -6, 7], np.int64)}
+    if rank == 2:
+        return str(core.join())
+    got = {"sum01": run(core, "core/js/sum01", x[rank], "set=0,1"),
+           "min01": run(core, "core/js/min01", x[rank], "set=0,1", reduce_op=1),
+           "global": run(core, "core/js/global", x[rank], "")}
+    want = {"sum01": x[0] + x[1], "min01": np.minimum(x[0], x[1]), "global": x[0] + x[1]}
+    if rank == 1:
+        last = core.join()
+    else:
+        # Rank 1 has joined (now or soon): zeros in its place. A key rank 1
+        # never pushed, so the server knows the set only from the header.
+        got["max01"] = run(core, "core/js/max01", x[0], "set=0,1", reduce_op=2)
+        want["max01"] = np.maximum(x[0], 0)
+        got["sum02"] = run(core, "core/js/sum02", x[0], "set=0,2")
+        want["sum02"] = x[0]
+        last = core.join()
+    for name, value in got.items():
+        if not np.array_equal(value, want[name]):
+            raise AssertionError(f"{name}: {value.tolist()} != {want[name].tolist()}")
+    return str(last)
+
+
 def check_stall(core, rank):
     """Rank 1 calls a set [0, 1] collective that rank 0 never calls."""
     if rank != 1:
@@ -82,6 +117,7 @@ def main(out_dir):
     checks = Checks(out_dir, rank, size)
     checks.run("exact_sums", lambda: check_exact_sums(core, rank))
     checks.run("refusals", lambda: check_refusals(core, rank))
+    checks.run("join_in_sets", lambda: check_join_in_sets(core, rank))
     checks.run("stall", lambda: check_stall(core, rank))
     # Everyone stays until rank 1 has seen the report (a peer that leaves
     # would fail its pending sum first).
