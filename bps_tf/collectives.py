@@ -84,6 +84,12 @@ def current_agreement() -> str:
     return " ".join(f"{k}={terms[k]}" for k in sorted(terms))
 
 
+def _agreement_kwargs() -> dict:
+    # Ops outside any scope keep their default attr (graphs stay as before).
+    agreement = current_agreement()
+    return {"agreement": agreement} if agreement else {}
+
+
 def _ops():
     # Imported on first use so that importing this module never loads the
     # op library.
@@ -172,16 +178,17 @@ def push_pull_sum(tensor, key: str, priority: int = 0, widen: bool = False,
     applied by the engine to float32 tensors of at least BYTEPS_MIN_COMPRESS_BYTES.
     """
     dtype = tensor.dtype
-    agreement = current_agreement()
+    extra = _agreement_kwargs()
     if widen and dtype in WIDEN:
         summed = _ops().push_pull_sum(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
-                                      priority=int(priority), agreement=agreement)
+                                      priority=int(priority), **extra)
         return tf.cast(summed, dtype)
     if widen and dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"BytePSStrategy cannot reduce a {dtype.name} tensor across workers "
                         f"({key}); supported: {_supported_list()}.")
-    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority),
-                                compression=compression, agreement=agreement)
+    if compression:
+        extra["compression"] = compression
+    return _ops().push_pull_sum(tensor, tensor_name=key, priority=int(priority), **extra)
 
 
 def keep_priority(keep: bool):
@@ -238,18 +245,18 @@ def broadcast(tensor, key: str, root_rank: int, priority: int = 0):
     """``root_rank``'s value of ``tensor`` under ``key``, exact for every dtype."""
     ops = _ops()
     dtype = tensor.dtype
-    agreement = current_agreement()
+    extra = _agreement_kwargs()
     if dtype in WIDEN:
         wide = ops.broadcast_raw(tf.cast(tensor, WIDEN[dtype]), tensor_name=key,
-                                 root_rank=root_rank, priority=priority, agreement=agreement)
+                                 root_rank=root_rank, priority=priority, **extra)
         return tf.cast(wide, dtype)
     if dtype == tf.uint64:
         wide = ops.broadcast_raw(tf.bitcast(tensor, tf.int64), tensor_name=key,
-                                 root_rank=root_rank, priority=priority, agreement=agreement)
+                                 root_rank=root_rank, priority=priority, **extra)
         return tf.bitcast(wide, tf.uint64)
     check_dtype(tensor, "broadcast")
     return ops.broadcast_raw(tensor, tensor_name=key, root_rank=root_rank, priority=priority,
-                             agreement=agreement)
+                             **extra)
 
 
 def allgather(tensor, key: str, rank: int, size: int, priority: int = 0,

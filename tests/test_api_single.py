@@ -50,13 +50,14 @@ def op_calls(monkeypatch):
     calls = []
     real_pp, real_bc = bps_ops.push_pull_sum, bps_ops.broadcast_raw
 
-    def push_pull_sum(tensor, tensor_name, priority=0):
+    def push_pull_sum(tensor, tensor_name, priority=0, **kwargs):
         calls.append(("push_pull", tensor_name, priority))
-        return real_pp(tensor, tensor_name=tensor_name, priority=priority)
+        return real_pp(tensor, tensor_name=tensor_name, priority=priority, **kwargs)
 
-    def broadcast_raw(tensor, tensor_name, root_rank, priority=0):
+    def broadcast_raw(tensor, tensor_name, root_rank, priority=0, **kwargs):
         calls.append(("broadcast", tensor_name, priority))
-        return real_bc(tensor, tensor_name=tensor_name, root_rank=root_rank, priority=priority)
+        return real_bc(tensor, tensor_name=tensor_name, root_rank=root_rank, priority=priority,
+                       **kwargs)
 
     monkeypatch.setattr(bps_ops, "push_pull_sum", push_pull_sum)
     monkeypatch.setattr(bps_ops, "broadcast_raw", broadcast_raw)
@@ -242,7 +243,7 @@ def test_broadcast_object_round_trip(obj):
 def test_broadcast_variables_assigns_in_place_in_one_function(monkeypatch):
     names = []
 
-    def plus_one(tensor, tensor_name, root_rank, priority=0):
+    def plus_one(tensor, tensor_name, root_rank, priority=0, **kwargs):
         names.append((tensor_name, priority, tf.executing_eagerly()))
         return tensor + tf.cast(1, tensor.dtype)
 

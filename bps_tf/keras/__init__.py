@@ -18,6 +18,8 @@ from bps_tf.keras import callbacks
 from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
 from bps_tf import keras_patches
 from bps_tf.naming import model_variables
+from bps_tf.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                 remove_process_set)
 from bps_tf.sync_batch_norm import SyncBatchNormalization
 
 # Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
@@ -29,6 +31,7 @@ __all__ = [
     "allgather", "allgather_object", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
     "SyncBatchNormalization",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 ]
 
 
