@@ -305,7 +305,7 @@ def reduce_on_servers(tensor, key: str, kind: str, priority: int = 0):
     with tf.device("/device:CPU:0"):
         sent = tf.cast(tensor, wide) if wide is not None else tensor
         out = _ops().push_pull_reduce(sent, tensor_name=key, reduce_op=kind,
-                                      priority=int(priority), agreement=current_agreement())
+                                      priority=int(priority), **_agreement_kwargs())
         return tf.cast(out, dtype) if wide is not None else out
 
 
