@@ -312,14 +312,13 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
   } else if (st.count + absent < st.needed) {
     return;
   }
-  if (!refused.empty()) {
-  } else if (absent > 0 && st.refuse_joined) {
+  if (refused.empty() && absent > 0 && st.refuse_joined) {
     refused = "server " + std::to_string(server_id_) + ": worker(s) " + joined +
               " joined before this broadcast or allgather; it cannot run while a worker has "
               "joined (as in Horovod; a gradient that is an IndexedSlices is allgathered: pass "
               "sparse_as_dense=True)";
-  } else if (absent > 0 && st.reduce_op != static_cast<uint8_t>(ReduceOp::kSum) &&
-             !st.compressed) {
+  } else if (refused.empty() && absent > 0 &&
+             st.reduce_op != static_cast<uint8_t>(ReduceOp::kSum) && !st.compressed) {
     // A joined worker contributes zeros (as in Horovod): they change a
     // min, max or product, not a sum.
     Msg zeros(st.bytes);
