@@ -44,6 +44,18 @@ SETTINGS = (
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),
+    Setting("BYTEPS_FUSION_THRESHOLD", "fusion_threshold", "262144", _int,
+            "Tensor fusion: partitions bound for one server that are ready at "
+            "the same time travel in one message of at most this many bytes "
+            "(and the servers' replies likewise); only partitions that fit "
+            "twice in it are fused. Capped at max(BYTEPS_PARTITION_BYTES, "
+            "1 MiB). 0: every partition in its own message. "
+            "HOROVOD_FUSION_THRESHOLD is read when this is not set."),
+    Setting("BYTEPS_FUSION_CYCLE_TIME_MS", "fusion_cycle_ms", "0", float,
+            "Tensor fusion: milliseconds a small partition may wait in the queue "
+            "for others to share its message (the wait ends early once a full "
+            "message is ready). 0: send what is ready at once. "
+            "HOROVOD_CYCLE_TIME is read when this is not set."),
     Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
             "Threads a server uses to sum the partitions it owns."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
@@ -131,16 +143,28 @@ SETTINGS = (
 
 BY_ENV: Dict[str, Setting] = {s.env: s for s in SETTINGS}
 
+# Horovod's names for the same knobs, read when the BytePS name is not set.
+ALIASES: Dict[str, str] = {
+    "BYTEPS_FUSION_THRESHOLD": "HOROVOD_FUSION_THRESHOLD",
+    "BYTEPS_FUSION_CYCLE_TIME_MS": "HOROVOD_CYCLE_TIME",
+}
+
 
 def value(env: str, environ: Optional[Mapping[str, str]] = None):
     """The parsed value of one setting, raising a clear error on bad input."""
     environ = os.environ if environ is None else environ
     setting = BY_ENV[env]
-    text = environ.get(env, setting.default)
+    name = env
+    if env not in environ and ALIASES.get(env) in environ:
+        name = ALIASES[env]
+    text = environ.get(name, setting.default)
     try:
-        return setting.parse(text)
+        parsed = setting.parse(text)
     except ValueError as exc:
-        raise ValueError(f"{env}={text!r} is not valid: {exc}") from None
+        raise ValueError(f"{name}={text!r} is not valid: {exc}") from None
+    if env in ALIASES and parsed < 0:
+        raise ValueError(f"{name}={text!r} is not valid: it must not be negative")
+    return parsed
 
 
 def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:

@@ -16,7 +16,8 @@ namespace bps {
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
-constexpr uint16_t kProtocolVersion = 2;
+// 3: contributors and reduce_op in the header; fused pushes and replies.
+constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -36,8 +37,13 @@ enum class MsgType : uint16_t {
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum
+  kPushFused = 17,       // worker -> server: several small partitions (fusion.h)
+  kPullReplyFused = 18,  // server -> worker: several summed partitions (fusion.h)
 };
-constexpr uint16_t kMaxMsgType = 16;
+constexpr uint16_t kMaxMsgType = 18;
+
+// kPush: how the workers' values of a key combine on the server.
+enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -53,7 +59,9 @@ struct FrameHeader {
   uint64_t round;        // how many times this worker pushed this key before
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
-  uint8_t reserved[16];  // zero
+  uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
+  uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp in protocol.h)
+  uint8_t reserved[11];   // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");

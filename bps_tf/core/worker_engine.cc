@@ -67,6 +67,14 @@ void WorkerEngine::Init(const Config& cfg) {
       static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));
   int64_t credit = cfg.GetInt("credit_bytes", 0);
   credit_bytes_ = credit > 0 ? static_cast<uint64_t>(credit) : 8 * partition_bytes_;
+  int64_t fusion = cfg.GetInt("fusion_threshold", 0);
+  if (fusion < 0) throw Error("BYTEPS_FUSION_THRESHOLD must not be negative");
+  // A server accepts messages up to its partition size (at least 1 MiB,
+  // server_node.cc): a larger fused one would be dropped there.
+  fusion_bytes_ = std::min<uint64_t>(static_cast<uint64_t>(fusion),
+                                     std::max<uint64_t>(partition_bytes_, 1 << 20));
+  cycle_s_ = cfg.GetDouble("fusion_cycle_ms", 0) / 1000.0;
+  if (cycle_s_ < 0) throw Error("BYTEPS_FUSION_CYCLE_TIME_MS must not be negative");
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
   heartbeat_s_ = cfg.GetDouble("heartbeat_s", 1);
   op_timeout_s_ = cfg.GetDouble("op_timeout_s", 0);
@@ -340,6 +348,7 @@ void WorkerEngine::Fatal(const std::string& message, int status, bool peer_failu
       unsent.push_back(ready_.top().task);
       ready_.pop();
     }
+    ready_bytes_ = 0;
   }
   for (Task* t : abandoned) Release(t, 1);  // the reply will not come
   for (Task* t : unsent) Release(t, 2);     // neither sent nor replied

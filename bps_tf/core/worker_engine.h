@@ -74,6 +74,12 @@ class WorkerEngine {
   void OnWelcome(const Config& w);
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
+  // Send one partition alone / several small ones for one server in one
+  // message; false when the link failed.
+  bool SendPart(const PartRef& p);
+  bool SendFused(int server, const std::vector<PartRef>& parts);
+  bool Fuses(const Task* t, uint64_t len) const;
+  void HandleReply(const FrameHeader& h, const char* data, size_t size);
   void FlushControl();
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
@@ -87,6 +93,7 @@ class WorkerEngine {
   void Release(Task* task, int count);
   void Complete(Task* task);
   static void FreePart(void* data, void* hint);  // libzmq's release callback
+  static void FreeFused(void* data, void* hint);
   // The compressed bytes of a partition (error feedback, momentum applied).
   Msg CompressPart(Task* task, uint32_t part, uint64_t key);
   bool Compresses(const CompressorSpec& spec, int dtype, uint64_t bytes) const;
@@ -99,6 +106,8 @@ class WorkerEngine {
   uint64_t partition_bytes_ = 4096000;
   uint64_t min_compress_bytes_ = 4096;
   uint64_t credit_bytes_ = 0;
+  uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
+  double cycle_s_ = 0;         // how long small partitions may wait for company
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
   std::string scheduler_endpoint_;
 
@@ -126,6 +135,8 @@ class WorkerEngine {
   std::map<uint64_t, std::string> request_sig_;
   std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
   std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_;
+  uint64_t ready_bytes_ = 0;  // in ready_
+  Clock::time_point hold_since_{};  // small partitions wait for company since
   uint64_t next_seq_ = 0;
   uint64_t next_request_ = 1;
 
