@@ -155,7 +155,7 @@ def value(env: str, environ: Optional[Mapping[str, str]] = None):
     environ = os.environ if environ is None else environ
     setting = BY_ENV[env]
     name = env
-    if env not in environ and ALIASES.get(env) in environ:
+    if env not in environ and env in ALIASES and ALIASES[env] in environ:
         name = ALIASES[env]
     text = environ.get(name, setting.default)
     try:
