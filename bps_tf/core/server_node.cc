@@ -68,7 +68,10 @@ class ServerNode {
         is_server_(cfg.Get("role") == "server"),
         hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
         num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
-        fusion_bytes_(static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)))),
+        // The workers' cap (worker_engine.cc), so both directions agree.
+        fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
+            std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
+            std::max<int64_t>(cfg.GetInt("partition_bytes", 4096000), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),

@@ -63,7 +63,7 @@ class OutputBuffer {
   tensorflow::Status Take(OpKernelContext* ctx, const Tensor& input, Tensor* out) {
     std::unique_ptr<Tensor> forwarded =
         ctx->forward_input(0, 0, input.dtype(), input.shape(), ctx->output_memory_type(0),
-                           tensorflow::AllocatorAttributes());
+                           ctx->output_alloc_attr(0));
     if (forwarded) {
       ctx->set_output(0, *forwarded);
       *out = *forwarded;
@@ -73,7 +73,8 @@ class OutputBuffer {
     if (!(kept_.dtype() == input.dtype() && kept_.shape() == input.shape() &&
           kept_.RefCountIsOne())) {
       Tensor fresh;
-      tensorflow::Status s = ctx->allocate_temp(input.dtype(), input.shape(), &fresh);
+      tensorflow::Status s = ctx->allocate_temp(input.dtype(), input.shape(), &fresh,
+                                                ctx->output_alloc_attr(0));
       if (!s.ok()) return s;
       kept_ = fresh;
     }
