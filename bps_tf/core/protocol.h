@@ -16,7 +16,8 @@ namespace bps {
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
-constexpr uint16_t kProtocolVersion = 2;
+// 3: a push says how many workers push its key each round and how to reduce.
+constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -39,6 +40,8 @@ enum class MsgType : uint16_t {
 };
 constexpr uint16_t kMaxMsgType = 16;
 
+enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
+
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
 #pragma pack(push, 1)
@@ -53,7 +56,9 @@ struct FrameHeader {
   uint64_t round;        // how many times this worker pushed this key before
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
-  uint8_t reserved[16];  // zero
+  uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
+  uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp)
+  uint8_t reserved[11];   // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
@@ -85,6 +90,8 @@ constexpr SharedSetting kSharedSettings[] = {
     {"encryption", "BYTEPS_ENCRYPTION"},
     {"overlap", "BYTEPS_OVERLAP"},
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
+    // Decides whether a host's workers push one sum or each their own.
+    {"local_reduce", "BYTEPS_LOCAL_REDUCE"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.

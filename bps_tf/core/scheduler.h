@@ -45,6 +45,7 @@ class Scheduler {
     Role role;
     int id = -1;
     std::string hostname;
+    std::string host_key;  // which workers share a machine (and its memory)
     std::string data_addr;
     std::string pid;
     int local_rank = -1;
@@ -53,6 +54,7 @@ class Scheduler {
     bool departed = false;
   };
   struct Pending {
+    int expected;  // declarations that complete it: every worker, or one per host
     std::string sig;
     Peer peer;
     uint64_t request_id;

@@ -168,9 +168,12 @@ void ServerNode::HandlePush(Message& m) {
     return;
   }
   Stats::Get().bytes_received += h.payload_bytes;
-  engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                          (h.request_id & kPushAsync) != 0, std::move(m.payload),
-                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed)});
+  PushJob job{h.sender, h.key, h.round, static_cast<int>(h.dtype),
+              (h.request_id & kPushAsync) != 0, std::move(m.payload),
+              h.type == static_cast<uint16_t>(MsgType::kPushCompressed)};
+  job.contributors = h.contributors;
+  Stats::Get().pushes_received++;
+  engine_->Submit(std::move(job));
 }
 
 void ServerNode::OnWelcome() {

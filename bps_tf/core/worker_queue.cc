@@ -137,6 +137,7 @@ void WorkerEngine::SendReadyParts() {
     h.key = key;
     h.round = t->round;
     h.dtype = static_cast<uint16_t>(t->dtype);
+    h.contributors = t->contributors;
     if (IsAsyncName(t->name)) h.request_id = kPushAsync;
     in_flight_[key] = p;
     if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);

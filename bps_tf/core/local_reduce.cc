@@ -1,0 +1,655 @@
+#include "local_reduce.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "compressor.h"
+#include "dtypes.h"
+#include "protocol.h"
+#include "reduce.h"
+#include "stats.h"
+#include "worker_engine.h"
+
+namespace bps {
+
+namespace {
+
+enum class Kind : uint32_t { kHello = 1, kContrib = 2, kResult = 3 };
+
+struct Head {
+  uint32_t kind;
+  int32_t rank;
+  int32_t status;
+  int32_t dtype;
+  uint64_t round;
+  uint64_t bytes;
+  uint32_t name_len, sig_len, text_len;
+  uint32_t has_fd;
+};
+
+struct Packet {
+  std::string bytes;
+  int fd = -1;  // passed with the packet, closed once sent
+};
+
+struct Region {
+  char* data = nullptr;
+  uint64_t bytes = 0;
+  ~Region() {
+    if (data) munmap(data, std::max<uint64_t>(bytes, 1));
+  }
+};
+
+// Maps a memfd of `bytes`; the descriptor is no longer needed afterwards.
+std::shared_ptr<Region> MapRegion(int fd, uint64_t bytes) {
+  void* p = mmap(nullptr, std::max<uint64_t>(bytes, 1), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw Error(std::string("local reduce: mmap: ") + std::strerror(errno));
+  auto r = std::make_shared<Region>();
+  r->data = static_cast<char*>(p);
+  r->bytes = bytes;
+  return r;
+}
+
+constexpr size_t kMaxPacket = 1 << 16;
+
+}  // namespace
+
+struct LocalReduce::Impl {
+  struct Op {
+    std::string name, sig, agreement;
+    int dtype = 0;
+    std::vector<int64_t> shape;
+    uint64_t bytes = 0;
+    const char* in = nullptr;
+    char* out = nullptr;
+    int64_t priority = 0;
+    bps_done_fn done = nullptr;
+    void* ctx = nullptr;
+    uint64_t round = 0;
+    Clock::time_point start = Clock::now();
+  };
+  struct Contribution {
+    std::string sig;
+    uint64_t round;
+    std::shared_ptr<Region> region;
+  };
+  struct Gather {  // root: one name's operation this round
+    std::unique_ptr<Op> own;
+    std::map<int, Contribution> from;
+    Clock::time_point since = Clock::now();
+  };
+  struct Conn {
+    int fd = -1;
+    int rank = -1;  // -1 until its HELLO
+    std::deque<Packet> outbox;
+  };
+  struct Finished {
+    Gather* gather;
+    int status;
+    std::string error;
+  };
+
+  int rank = 0, root = 0, num_hosts = 1;
+  std::vector<int> peers;  // the host's other ranks
+  double op_timeout_s = 0;
+  int wake_fd = -1, listen_fd = -1;
+  std::map<int, Conn> conns;  // by fd
+  std::thread thread;
+  std::atomic<bool> stop{false};
+
+  std::mutex mu;  // guards the three below
+  std::vector<Op*> incoming;
+  std::vector<Finished> finished;
+  std::string failed;
+
+  // Loop thread only.
+  std::map<std::string, uint64_t> rounds;                      // name -> next round
+  std::map<std::string, std::shared_ptr<Region>> own_regions;  // member: sig key -> memfd
+  std::map<std::string, std::unique_ptr<Op>> waiting;          // member: name -> op
+  std::map<std::string, Gather> gathers;                       // root: name -> this round
+  std::map<std::pair<int, std::string>, std::shared_ptr<Region>> member_regions;
+  std::map<Gather*, std::unique_ptr<Gather>> running;          // root: in the engine
+
+  bool is_root() const { return rank == root; }
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t n = write(wake_fd, &one, sizeof(one));
+    (void)n;
+  }
+
+  static std::string Encode(Kind kind, int rank, int status, const Op* op, uint64_t round,
+                            const std::string& text, bool has_fd) {
+    Head h{};
+    h.kind = static_cast<uint32_t>(kind);
+    h.rank = rank;
+    h.status = status;
+    std::string name = op ? op->name : "", sig = op ? op->sig : "";
+    std::string t = text.substr(0, 8192);
+    h.dtype = op ? op->dtype : 0;
+    h.bytes = op ? op->bytes : 0;
+    h.round = round;
+    h.name_len = static_cast<uint32_t>(name.size());
+    h.sig_len = static_cast<uint32_t>(sig.size());
+    h.text_len = static_cast<uint32_t>(t.size());
+    h.has_fd = has_fd ? 1 : 0;
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + name + sig + t;
+  }
+
+  void Send(Conn& c, std::string bytes, int fd = -1) {
+    c.outbox.push_back(Packet{std::move(bytes), fd});
+    Flush(c);
+  }
+
+  // Sends what the socket takes now; the rest waits for POLLOUT.
+  void Flush(Conn& c) {
+    while (!c.outbox.empty()) {
+      Packet& p = c.outbox.front();
+      struct iovec iov{const_cast<char*>(p.bytes.data()), p.bytes.size()};
+      struct msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      char control[CMSG_SPACE(sizeof(int))];
+      if (p.fd >= 0) {
+        std::memset(control, 0, sizeof(control));
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof(control);
+        struct cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        std::memcpy(CMSG_DATA(cm), &p.fd, sizeof(int));
+      }
+      ssize_t n = sendmsg(c.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+        c.outbox.clear();  // the peer is gone; its reader reports that
+        return;
+      }
+      if (p.fd >= 0) close(p.fd);
+      c.outbox.pop_front();
+    }
+  }
+
+  std::string Who(int r) const {
+    return std::string(r == root ? "the local-reduce root, worker " : "worker ") +
+           std::to_string(r) + " on this host";
+  }
+
+  // Every pending and later operation fails with `why`.
+  void Fail(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (failed.empty()) failed = why;
+    }
+    BPS_LOG(kError, why);
+    for (auto& w : waiting) Finish(w.second.get(), BPS_ERR_UNAVAILABLE, why);
+    waiting.clear();
+    for (auto& g : gathers) {
+      if (g.second.own) Finish(g.second.own.get(), BPS_ERR_UNAVAILABLE, why);
+      SendResults(g.second, g.first, nullptr, 0, BPS_ERR_UNAVAILABLE, why);
+    }
+    gathers.clear();
+  }
+
+  // `counted`: the engine already counted it (the root's pushed sum).
+  void Finish(Op* op, int status, const std::string& error, bool counted = false) {
+    if (status == BPS_OK) Stats::Get().local_reduce_ops++;
+    if (!counted) (status == BPS_OK ? Stats::Get().ops_done : Stats::Get().ops_failed)++;
+    op->done(op->ctx, status, status == BPS_OK ? nullptr : error.c_str());
+  }
+
+  Conn* ConnOf(int r) {
+    for (auto& c : conns) {
+      if (c.second.rank == r) return &c.second;
+    }
+    return nullptr;
+  }
+
+  // Root: tells each contributor of `name` how its operation ended; on
+  // success the global sum (in `sum`) goes into each one's memory first.
+  void SendResults(Gather& g, const std::string& name, const char* sum, uint64_t bytes,
+                   int status, const std::string& error) {
+    Op label;
+    label.name = name;
+    for (auto& f : g.from) {
+      if (status == BPS_OK && sum && bytes) std::memcpy(f.second.region->data, sum, bytes);
+      Conn* c = ConnOf(f.first);
+      if (c) Send(*c, Encode(Kind::kResult, rank, status, &label, f.second.round, error, false));
+    }
+  }
+
+  void OnOwn(std::unique_ptr<Op> op) {
+    op->round = rounds[op->name]++;
+    if (!is_root()) {
+      if (waiting.count(op->name)) {
+        Finish(op.get(), BPS_ERR_INVALID,
+               "push_pull '" + op->name + "' was started again before the previous one finished; "
+               "names must be unique among operations in flight");
+        return;
+      }
+      Conn* c = ConnOf(root);
+      if (!c) {
+        Finish(op.get(), BPS_ERR_UNAVAILABLE, "local reduce: " + Who(root) + " is gone");
+        return;
+      }
+      std::string key = op->name + "|" + op->sig;
+      auto& region = own_regions[key];
+      int fd = -1;
+      try {
+        if (!region || region->bytes != op->bytes) {
+          fd = memfd_create("bps_tf_local_reduce", MFD_CLOEXEC);
+          if (fd < 0 || ftruncate(fd, static_cast<off_t>(std::max<uint64_t>(op->bytes, 1))) != 0) {
+            throw Error(std::string("local reduce: memfd: ") + std::strerror(errno));
+          }
+          region = MapRegion(fd, op->bytes);
+        }
+      } catch (const std::exception& e) {
+        if (fd >= 0) close(fd);
+        Finish(op.get(), BPS_ERR_INTERNAL, "push_pull '" + op->name + "': " + e.what());
+        return;
+      }
+      if (op->bytes) std::memcpy(region->data, op->in, op->bytes);
+      Send(*c, Encode(Kind::kContrib, rank, 0, op.get(), op->round, "", fd >= 0), fd);
+      waiting[op->name] = std::move(op);
+      return;
+    }
+    Gather& g = gathers[op->name];
+    if (g.own) {
+      Finish(op.get(), BPS_ERR_INVALID,
+             "push_pull '" + op->name + "' was started again before the previous one finished; "
+             "names must be unique among operations in flight");
+      return;
+    }
+    g.own = std::move(op);
+    TryRun(g.own->name);
+  }
+
+  void TryRun(const std::string& name) {
+    auto it = gathers.find(name);
+    Gather& g = it->second;
+    if (!g.own || g.from.size() < peers.size()) return;
+    Op* own = g.own.get();
+    std::string agreement = own->agreement;
+    for (auto& f : g.from) {
+      if (f.second.sig != own->sig || f.second.round != own->round) {
+        // Declared anyway under a signature no other host has, so the
+        // scheduler fails this name on every worker (the other hosts would
+        // otherwise wait for this host's push).
+        agreement += " [differs on this host: worker " + std::to_string(rank) + " has " +
+                     own->sig + " (call " + std::to_string(own->round) + "), worker " +
+                     std::to_string(f.first) + " has " + f.second.sig + " (call " +
+                     std::to_string(f.second.round) + ")]";
+        break;
+      }
+    }
+    if (own->bytes && own->out != own->in) std::memcpy(own->out, own->in, own->bytes);
+    size_t count = own->bytes / std::max<size_t>(DTypeSize(own->dtype), 1);
+    if (agreement == own->agreement) {
+      for (auto& f : g.from) SumInto(own->dtype, own->out, f.second.region->data, count);
+    }
+    auto moved = std::unique_ptr<Gather>(new Gather(std::move(g)));
+    gathers.erase(it);
+    Gather* key = moved.get();
+    running[key] = std::move(moved);
+    WorkerEngine::Get().Enqueue(own->name, own->dtype, own->shape, own->out, own->out,
+                                own->priority, &Impl::EngineDone, new std::pair<Impl*, Gather*>(this, key),
+                                "", agreement, static_cast<uint32_t>(num_hosts));
+  }
+
+  // The engine's callback (its I/O thread, or inside Enqueue): the copies
+  // back to the members happen on the loop thread.
+  static void EngineDone(void* ctx, int status, const char* message) {
+    auto* pair = static_cast<std::pair<Impl*, Gather*>*>(ctx);
+    Impl* self = pair->first;
+    {
+      std::lock_guard<std::mutex> lock(self->mu);
+      self->finished.push_back(Finished{pair->second, status, message ? message : ""});
+    }
+    delete pair;
+    self->Wake();
+  }
+
+  void OnFinished(const Finished& f) {
+    auto it = running.find(f.gather);
+    if (it == running.end()) return;
+    Gather& g = *it->second;
+    Op* own = g.own.get();
+    SendResults(g, own->name, own->out, own->bytes, f.status, f.error);
+    Finish(own, f.status, f.error, /*counted=*/true);
+    running.erase(it);
+  }
+
+  // One packet from a connection; false when the peer is gone.
+  bool Receive(Conn& c) {
+    std::string buf(kMaxPacket, '\0');
+    struct iovec iov{&buf[0], buf.size()};
+    struct msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    char control[CMSG_SPACE(sizeof(int))];
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n = recvmsg(c.fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+    if (n <= 0) return false;
+    int fd = -1;
+    for (struct cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+      }
+    }
+    Head h;
+    if (static_cast<size_t>(n) < sizeof(h)) return false;
+    std::memcpy(&h, buf.data(), sizeof(h));
+    if (sizeof(h) + uint64_t{h.name_len} + h.sig_len + h.text_len != static_cast<uint64_t>(n)) {
+      if (fd >= 0) close(fd);
+      return false;
+    }
+    std::string name = buf.substr(sizeof(h), h.name_len);
+    std::string sig = buf.substr(sizeof(h) + h.name_len, h.sig_len);
+    std::string text = buf.substr(sizeof(h) + h.name_len + h.sig_len, h.text_len);
+    switch (static_cast<Kind>(h.kind)) {
+      case Kind::kHello: {
+        bool known = std::find(peers.begin(), peers.end(), h.rank) != peers.end();
+        if (!is_root() || c.rank >= 0 || !known || ConnOf(h.rank)) return false;
+        c.rank = h.rank;
+        return true;
+      }
+      case Kind::kContrib: {
+        if (!is_root() || c.rank < 0) {
+          if (fd >= 0) close(fd);
+          return false;
+        }
+        auto& region = member_regions[{c.rank, name + "|" + sig}];
+        if (fd >= 0) {
+          try {
+            region = MapRegion(fd, h.bytes);
+          } catch (const std::exception& e) {
+            close(fd);
+            Fail(e.what());
+            return true;
+          }
+          close(fd);
+        }
+        if (!region || region->bytes != h.bytes) return false;
+        gathers[name].from[c.rank] = Contribution{sig, h.round, region};
+        TryRun(name);
+        return true;
+      }
+      case Kind::kResult: {
+        if (fd >= 0) close(fd);
+        auto it = waiting.find(name);
+        if (is_root() || it == waiting.end() || it->second->round != h.round) return true;
+        Op* op = it->second.get();
+        if (h.status == BPS_OK && op->bytes) {
+          std::memcpy(op->out, own_regions[op->name + "|" + op->sig]->data, op->bytes);
+        }
+        Finish(op, h.status, text);
+        waiting.erase(it);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void CheckTimeouts() {
+    if (op_timeout_s <= 0) return;
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      if (SecondsSince(it->second->start) < op_timeout_s) {
+        ++it;
+        continue;
+      }
+      Finish(it->second.get(), BPS_ERR_TIMEOUT,
+             "push_pull '" + it->first + "' timed out after BYTEPS_OP_TIMEOUT=" +
+                 std::to_string(op_timeout_s) + " s waiting for " + Who(root));
+      it = waiting.erase(it);
+    }
+    for (auto it = gathers.begin(); it != gathers.end();) {
+      if (SecondsSince(it->second.since) < op_timeout_s) {
+        ++it;
+        continue;
+      }
+      std::string missing;
+      for (int p : peers) {
+        if (!it->second.from.count(p)) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+      }
+      if (!it->second.own) missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+      std::string why = "push_pull '" + it->first + "' timed out after BYTEPS_OP_TIMEOUT=" +
+                        std::to_string(op_timeout_s) + " s waiting for worker(s) " + missing +
+                        " on this host";
+      if (it->second.own) Finish(it->second.own.get(), BPS_ERR_TIMEOUT, why);
+      SendResults(it->second, it->first, nullptr, 0, BPS_ERR_TIMEOUT, why);
+      it = gathers.erase(it);
+    }
+  }
+
+  void Loop() {
+    while (!stop) {
+      std::vector<struct pollfd> fds;
+      fds.push_back({wake_fd, POLLIN, 0});
+      if (listen_fd >= 0) fds.push_back({listen_fd, POLLIN, 0});
+      for (auto& c : conns) {
+        short ev = POLLIN | (c.second.outbox.empty() ? 0 : POLLOUT);
+        fds.push_back({c.first, ev, 0});
+      }
+      poll(fds.data(), fds.size(), 200);
+      uint64_t count;
+      if (fds[0].revents & POLLIN) {
+        ssize_t n = read(wake_fd, &count, sizeof(count));
+        (void)n;
+      }
+      std::vector<Op*> ops;
+      std::vector<Finished> done;
+      std::string fail_all;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ops.swap(incoming);
+        done.swap(finished);
+        fail_all = failed;
+      }
+      for (auto& f : done) OnFinished(f);
+      for (Op* op : ops) {
+        std::unique_ptr<Op> owned(op);
+        if (!fail_all.empty()) {
+          Finish(op, BPS_ERR_UNAVAILABLE, fail_all);
+        } else {
+          OnOwn(std::move(owned));
+        }
+      }
+      for (size_t i = 1; i < fds.size(); ++i) {
+        int fd = fds[i].fd;
+        if (fd == listen_fd) {
+          if (fds[i].revents & POLLIN) Accept();
+          continue;
+        }
+        auto it = conns.find(fd);
+        if (it == conns.end()) continue;
+        if (fds[i].revents & POLLOUT) Flush(it->second);
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        bool alive = true;
+        for (int k = 0; k < 64 && alive; ++k) {
+          alive = Receive(it->second);
+          if (!(fds[i].revents & POLLIN)) break;
+          struct pollfd one{fd, POLLIN, 0};
+          if (alive && poll(&one, 1, 0) <= 0) break;
+        }
+        if (!alive) Drop(fd);
+      }
+      CheckTimeouts();
+    }
+  }
+
+  void Accept() {
+    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    struct ucred cred{};
+    socklen_t len = sizeof(cred);
+    // Only this user's processes may read or feed the host's sums.
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != getuid()) {
+      close(fd);
+      return;
+    }
+    conns[fd].fd = fd;
+  }
+
+  void Drop(int fd) {
+    int r = conns[fd].rank;
+    close(fd);
+    conns.erase(fd);
+    if (r < 0 && is_root()) return;  // a connection that never said who it is
+    if (stop) return;
+    Fail("local reduce: " + Who(is_root() ? r : root) +
+         " closed its connection (it exited or crashed); the push_pulls of this host cannot "
+         "complete (BYTEPS_LOCAL_REDUCE=0 makes every worker push on its own)");
+  }
+};
+
+LocalReduce& LocalReduce::Get() {
+  static LocalReduce* lr = new LocalReduce();  // never destroyed: callbacks may outlive exit
+  return *lr;
+}
+
+bool LocalReduce::active() const { return impl_ != nullptr; }
+
+void LocalReduce::Start(const Config& cfg) {
+  Stop();
+  WorkerEngine& engine = WorkerEngine::Get();
+  WorkerEngine::HostGroup group = engine.host_group();
+  // Every worker decides alike from what all know (a host of one worker
+  // still pushes with contributors = hosts).
+  int64_t mode = cfg.GetInt("local_reduce", -1);
+  if (mode == 0 || group.num_hosts >= engine.size() || (mode < 0 && group.num_hosts < 2)) return;
+  std::unique_ptr<Impl> impl(new Impl());
+  impl->rank = engine.rank();
+  impl->root = group.ranks.front();
+  impl->num_hosts = group.num_hosts;
+  impl->op_timeout_s = cfg.GetDouble("op_timeout_s", 0);
+  for (int r : group.ranks) {
+    if (r != impl->rank) impl->peers.push_back(r);
+  }
+  if (!impl->is_root()) impl->peers = {impl->root};
+  if (impl->peers.empty()) {
+    StartLoop(impl.release());
+    return;
+  }
+  struct sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::string path = "bps_tf-local-reduce-" + group.job_nonce + "-" + std::to_string(group.host_index);
+  std::memcpy(addr.sun_path + 1, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 2));
+  socklen_t addr_len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 +
+                                              std::min(path.size(), sizeof(addr.sun_path) - 2));
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(std::string("local reduce: socket: ") + std::strerror(errno));
+  if (impl->is_root()) {
+    if (bind(fd, reinterpret_cast<struct sockaddr*>(&addr), addr_len) != 0 || listen(fd, 64) != 0) {
+      std::string why = std::strerror(errno);
+      close(fd);
+      throw Error("local reduce: cannot listen for this host's workers: " + why);
+    }
+    impl->listen_fd = fd;
+  } else {
+    double limit = cfg.GetDouble("rendezvous_timeout_s", 120);
+    auto begin = Clock::now();
+    while (connect(fd, reinterpret_cast<struct sockaddr*>(&addr), addr_len) != 0) {
+      if (SecondsSince(begin) > limit) {
+        std::string why = std::strerror(errno);
+        close(fd);
+        throw Error("local reduce: worker " + std::to_string(impl->root) +
+                    " (this host's root) did not open its local-reduce socket within " +
+                    std::to_string(static_cast<int>(limit)) + " s (" + why +
+                    "); set BYTEPS_LOCAL_REDUCE=0 to push from every worker");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    Impl::Conn& c = impl->conns[fd];
+    c.fd = fd;
+    c.rank = impl->root;
+    impl->Send(c, Impl::Encode(Kind::kHello, impl->rank, 0, nullptr, 0, "", false));
+  }
+  BPS_LOG(kInfo, "local reduce on host " << group.host_index << " with its root, worker "
+                                          << impl->root);
+  StartLoop(impl.release());
+}
+
+void LocalReduce::StartLoop(Impl* impl) {
+  impl->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  impl->thread = std::thread([impl] { impl->Loop(); });
+  impl_ = impl;
+}
+
+void LocalReduce::Stop() {
+  Impl* impl = impl_;
+  if (!impl) return;
+  impl_ = nullptr;
+  impl->stop = true;
+  impl->Wake();
+  impl->thread.join();
+  std::string why = "bps_tf was shut down while this push_pull was in progress";
+  for (auto& w : impl->waiting) impl->Finish(w.second.get(), BPS_ERR_UNAVAILABLE, why);
+  for (auto& g : impl->gathers) {
+    if (g.second.own) impl->Finish(g.second.own.get(), BPS_ERR_UNAVAILABLE, why);
+  }
+  for (Impl::Op* op : impl->incoming) {
+    impl->Finish(op, BPS_ERR_UNAVAILABLE, why);
+    delete op;
+  }
+  for (auto& c : impl->conns) close(c.first);
+  if (impl->listen_fd >= 0) close(impl->listen_fd);
+  close(impl->wake_fd);
+  // Operations still in the engine call back into it: it stays allocated.
+}
+
+void LocalReduce::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
+                          const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
+                          const std::string& compression, const std::string& agreement) {
+  Impl* impl = impl_;
+  bool bypass = impl == nullptr || IsAsyncName(name) || DTypeSize(dtype) == 0;
+  if (!bypass && !compression.empty()) {
+    try {
+      bypass = CompressorSpec::Parse(compression).active();
+    } catch (const Error&) {
+      bypass = true;  // the engine reports it
+    }
+  }
+  for (int64_t d : shape) bypass = bypass || d < 0;
+  if (bypass) {
+    WorkerEngine::Get().Enqueue(name, dtype, shape, in, out, priority, done, ctx, compression,
+                                agreement);
+    return;
+  }
+  auto* op = new Impl::Op();
+  op->name = name;
+  op->dtype = dtype;
+  op->shape = shape;
+  op->bytes = DTypeSize(dtype);
+  for (int64_t d : shape) op->bytes *= static_cast<uint64_t>(d);
+  op->sig = ShapeString(dtype, shape) + (agreement.empty() ? "" : " " + agreement);
+  op->agreement = agreement;
+  op->in = static_cast<const char*>(in);
+  op->out = static_cast<char*>(out);
+  op->priority = priority;
+  op->done = done;
+  op->ctx = ctx;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->incoming.push_back(op);
+  }
+  impl->Wake();
+}
+
+}  // namespace bps
