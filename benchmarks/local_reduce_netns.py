@@ -83,8 +83,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     case = resnet50_case(args.warmup, args.reps)
     m = case["bytes"]
-    out_dir = Path(args.out_dir) if args.out_dir else common.RESULTS_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows = {"1": [], "0": []}
     try:
         with common.stop_on_signals(), NetnsHosts(4, rate=args.rate) as net:
@@ -108,9 +106,9 @@ def main(argv=None) -> int:
         downs = [d / m for r in rows[lr] for _, d in r["links"]]
         print(f"{label:17s} step median {median(steps):.3f} s (runs {', '.join(f'{s:.3f}' for s in steps)}), "
               f"per host link up {min(ups):.2f}-{max(ups):.2f} M, down {min(downs):.2f}-{max(downs):.2f} M")
-    (out_dir / "local_reduce_netns.json").write_text(json.dumps(summary, indent=1))
+    common.write_json("local_reduce_netns", summary, args.out_dir)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.run_main(main)
