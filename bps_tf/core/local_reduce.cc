@@ -1,18 +1,12 @@
 #include "local_reduce.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,54 +14,13 @@
 
 #include "compressor.h"
 #include "dtypes.h"
+#include "local_reduce_link.h"
 #include "protocol.h"
 #include "reduce.h"
 #include "stats.h"
 #include "worker_engine.h"
 
 namespace bps {
-
-namespace {
-
-enum class Kind : uint32_t { kHello = 1, kContrib = 2, kResult = 3 };
-
-struct Head {
-  uint32_t kind;
-  int32_t rank;
-  int32_t status;
-  int32_t dtype;
-  uint64_t round;
-  uint64_t bytes;
-  uint32_t name_len, sig_len, text_len;
-  uint32_t has_fd;
-};
-
-struct Packet {
-  std::string bytes;
-  int fd = -1;  // passed with the packet, closed once sent
-};
-
-struct Region {
-  char* data = nullptr;
-  uint64_t bytes = 0;
-  ~Region() {
-    if (data) munmap(data, std::max<uint64_t>(bytes, 1));
-  }
-};
-
-// Maps a memfd of `bytes`; the descriptor is no longer needed afterwards.
-std::shared_ptr<Region> MapRegion(int fd, uint64_t bytes) {
-  void* p = mmap(nullptr, std::max<uint64_t>(bytes, 1), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) throw Error(std::string("local reduce: mmap: ") + std::strerror(errno));
-  auto r = std::make_shared<Region>();
-  r->data = static_cast<char*>(p);
-  r->bytes = bytes;
-  return r;
-}
-
-constexpr size_t kMaxPacket = 1 << 16;
-
-}  // namespace
 
 struct LocalReduce::Impl {
   struct Op {
@@ -86,7 +39,7 @@ struct LocalReduce::Impl {
   struct Contribution {
     std::string sig;
     uint64_t round;
-    std::shared_ptr<Region> region;
+    std::shared_ptr<SharedRegion> region;
   };
   struct Gather {  // root: one name's operation this round
     std::unique_ptr<Op> own;
@@ -94,9 +47,8 @@ struct LocalReduce::Impl {
     Clock::time_point since = Clock::now();
   };
   struct Conn {
-    int fd = -1;
+    std::unique_ptr<LocalLink> link;
     int rank = -1;  // -1 until its HELLO
-    std::deque<Packet> outbox;
   };
   struct Finished {
     Gather* gather;
@@ -112,17 +64,18 @@ struct LocalReduce::Impl {
   std::thread thread;
   std::atomic<bool> stop{false};
 
-  std::mutex mu;  // guards the three below
+  std::mutex mu;  // guards the four below
   std::vector<Op*> incoming;
   std::vector<Finished> finished;
   std::string failed;
+  bool stopped = false;  // the loop has ended: the engine's callbacks finish ops themselves
 
   // Loop thread only.
   std::map<std::string, uint64_t> rounds;                      // name -> next round
-  std::map<std::string, std::shared_ptr<Region>> own_regions;  // member: sig key -> memfd
+  std::map<std::string, std::shared_ptr<SharedRegion>> own_regions;  // member: sig key -> memfd
   std::map<std::string, std::unique_ptr<Op>> waiting;          // member: name -> op
   std::map<std::string, Gather> gathers;                       // root: name -> this round
-  std::map<std::pair<int, std::string>, std::shared_ptr<Region>> member_regions;
+  std::map<std::pair<int, std::string>, std::shared_ptr<SharedRegion>> member_regions;
   std::map<Gather*, std::unique_ptr<Gather>> running;          // root: in the engine
 
   bool is_root() const { return rank == root; }
@@ -132,57 +85,18 @@ struct LocalReduce::Impl {
     (void)n;
   }
 
-  static std::string Encode(Kind kind, int rank, int status, const Op* op, uint64_t round,
-                            const std::string& text, bool has_fd) {
-    Head h{};
-    h.kind = static_cast<uint32_t>(kind);
-    h.rank = rank;
-    h.status = status;
-    std::string name = op ? op->name : "", sig = op ? op->sig : "";
-    std::string t = text.substr(0, 8192);
-    h.dtype = op ? op->dtype : 0;
-    h.bytes = op ? op->bytes : 0;
-    h.round = round;
-    h.name_len = static_cast<uint32_t>(name.size());
-    h.sig_len = static_cast<uint32_t>(sig.size());
-    h.text_len = static_cast<uint32_t>(t.size());
-    h.has_fd = has_fd ? 1 : 0;
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + name + sig + t;
-  }
-
-  void Send(Conn& c, std::string bytes, int fd = -1) {
-    c.outbox.push_back(Packet{std::move(bytes), fd});
-    Flush(c);
-  }
-
-  // Sends what the socket takes now; the rest waits for POLLOUT.
-  void Flush(Conn& c) {
-    while (!c.outbox.empty()) {
-      Packet& p = c.outbox.front();
-      struct iovec iov{const_cast<char*>(p.bytes.data()), p.bytes.size()};
-      struct msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      char control[CMSG_SPACE(sizeof(int))];
-      if (p.fd >= 0) {
-        std::memset(control, 0, sizeof(control));
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof(control);
-        struct cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(cm), &p.fd, sizeof(int));
-      }
-      ssize_t n = sendmsg(c.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-        c.outbox.clear();  // the peer is gone; its reader reports that
-        return;
-      }
-      if (p.fd >= 0) close(p.fd);
-      c.outbox.pop_front();
+  static LocalPacket Packet(LocalKind kind, int rank, const Op* op, uint64_t round) {
+    LocalPacket p;
+    p.kind = kind;
+    p.rank = rank;
+    p.round = round;
+    if (op) {
+      p.name = op->name;
+      p.sig = op->sig;
+      p.dtype = op->dtype;
+      p.bytes = op->bytes;
     }
+    return p;
   }
 
   std::string Who(int r) const {
@@ -224,12 +138,15 @@ struct LocalReduce::Impl {
   // success the global sum (in `sum`) goes into each one's memory first.
   void SendResults(Gather& g, const std::string& name, const char* sum, uint64_t bytes,
                    int status, const std::string& error) {
-    Op label;
-    label.name = name;
     for (auto& f : g.from) {
       if (status == BPS_OK && sum && bytes) std::memcpy(f.second.region->data, sum, bytes);
       Conn* c = ConnOf(f.first);
-      if (c) Send(*c, Encode(Kind::kResult, rank, status, &label, f.second.round, error, false));
+      if (!c) continue;
+      LocalPacket p = Packet(LocalKind::kResult, rank, nullptr, f.second.round);
+      p.name = name;
+      p.status = status;
+      p.text = error;
+      c->link->Send(std::move(p));
     }
   }
 
@@ -251,20 +168,15 @@ struct LocalReduce::Impl {
       auto& region = own_regions[key];
       int fd = -1;
       try {
-        if (!region || region->bytes != op->bytes) {
-          fd = memfd_create("bps_tf_local_reduce", MFD_CLOEXEC);
-          if (fd < 0 || ftruncate(fd, static_cast<off_t>(std::max<uint64_t>(op->bytes, 1))) != 0) {
-            throw Error(std::string("local reduce: memfd: ") + std::strerror(errno));
-          }
-          region = MapRegion(fd, op->bytes);
-        }
+        if (!region || region->bytes != op->bytes) region = CreateShared(op->bytes, &fd);
       } catch (const std::exception& e) {
-        if (fd >= 0) close(fd);
         Finish(op.get(), BPS_ERR_INTERNAL, "push_pull '" + op->name + "': " + e.what());
         return;
       }
       if (op->bytes) std::memcpy(region->data, op->in, op->bytes);
-      Send(*c, Encode(Kind::kContrib, rank, 0, op.get(), op->round, "", fd >= 0), fd);
+      LocalPacket p = Packet(LocalKind::kContrib, rank, op.get(), op->round);
+      p.fd = fd;  // the first time, or after the size changed
+      c->link->Send(std::move(p));
       waiting[op->name] = std::move(op);
       return;
     }
@@ -316,12 +228,22 @@ struct LocalReduce::Impl {
   static void EngineDone(void* ctx, int status, const char* message) {
     auto* pair = static_cast<std::pair<Impl*, Gather*>*>(ctx);
     Impl* self = pair->first;
+    Finished f{pair->second, status, message ? message : ""};
+    delete pair;
     {
       std::lock_guard<std::mutex> lock(self->mu);
-      self->finished.push_back(Finished{pair->second, status, message ? message : ""});
+      if (!self->stopped) {
+        self->finished.push_back(f);
+        self->Wake();
+        return;
+      }
     }
-    delete pair;
-    self->Wake();
+    // After Stop() (the engine fails what it still holds): no members to
+    // answer any more, but the root's own caller must hear back.
+    auto it = self->running.find(f.gather);
+    if (it == self->running.end()) return;
+    self->Finish(it->second->own.get(), f.status, f.error, /*counted=*/true);
+    self->running.erase(it);
   }
 
   void OnFinished(const Finished& f) {
@@ -334,72 +256,46 @@ struct LocalReduce::Impl {
     running.erase(it);
   }
 
-  // One packet from a connection; false when the peer is gone.
+  // One packet from a connection; false when the peer is gone or broke
+  // the protocol.
   bool Receive(Conn& c) {
-    std::string buf(kMaxPacket, '\0');
-    struct iovec iov{&buf[0], buf.size()};
-    struct msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    char control[CMSG_SPACE(sizeof(int))];
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    ssize_t n = recvmsg(c.fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
-    if (n <= 0) return false;
-    int fd = -1;
-    for (struct cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-        std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-      }
-    }
-    Head h;
-    if (static_cast<size_t>(n) < sizeof(h)) return false;
-    std::memcpy(&h, buf.data(), sizeof(h));
-    if (sizeof(h) + uint64_t{h.name_len} + h.sig_len + h.text_len != static_cast<uint64_t>(n)) {
-      if (fd >= 0) close(fd);
-      return false;
-    }
-    std::string name = buf.substr(sizeof(h), h.name_len);
-    std::string sig = buf.substr(sizeof(h) + h.name_len, h.sig_len);
-    std::string text = buf.substr(sizeof(h) + h.name_len + h.sig_len, h.text_len);
-    switch (static_cast<Kind>(h.kind)) {
-      case Kind::kHello: {
-        bool known = std::find(peers.begin(), peers.end(), h.rank) != peers.end();
-        if (!is_root() || c.rank >= 0 || !known || ConnOf(h.rank)) return false;
-        c.rank = h.rank;
+    LocalPacket p;
+    int got = c.link->Receive(&p);
+    if (got <= 0) return got == 0;
+    std::unique_ptr<int, void (*)(int*)> fd_guard(&p.fd, [](int* fd) {
+      if (*fd >= 0) close(*fd);
+    });
+    switch (p.kind) {
+      case LocalKind::kHello: {
+        bool known = std::find(peers.begin(), peers.end(), p.rank) != peers.end();
+        if (!is_root() || c.rank >= 0 || !known || ConnOf(p.rank)) return false;
+        c.rank = p.rank;
         return true;
       }
-      case Kind::kContrib: {
-        if (!is_root() || c.rank < 0) {
-          if (fd >= 0) close(fd);
-          return false;
-        }
-        auto& region = member_regions[{c.rank, name + "|" + sig}];
-        if (fd >= 0) {
+      case LocalKind::kContrib: {
+        if (!is_root() || c.rank < 0) return false;
+        auto& region = member_regions[{c.rank, p.name + "|" + p.sig}];
+        if (p.fd >= 0) {
           try {
-            region = MapRegion(fd, h.bytes);
+            region = MapShared(p.fd, p.bytes);
           } catch (const std::exception& e) {
-            close(fd);
             Fail(e.what());
             return true;
           }
-          close(fd);
         }
-        if (!region || region->bytes != h.bytes) return false;
-        gathers[name].from[c.rank] = Contribution{sig, h.round, region};
-        TryRun(name);
+        if (!region || region->bytes != p.bytes) return false;
+        gathers[p.name].from[c.rank] = Contribution{p.sig, p.round, region};
+        TryRun(p.name);
         return true;
       }
-      case Kind::kResult: {
-        if (fd >= 0) close(fd);
-        auto it = waiting.find(name);
-        if (is_root() || it == waiting.end() || it->second->round != h.round) return true;
+      case LocalKind::kResult: {
+        auto it = waiting.find(p.name);
+        if (is_root() || it == waiting.end() || it->second->round != p.round) return true;
         Op* op = it->second.get();
-        if (h.status == BPS_OK && op->bytes) {
+        if (p.status == BPS_OK && op->bytes) {
           std::memcpy(op->out, own_regions[op->name + "|" + op->sig]->data, op->bytes);
         }
-        Finish(op, h.status, text);
+        Finish(op, p.status, p.text);
         waiting.erase(it);
         return true;
       }
@@ -444,7 +340,7 @@ struct LocalReduce::Impl {
       fds.push_back({wake_fd, POLLIN, 0});
       if (listen_fd >= 0) fds.push_back({listen_fd, POLLIN, 0});
       for (auto& c : conns) {
-        short ev = POLLIN | (c.second.outbox.empty() ? 0 : POLLOUT);
+        short ev = POLLIN | (c.second.link->want_write() ? POLLOUT : 0);
         fds.push_back({c.first, ev, 0});
       }
       poll(fds.data(), fds.size(), 200);
@@ -479,7 +375,7 @@ struct LocalReduce::Impl {
         }
         auto it = conns.find(fd);
         if (it == conns.end()) continue;
-        if (fds[i].revents & POLLOUT) Flush(it->second);
+        if (fds[i].revents & POLLOUT) it->second.link->Flush();
         if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         bool alive = true;
         for (int k = 0; k < 64 && alive; ++k) {
@@ -495,22 +391,13 @@ struct LocalReduce::Impl {
   }
 
   void Accept() {
-    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) return;
-    struct ucred cred{};
-    socklen_t len = sizeof(cred);
-    // Only this user's processes may read or feed the host's sums.
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != getuid()) {
-      close(fd);
-      return;
-    }
-    conns[fd].fd = fd;
+    int fd = AcceptLocal(listen_fd);
+    if (fd >= 0) conns[fd].link.reset(new LocalLink(fd));
   }
 
   void Drop(int fd) {
     int r = conns[fd].rank;
-    close(fd);
-    conns.erase(fd);
+    conns.erase(fd);  // closes it
     if (r < 0 && is_root()) return;  // a connection that never said who it is
     if (stop) return;
     Fail("local reduce: " + Who(is_root() ? r : root) +
@@ -547,39 +434,17 @@ void LocalReduce::Start(const Config& cfg) {
     StartLoop(impl.release());
     return;
   }
-  struct sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::string path = "bps_tf-local-reduce-" + group.job_nonce + "-" + std::to_string(group.host_index);
-  std::memcpy(addr.sun_path + 1, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 2));
-  socklen_t addr_len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 +
-                                              std::min(path.size(), sizeof(addr.sun_path) - 2));
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(std::string("local reduce: socket: ") + std::strerror(errno));
+  std::string name =
+      "bps_tf-local-reduce-" + group.job_nonce + "-" + std::to_string(group.host_index);
   if (impl->is_root()) {
-    if (bind(fd, reinterpret_cast<struct sockaddr*>(&addr), addr_len) != 0 || listen(fd, 64) != 0) {
-      std::string why = std::strerror(errno);
-      close(fd);
-      throw Error("local reduce: cannot listen for this host's workers: " + why);
-    }
-    impl->listen_fd = fd;
+    impl->listen_fd = ListenLocal(name);
   } else {
-    double limit = cfg.GetDouble("rendezvous_timeout_s", 120);
-    auto begin = Clock::now();
-    while (connect(fd, reinterpret_cast<struct sockaddr*>(&addr), addr_len) != 0) {
-      if (SecondsSince(begin) > limit) {
-        std::string why = std::strerror(errno);
-        close(fd);
-        throw Error("local reduce: worker " + std::to_string(impl->root) +
-                    " (this host's root) did not open its local-reduce socket within " +
-                    std::to_string(static_cast<int>(limit)) + " s (" + why +
-                    "); set BYTEPS_LOCAL_REDUCE=0 to push from every worker");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    int fd = ConnectLocal(name, cfg.GetDouble("rendezvous_timeout_s", 120),
+                          "worker " + std::to_string(impl->root) + " (this host's root)");
     Impl::Conn& c = impl->conns[fd];
-    c.fd = fd;
+    c.link.reset(new LocalLink(fd));
     c.rank = impl->root;
-    impl->Send(c, Impl::Encode(Kind::kHello, impl->rank, 0, nullptr, 0, "", false));
+    c.link->Send(Impl::Packet(LocalKind::kHello, impl->rank, nullptr, 0));
   }
   BPS_LOG(kInfo, "local reduce on host " << group.host_index << " with its root, worker "
                                           << impl->root);
@@ -599,19 +464,30 @@ void LocalReduce::Stop() {
   impl->stop = true;
   impl->Wake();
   impl->thread.join();
+  std::vector<Impl::Op*> leftover;
+  std::vector<Impl::Finished> done;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->stopped = true;
+    leftover.swap(impl->incoming);
+    done.swap(impl->finished);
+  }
   std::string why = "bps_tf was shut down while this push_pull was in progress";
   for (auto& w : impl->waiting) impl->Finish(w.second.get(), BPS_ERR_UNAVAILABLE, why);
   for (auto& g : impl->gathers) {
     if (g.second.own) impl->Finish(g.second.own.get(), BPS_ERR_UNAVAILABLE, why);
   }
-  for (Impl::Op* op : impl->incoming) {
+  for (Impl::Op* op : leftover) {
     impl->Finish(op, BPS_ERR_UNAVAILABLE, why);
     delete op;
   }
-  for (auto& c : impl->conns) close(c.first);
   if (impl->listen_fd >= 0) close(impl->listen_fd);
-  close(impl->wake_fd);
-  // Operations still in the engine call back into it: it stays allocated.
+  impl->waiting.clear();
+  impl->gathers.clear();
+  impl->conns.clear();
+  for (auto& f : done) impl->OnFinished(f);
+  // Operations still in the engine call back into it, so it (and its
+  // eventfd, which a late Wake() may still write) stays allocated.
 }
 
 void LocalReduce::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
@@ -647,9 +523,14 @@ void LocalReduce::Enqueue(const std::string& name, int dtype, const std::vector<
   op->ctx = ctx;
   {
     std::lock_guard<std::mutex> lock(impl->mu);
-    impl->incoming.push_back(op);
+    if (!impl->stopped) {
+      impl->incoming.push_back(op);
+      impl->Wake();
+      return;
+    }
   }
-  impl->Wake();
+  impl->Finish(op, BPS_ERR_NOT_INITIALIZED, "bps_tf is not initialized: call bps_tf.init() first");
+  delete op;
 }
 
 }  // namespace bps
