@@ -45,6 +45,8 @@ def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
     assert [sent[r]["partitions_sent"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], sent
     assert all(sent[r]["local_reduce_ops"] == NUMPY_OPS for r in range(4)), sent
     passed_details(found, log, "tf_sums")
+    bypass = passed_details(found, log, "compressed_bypass")
+    assert all(bypass[r]["partitions_sent"] == 1 for r in range(4)), bypass
     # A shape that differs inside one host fails on every worker, not a hang.
     errors = passed_details(found, log, "shape_mismatch")
     for r in (0, 1):

@@ -79,6 +79,19 @@ def shape_mismatch():
     raise AssertionError("a shape that differs on one host was summed")
 
 
+def compressed_bypass():
+    """A compressed push_pull skips the host sum: every worker pushes it."""
+    before = stats()["partitions_sent"]
+    x = np.zeros(10000, np.float32)
+    x[:4000] = rank + 1  # exactly the 40 % topk keeps, so the sum is exact
+    out = np.empty_like(x)
+    core.push_pull_async("np/topk", x, out, 0, "", "topk ratio=0.4").wait(60)
+    want = np.zeros_like(x)
+    want[:4000] = sum(r + 1 for r in range(size))
+    assert out.tobytes() == want.tobytes(), out[:5]
+    return {"partitions_sent": stats()["partitions_sent"] - before}
+
+
 def stats():
     return basics.stats()
 
@@ -119,6 +132,7 @@ if MODE in ("off", "netns"):
     basics.shutdown()
     sys.exit(0)
 checks.run("tf_sums", tf_sums)
+checks.run("compressed_bypass", compressed_bypass)
 checks.run("shape_mismatch", shape_mismatch)
 # Last: worker 1 dies; its root must fail with a clear error, not wait.
 if rank == 1:
