@@ -36,8 +36,11 @@ def _run(tmp_path, mode, env):
 
 
 def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
-    found, log = _run(tmp_path, "on", {"BYTEPS_LOCAL_REDUCE": "auto"})
+    found, log = _run(tmp_path, "on", {"BYTEPS_LOCAL_REDUCE": "auto",
+                                       "BYTEPS_DEBUG_SEND_LOG": "1"})
     passed_details(found, log, "numpy_sums")
+    pushed = passed_details(found, log, "priorities_kept")
+    assert [pushed[r]["pushed"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], pushed
     init = passed_details(found, log, "init")
     assert [init[r]["local_rank"] for r in range(4)] == [0, 1, 0, 1]
     sent = passed_details(found, log, "stats_after_numpy")

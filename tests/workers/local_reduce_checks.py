@@ -79,6 +79,18 @@ def shape_mismatch():
     raise AssertionError("a shape that differs on one host was summed")
 
 
+def priorities_kept():
+    """The root pushes each host sum with its operation's priority."""
+    log = [e for e in basics.debug_send_log() if e[0].startswith("np/")]
+    if basics.local_rank() != 0:
+        assert not log, f"a member pushed: {log[:3]}"
+        return {"pushed": 0}
+    want = {e[0]: (int(e[0].rsplit("/", 1)[1]) % 3 if e[0][-1].isdigit() else 0) for e in log}
+    wrong = [e for e in log if e[2] != want[e[0]]]
+    assert log and not wrong, f"pushed with another priority: {wrong[:3]}"
+    return {"pushed": len(log)}
+
+
 def compressed_bypass():
     """A compressed push_pull skips the host sum: every worker pushes it."""
     before = stats()["partitions_sent"]
@@ -126,6 +138,8 @@ def tf_sums():
 checks.run("init", lambda: {"local_rank": basics.local_rank(), "local_size": basics.local_size()})
 before = stats()
 checks.run("numpy_sums", numpy_sums)
+if MODE == "on":
+    checks.run("priorities_kept", priorities_kept)
 checks.run("stats_after_numpy", lambda: {k: stats()[k] - before[k] for k in
                                          ("partitions_sent", "local_reduce_ops", "ops_done")})
 if MODE in ("off", "netns"):
