@@ -43,6 +43,10 @@ def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
     assert [pushed[r]["pushed"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], pushed
     init = passed_details(found, log, "init")
     assert [init[r]["local_rank"] for r in range(4)] == [0, 1, 0, 1]
+    maps = passed_details(found, log, "memory_follows_bytes_in_flight")
+    # Members map their own memfds, roots their members'; 40 new names add none.
+    assert all(maps[r]["before"] > 0 and maps[r]["after"] == maps[r]["before"]
+               for r in range(4)), maps
     sent = passed_details(found, log, "stats_after_numpy")
     # Servers get one push per host: only each host's root (0 and 2) sends.
     assert [sent[r]["partitions_sent"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], sent

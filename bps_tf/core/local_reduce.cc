@@ -34,7 +34,15 @@ struct LocalReduce::Impl {
     bps_done_fn done = nullptr;
     void* ctx = nullptr;
     uint64_t round = 0;
+    size_t slot = 0;  // member: the memfd it travels in
     Clock::time_point start = Clock::now();
+  };
+  // A member's memfds, reused by whichever operation fits, so memory follows
+  // the bytes in flight, not the number of names (unnamed eager calls make
+  // a new name each time).
+  struct Slot {
+    std::shared_ptr<SharedRegion> region;
+    bool busy = false;
   };
   struct Contribution {
     std::string sig;
@@ -72,10 +80,10 @@ struct LocalReduce::Impl {
 
   // Loop thread only.
   std::map<std::string, uint64_t> rounds;                      // name -> next round
-  std::map<std::string, std::shared_ptr<SharedRegion>> own_regions;  // member: sig key -> memfd
+  std::vector<Slot> slots;                                     // member
   std::map<std::string, std::unique_ptr<Op>> waiting;          // member: name -> op
   std::map<std::string, Gather> gathers;                       // root: name -> this round
-  std::map<std::pair<int, std::string>, std::shared_ptr<SharedRegion>> member_regions;
+  std::map<std::pair<int, uint64_t>, std::shared_ptr<SharedRegion>> member_regions;  // root
   std::map<Gather*, std::unique_ptr<Gather>> running;          // root: in the engine
 
   bool is_root() const { return rank == root; }
@@ -164,18 +172,28 @@ struct LocalReduce::Impl {
         Finish(op.get(), BPS_ERR_UNAVAILABLE, "local reduce: " + Who(root) + " is gone");
         return;
       }
-      std::string key = op->name + "|" + op->sig;
-      auto& region = own_regions[key];
-      int fd = -1;
-      try {
-        if (!region || region->bytes != op->bytes) region = CreateShared(op->bytes, &fd);
-      } catch (const std::exception& e) {
-        Finish(op.get(), BPS_ERR_INTERNAL, "push_pull '" + op->name + "': " + e.what());
-        return;
+      size_t slot = slots.size();
+      for (size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].busy || slots[i].region->bytes < op->bytes) continue;
+        if (slot == slots.size() || slots[i].region->bytes < slots[slot].region->bytes) slot = i;
       }
-      if (op->bytes) std::memcpy(region->data, op->in, op->bytes);
+      int fd = -1;
+      if (slot == slots.size()) {
+        try {
+          slots.push_back(Slot{CreateShared(op->bytes, &fd), false});
+        } catch (const std::exception& e) {
+          Finish(op.get(), BPS_ERR_INTERNAL, "push_pull '" + op->name + "': " + e.what());
+          return;
+        }
+      }
+      Slot& s = slots[slot];
+      s.busy = true;
+      op->slot = slot;
+      if (op->bytes) std::memcpy(s.region->data, op->in, op->bytes);
       LocalPacket p = Packet(LocalKind::kContrib, rank, op.get(), op->round);
-      p.fd = fd;  // the first time, or after the size changed
+      p.slot = slot;
+      p.slot_bytes = s.region->bytes;
+      p.fd = fd;  // a new memfd: the root maps it once
       c->link->Send(std::move(p));
       waiting[op->name] = std::move(op);
       return;
@@ -274,16 +292,16 @@ struct LocalReduce::Impl {
       }
       case LocalKind::kContrib: {
         if (!is_root() || c.rank < 0) return false;
-        auto& region = member_regions[{c.rank, p.name + "|" + p.sig}];
+        auto& region = member_regions[{c.rank, p.slot}];
         if (p.fd >= 0) {
           try {
-            region = MapShared(p.fd, p.bytes);
+            region = MapShared(p.fd, p.slot_bytes);
           } catch (const std::exception& e) {
             Fail(e.what());
             return true;
           }
         }
-        if (!region || region->bytes != p.bytes) return false;
+        if (!region || region->bytes < p.bytes) return false;
         gathers[p.name].from[c.rank] = Contribution{p.sig, p.round, region};
         TryRun(p.name);
         return true;
@@ -293,8 +311,9 @@ struct LocalReduce::Impl {
         if (is_root() || it == waiting.end() || it->second->round != p.round) return true;
         Op* op = it->second.get();
         if (p.status == BPS_OK && op->bytes) {
-          std::memcpy(op->out, own_regions[op->name + "|" + op->sig]->data, op->bytes);
+          std::memcpy(op->out, slots[op->slot].region->data, op->bytes);
         }
+        slots[op->slot].busy = false;
         Finish(op, p.status, p.text);
         waiting.erase(it);
         return true;
@@ -313,6 +332,7 @@ struct LocalReduce::Impl {
       Finish(it->second.get(), BPS_ERR_TIMEOUT,
              "push_pull '" + it->first + "' timed out after BYTEPS_OP_TIMEOUT=" +
                  std::to_string(op_timeout_s) + " s waiting for " + Who(root));
+      // Its slot stays busy: a late result may still be written into it.
       it = waiting.erase(it);
     }
     for (auto it = gathers.begin(); it != gathers.end();) {

@@ -6,8 +6,8 @@
 // Unix socket named after the job and the host (abstract names vanish with
 // their sockets and live in the network namespace, so nothing is left behind
 // on a crash and namespaced "hosts" stay apart). Each other worker connects
-// once and, per tensor, creates an anonymous memfd of the tensor's size,
-// handing its descriptor to the root over the socket the first time; the
+// once and keeps a pool of anonymous memfds (an operation takes a free one
+// that fits), handing each new descriptor to the root over the socket; the
 // memory has no name, so it is freed when the last process holding it exits.
 // Per operation: a member copies its input into its memfd and sends CONTRIB;
 // the root sums every memfd into its own output, enqueues that to the engine

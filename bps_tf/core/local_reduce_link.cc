@@ -25,6 +25,7 @@ struct Head {
   int32_t dtype;
   uint64_t round;
   uint64_t bytes;
+  uint64_t slot, slot_bytes;
   uint32_t name_len, sig_len, text_len;
   uint32_t has_fd;
 };
@@ -90,6 +91,8 @@ void LocalLink::Send(LocalPacket p) {
   h.dtype = p.dtype;
   h.round = p.round;
   h.bytes = p.bytes;
+  h.slot = p.slot;
+  h.slot_bytes = p.slot_bytes;
   if (p.text.size() > kMaxText) p.text.resize(kMaxText);
   h.name_len = static_cast<uint32_t>(p.name.size());
   h.sig_len = static_cast<uint32_t>(p.sig.size());
@@ -169,6 +172,8 @@ int LocalLink::Receive(LocalPacket* p) {
   p->dtype = h.dtype;
   p->round = h.round;
   p->bytes = h.bytes;
+  p->slot = h.slot;
+  p->slot_bytes = h.slot_bytes;
   p->name = buf.substr(sizeof(h), h.name_len);
   p->sig = buf.substr(sizeof(h) + h.name_len, h.sig_len);
   p->text = buf.substr(sizeof(h) + h.name_len + h.sig_len, h.text_len);

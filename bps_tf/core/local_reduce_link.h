@@ -13,7 +13,7 @@ namespace bps {
 
 enum class LocalKind : uint32_t {
   kHello = 1,    // member -> root: my rank
-  kContrib = 2,  // member -> root: my input for (name, round) is in my memfd
+  kContrib = 2,  // member -> root: my input for (name, round) is in my memfd `slot`
   kResult = 3,   // root -> member: the global sum is in your memfd (or an error)
 };
 
@@ -24,6 +24,8 @@ struct LocalPacket {
   int32_t dtype = 0;
   uint64_t round = 0;
   uint64_t bytes = 0;
+  uint64_t slot = 0;        // kContrib: which of the member's memfds holds it
+  uint64_t slot_bytes = 0;  // kContrib with fd: that memfd's size
   std::string name, sig, text;
   int fd = -1;  // a memfd travelling with the packet; the receiver owns it
 };

@@ -91,6 +91,21 @@ def priorities_kept():
     return {"pushed": len(log)}
 
 
+def shared_maps():
+    with open("/proc/self/maps") as f:
+        return sum("bps_tf_local_reduce" in line for line in f)
+
+
+def memory_follows_bytes_in_flight():
+    """New names (unnamed eager calls) reuse the memfds of finished ones."""
+    before = shared_maps()
+    for i in range(40):
+        h, out = start(f"np/seq/{i}", values(1000, np.float32, rank))
+        h.wait(60)
+        assert out.tobytes() == expected(1000, np.float32).tobytes(), i
+    return {"before": before, "after": shared_maps()}
+
+
 def compressed_bypass():
     """A compressed push_pull skips the host sum: every worker pushes it."""
     before = stats()["partitions_sent"]
@@ -142,6 +157,8 @@ if MODE == "on":
     checks.run("priorities_kept", priorities_kept)
 checks.run("stats_after_numpy", lambda: {k: stats()[k] - before[k] for k in
                                          ("partitions_sent", "local_reduce_ops", "ops_done")})
+if MODE == "on":
+    checks.run("memory_follows_bytes_in_flight", memory_follows_bytes_in_flight)
 if MODE in ("off", "netns"):
     basics.shutdown()
     sys.exit(0)
