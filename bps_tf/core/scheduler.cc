@@ -220,6 +220,7 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     }
     std::string ranks;
     for (const Node* w : host.second) ranks += (ranks.empty() ? "" : ",") + std::to_string(w->id);
+    host_roots_.insert(host.second.front()->id);
     for (const Node* w : host.second) {
       host_of_rank[w->id] = ranks;
       host_index_of_rank[w->id] = host_index;
@@ -387,7 +388,10 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
     if (!shutdown && stall_reported_.count(p.first)) continue;
     oldest = std::max(oldest, age);
     std::string have, missing;
+    // A host sum is declared by each host's root only.
+    bool by_host = !p.second.empty() && p.second.begin()->second.expected < num_workers_;
     for (int r = 0; r < num_workers_; ++r) {
+      if (by_host && !host_roots_.count(r)) continue;
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);
     }

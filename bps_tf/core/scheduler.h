@@ -92,6 +92,7 @@ class Scheduler {
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;
+  std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
   std::vector<uint64_t> server_load_;
   bool finished_ = false;
   std::string fatal_;
