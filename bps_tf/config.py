@@ -27,6 +27,11 @@ def _int(text: str) -> int:
     return int(text, 0)
 
 
+def _auto_bool(text: str) -> int:
+    """0/1, or -1 for "auto" (the core decides)."""
+    return -1 if text.strip().lower() == "auto" else _bool(text)
+
+
 def _bool(text: str) -> int:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -75,6 +80,12 @@ SETTINGS = (
     Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
             "Tensors smaller than this many bytes travel uncompressed whatever "
             "compressor is chosen (they gain nothing). Must agree on every node."),
+    Setting("BYTEPS_LOCAL_REDUCE", "local_reduce", "auto", _auto_bool,
+            "Workers of one host sum through shared memory first and one of "
+            "them pushes the host's sum (docs/engine.md#local-reduce). auto: "
+            "when the job spans several hosts and one has several workers; 1: "
+            "also when every worker is on one host; 0: every worker pushes its "
+            "own. Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

@@ -42,7 +42,7 @@ const char* MsgTypeName(uint16_t type) {
   static const char* kNames[] = {"?",        "HELLO",     "WELCOME",   "BARRIER",  "BARRIER_DONE",
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
                                  "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
-                                 "PUSH_COMPRESSED", "PUSH_FUSED", "PULL_REPLY_FUSED"};
+                                 "PUSH_COMPRESSED", "?", "?", "PUSH_FUSED", "PULL_REPLY_FUSED"};
   return type <= kMaxMsgType ? kNames[type] : "?";
 }
 

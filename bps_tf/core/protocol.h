@@ -37,10 +37,11 @@ enum class MsgType : uint16_t {
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum
-  kPushFused = 17,       // worker -> server: several small partitions (fusion.h)
-  kPullReplyFused = 18,  // server -> worker: several summed partitions (fusion.h)
+  // 17 and 18 are kJoin / kJoinNotice.
+  kPushFused = 19,       // worker -> server: several small partitions (fusion.h)
+  kPullReplyFused = 20,  // server -> worker: several summed partitions (fusion.h)
 };
-constexpr uint16_t kMaxMsgType = 18;
+constexpr uint16_t kMaxMsgType = 20;
 
 // kPush: how the workers' values of a key combine on the server.
 enum class ReduceOp : uint8_t { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
@@ -60,7 +61,7 @@ struct FrameHeader {
   uint64_t request_id;   // echoed in replies to a kDeclare
   uint64_t payload_bytes;
   uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
-  uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp in protocol.h)
+  uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp)
   uint8_t reserved[11];   // zero
 };
 #pragma pack(pop)
@@ -93,6 +94,8 @@ constexpr SharedSetting kSharedSettings[] = {
     {"encryption", "BYTEPS_ENCRYPTION"},
     {"overlap", "BYTEPS_OVERLAP"},
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
+    // Decides whether a host's workers push one sum or each their own.
+    {"local_reduce", "BYTEPS_LOCAL_REDUCE"},
 };
 
 // Partition keys: the tensor key's low 16 bits hold the part index.

@@ -1,6 +1,7 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <random>
 
 namespace bps {
 
@@ -117,6 +118,7 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.role = static_cast<Role>(h.sender_role);
   n.id = h.sender;
   n.hostname = kv.Get("hostname");
+  n.host_key = kv.Get("host_key", n.hostname);
   n.pid = kv.Get("pid");
   n.data_addr = kv.Get("data_addr");
   n.local_rank = KvInt(kv, "local_rank", -1);
@@ -200,8 +202,14 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
   // Local rank: workers on one host, in rank order, unless a launcher said.
   std::map<std::string, std::vector<Node*>> by_host;
   for (auto& n : nodes_) {
-    if (n.second.role == Role::kWorker) by_host[n.second.hostname].push_back(&n.second);
+    if (n.second.role == Role::kWorker) by_host[n.second.host_key].push_back(&n.second);
   }
+  // Names the job's local-reduce rendezvous, so two jobs on one host never meet.
+  std::random_device rd;
+  std::string job_nonce = std::to_string((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  std::map<int, std::string> host_of_rank;
+  std::map<int, int> host_index_of_rank;
+  int host_index = 0;
   for (auto& host : by_host) {
     std::sort(host.second.begin(), host.second.end(),
               [](const Node* a, const Node* b) { return a->id < b->id; });
@@ -210,6 +218,14 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       if (w->local_rank < 0) w->local_rank = static_cast<int>(i);
       if (w->local_size < 0) w->local_size = static_cast<int>(host.second.size());
     }
+    std::string ranks;
+    for (const Node* w : host.second) ranks += (ranks.empty() ? "" : ",") + std::to_string(w->id);
+    host_roots_.insert(host.second.front()->id);
+    for (const Node* w : host.second) {
+      host_of_rank[w->id] = ranks;
+      host_index_of_rank[w->id] = host_index;
+    }
+    ++host_index;
   }
 
   for (auto& kv : nodes_) {
@@ -219,6 +235,12 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     w.Set("num_servers", std::to_string(num_servers_));
     w.Set("local_rank", std::to_string(std::max(kv.second.local_rank, 0)));
     w.Set("local_size", std::to_string(std::max(kv.second.local_size, 1)));
+    if (kv.second.role == Role::kWorker) {
+      w.Set("num_hosts", std::to_string(by_host.size()));
+      w.Set("host_index", std::to_string(host_index_of_rank[kv.second.id]));
+      w.Set("host_ranks", host_of_rank[kv.second.id]);
+      w.Set("job_nonce", job_nonce);
+    }
     for (size_t i = 0; i < addrs.size(); ++i) w.Set("server." + std::to_string(i), addrs[i]);
     out->push_back(Reply(kv.first, MsgType::kWelcome, w.Serialize()));
   }
@@ -303,10 +325,13 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     out->push_back(Reply(from, MsgType::kDeclared, encode(a), h.request_id));
     return;
   }
+  // A key reduced on each host first is declared by one worker per host.
+  int contributors = KvInt(kv, "contributors", 0);
+  int expected = contributors > 0 ? std::min(contributors, num_workers_) : num_workers_;
   auto& waiting = pending_[name];
   if (waiting.empty()) pending_since_[name] = Clock::now();
-  waiting[rank] = Pending{sig, from, h.request_id};
-  if (waiting.size() < static_cast<size_t>(num_workers_)) return;
+  waiting[rank] = Pending{expected, sig, from, h.request_id};
+  if (waiting.size() < static_cast<size_t>(waiting.begin()->second.expected)) return;
 
   std::string first_sig = waiting.begin()->second.sig;
   int first_rank = waiting.begin()->first;
@@ -363,7 +388,10 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
     if (!shutdown && stall_reported_.count(p.first)) continue;
     oldest = std::max(oldest, age);
     std::string have, missing;
+    // A host sum is declared by each host's root only.
+    bool by_host = !p.second.empty() && p.second.begin()->second.expected < num_workers_;
     for (int r = 0; r < num_workers_; ++r) {
+      if (by_host && !host_roots_.count(r)) continue;
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);
     }

@@ -232,9 +232,12 @@ void ServerNode::HandlePush(Message& m) {
   }
   Stats::Get().bytes_received += h.payload_bytes;
   if (h.type == static_cast<uint16_t>(MsgType::kPushFused)) return SubmitFused(m);
-  engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                          (h.request_id & kPushAsync) != 0, std::move(m.payload),
-                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed)});
+  PushJob job{h.sender, h.key, h.round, static_cast<int>(h.dtype),
+              (h.request_id & kPushAsync) != 0, std::move(m.payload),
+              h.type == static_cast<uint16_t>(MsgType::kPushCompressed)};
+  job.contributors = h.contributors;
+  Stats::Get().pushes_received++;
+  engine_->Submit(std::move(job));
 }
 
 void ServerNode::SubmitFused(Message& m) {
@@ -250,11 +253,13 @@ void ServerNode::SubmitFused(Message& m) {
   }
   Stats::Get().fused_messages_received++;
   // In the sub-headers' order, which is the worker's priority order.
+  // Each part counts toward its round exactly as a single push would.
   for (const FusedView& v : parts) {
-    engine_->Submit(PushJob{m.header.sender, v.part.key, v.part.round,
-                            static_cast<int>(v.part.dtype),
-                            (v.part.request_id & kPushAsync) != 0,
-                            Msg(v.data, v.part.payload_bytes), false});
+    PushJob job{m.header.sender, v.part.key, v.part.round, static_cast<int>(v.part.dtype),
+                (v.part.request_id & kPushAsync) != 0, Msg(v.data, v.part.payload_bytes), false};
+    job.contributors = v.part.contributors;
+    Stats::Get().pushes_received++;
+    engine_->Submit(std::move(job));
   }
 }
 

@@ -83,7 +83,19 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.bytes = job.payload.size();
     st.async = job.async;
     st.compressed = job.compressed;
+    st.contributors = job.contributors;
     st.pushed.assign(static_cast<size_t>(num_workers_), false);
+  }
+  if (job.contributors != st.contributors || job.contributors > static_cast<uint32_t>(num_workers_)) {
+    // Completing a round at the wrong count would hand out a partial sum.
+    replies->push_back(ErrorReply(
+        job.worker, job.key,
+        "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
+            " pushed key " + std::to_string(job.key) + " with contributors=" +
+            std::to_string(job.contributors) + " but it has contributors=" +
+            std::to_string(st.contributors) + " (of " + std::to_string(num_workers_) +
+            " workers; 0 means all; BYTEPS_LOCAL_REDUCE must agree on every node)"));
+    return;
   }
   if (job.async != st.async) {
     // Only a key collision between an asynchronous and a synchronous name
@@ -185,10 +197,12 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.sum_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
-  if (++st.count < num_workers_) return;
+  int needed = st.contributors > 0 ? static_cast<int>(st.contributors) : num_workers_;
+  if (++st.count < needed) return;
 
   if (st.compressed) st.sum = CompressSum(st, job.key);
   for (int w = 0; w < num_workers_; ++w) {
+    if (!st.pushed[static_cast<size_t>(w)]) continue;
     ServerReply r{w, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_), st.sum.Share()};
     r.header.key = job.key;
     r.header.round = st.round;

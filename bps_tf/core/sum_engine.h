@@ -4,6 +4,9 @@
 // every worker has pushed it; then each worker gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
 // fast worker's next push never disturbs a slow worker's pending reply.
+// A key reduced on each host first is pushed by one worker per host: its
+// header's `contributors` says how many pushes complete a round, and only
+// those workers get a reply.
 // An asynchronous key (protocol.h) has no rounds: each push is added to the
 // stored value and answered at once with a copy of it.
 #ifndef BPS_TF_CORE_SUM_ENGINE_H_
@@ -31,6 +34,7 @@ struct PushJob {
   bool async;  // an asynchronous key (protocol.h kPushAsync)
   Msg payload;
   bool compressed = false;  // payload is a compressed float32 partition
+  uint32_t contributors = 0;  // workers pushing each round (0: all; protocol.h)
 };
 
 struct ServerReply {
@@ -53,6 +57,7 @@ class SumEngine {
     size_t bytes = 0;
     uint64_t round = 0;
     int count = 0;
+    uint32_t contributors = 0;  // as the first push said; every push must agree
     std::vector<bool> pushed;
     bool has_sum = false;
     Msg sum;

@@ -32,6 +32,8 @@ void WorkerEngine::Init(const Config& cfg) {
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
   local_size_ = 1;
+  host_group_ = HostGroup();
+  host_group_.ranks = {rank_};
   SetLogIdentity("worker " + std::to_string(rank_));
   // A new cluster after shutdown(): nothing learned from the old one holds.
   tensors_.clear();
@@ -89,6 +91,13 @@ void WorkerEngine::Init(const Config& cfg) {
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
   extra.Set("local_size", cfg.Get("local_size", "-1"));
+  // Which workers can sum through shared memory (local_reduce.h): one
+  // machine, one advertised address and one network namespace (the local
+  // reduce socket lives in it; namespaced "hosts" of one machine stay apart).
+  char netns[64] = {0};
+  ssize_t netns_len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  extra.Set("host_key", cfg.Get("hostname") + " " + cfg.Get("advertise_host") + " " +
+                            (netns_len > 0 ? std::string(netns, static_cast<size_t>(netns_len)) : ""));
   membership_->Join(scheduler_endpoint_, cfg, extra);
   state_ = State::kJoining;
   stop_requested_ = false;
@@ -144,7 +153,7 @@ void WorkerEngine::CloseChannel() {
 void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                            const void* in, void* out, int64_t priority, bps_done_fn done,
                            void* ctx, const std::string& compression,
-                           const std::string& agreement) {
+                           const std::string& agreement, uint32_t contributors) {
   size_t elem = DTypeSize(dtype);
   if (elem == 0) {
     done(ctx, BPS_ERR_INVALID,
@@ -187,9 +196,12 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   task->priority = priority;
   task->done = done;
   task->ctx = ctx;
+  task->contributors = contributors;
   // What workers must agree on for this name; the scheduler compares it.
   std::string sig = ShapeString(dtype, shape);
   if (!agreement.empty()) sig += " " + agreement;
+  // A host sum and a worker's own value never meet in one round.
+  if (contributors > 0) sig += " hosts=" + std::to_string(contributors);
   if (Compresses(spec, dtype, bytes)) {
     // In the signature, so the scheduler refuses workers that disagree.
     sig += " " + spec.Text();
@@ -233,6 +245,7 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
           kv.Set("sig", sig);
           kv.Set("bytes", std::to_string(bytes));
           kv.Set("dtype", std::to_string(dtype));
+          if (contributors > 0) kv.Set("contributors", std::to_string(contributors));
           uint64_t id = next_request_++;
           request_sig_[id] = sigkey;
           control_outbox_.emplace_back(id, kv.Serialize());

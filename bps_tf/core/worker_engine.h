@@ -47,13 +47,23 @@ class WorkerEngine {
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
+  // The workers sharing this process's host, as the scheduler grouped them
+  // (set once joined; local_reduce.h uses them).
+  struct HostGroup {
+    int num_hosts = 1;
+    int host_index = 0;
+    std::vector<int> ranks;  // ascending, this rank among them
+    std::string job_nonce;
+  };
+  HostGroup host_group() const { return host_group_; }
 
   // Holds partitions in the queue (for tests and diagnostics of the order).
   void PauseSends(bool paused);
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
-               const std::string& compression = "", const std::string& agreement = "");
+               const std::string& compression = "", const std::string& agreement = "",
+               uint32_t contributors = 0);
 
   struct TensorInfo;
   struct Task;
@@ -102,6 +112,7 @@ class WorkerEngine {
   std::atomic<bool> initialized_{false};
   bool local_mode_ = false;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  HostGroup host_group_;
   int num_servers_ = 0;
   uint64_t partition_bytes_ = 4096000;
   uint64_t min_compress_bytes_ = 4096;

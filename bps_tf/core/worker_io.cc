@@ -134,6 +134,17 @@ void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
   local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
   local_size_ = static_cast<int>(w.GetInt("local_size", 1));
+  host_group_.num_hosts = static_cast<int>(w.GetInt("num_hosts", size_));
+  host_group_.host_index = static_cast<int>(w.GetInt("host_index", rank_));
+  host_group_.job_nonce = w.Get("job_nonce");
+  host_group_.ranks.clear();
+  std::string ranks = w.Get("host_ranks", std::to_string(rank_));
+  for (size_t pos = 0; pos < ranks.size();) {
+    size_t comma = ranks.find(',', pos);
+    if (comma == std::string::npos) comma = ranks.size();
+    host_group_.ranks.push_back(std::atoi(ranks.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
   for (int s = 0; s < num_servers_; ++s) {
     servers_.push_back(channel_->Connect(w.Get("server." + std::to_string(s)), id));

@@ -220,6 +220,7 @@ bool WorkerEngine::SendPart(const PartRef& p) {
   h.key = key;
   h.round = t->round;
   h.dtype = static_cast<uint16_t>(t->dtype);
+  h.contributors = t->contributors;
   if (IsAsyncName(t->name)) h.request_id = kPushAsync;
   in_flight_[key] = p;
   if (Stats::Get().send_log_on) Stats::Get().RecordSend(t->name, p.part, t->priority);
@@ -260,6 +261,7 @@ bool WorkerEngine::SendFused(int server, const std::vector<PartRef>& parts) {
     fp.round = t->round;
     fp.dtype = static_cast<uint16_t>(t->dtype);
     fp.payload_bytes = t->PartLength(p.part);
+    fp.contributors = t->contributors;  // a host root's sum stands for its host
     raw += fp.payload_bytes;
     builder.Add(fp, t->in + t->PartOffset(p.part));
     in_flight_[fp.key] = p;

@@ -40,6 +40,7 @@ struct WorkerEngine::Task {
   std::shared_ptr<TensorInfo> info;
   std::shared_ptr<const CompressorSpec> compressor;  // null: travels as it is
   uint64_t round = 0;
+  uint32_t contributors = 0;  // workers pushing each round (0: all); protocol.h
   uint32_t first_part = 0;  // where this worker starts among the partitions
   // Two counts per partition: its reply (or abandonment) and libzmq
   // releasing the zero-copy input buffer. done() runs when both are in.
