@@ -51,6 +51,11 @@ def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
     # Servers get one push per host: only each host's root (0 and 2) sends.
     assert [sent[r]["partitions_sent"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], sent
     assert all(sent[r]["local_reduce_ops"] == NUMPY_OPS for r in range(4)), sent
+    fused = passed_details(found, log, "fused_host_sums")
+    # Only roots push, and their small host sums went out in fused messages.
+    assert [fused[r]["partitions_sent"] for r in range(4)] == [64, 0, 64, 0], fused
+    assert fused[0]["fused_messages_sent"] >= 1 and fused[2]["fused_messages_sent"] >= 1, fused
+    assert fused[1]["fused_messages_sent"] == 0 and fused[3]["fused_messages_sent"] == 0, fused
     passed_details(found, log, "tf_sums")
     bypass = passed_details(found, log, "compressed_bypass")
     assert all(bypass[r]["partitions_sent"] == 1 for r in range(4)), bypass

@@ -106,6 +106,26 @@ def memory_follows_bytes_in_flight():
     return {"before": before, "after": shared_maps()}
 
 
+def fused_host_sums():
+    """Many small host sums leave the root fused (kPushFused); each fused
+    part carries contributors = hosts, so the servers complete its round
+    with one push per host and the sums stay exact."""
+    before = stats()
+    root = basics.local_rank() == 0
+    if root:
+        core.debug_pause_sends(True)  # queue host sums so that they travel together
+    pending = []
+    for i in range(64):
+        pending.append(start(f"np/fused/{i}", values(100 + i, np.float32, rank), priority=i % 4))
+    if root:
+        time.sleep(1.0)
+        core.debug_pause_sends(False)
+    for i, (h, out) in enumerate(pending):
+        h.wait(60)
+        assert out.tobytes() == expected(100 + i, np.float32).tobytes(), f"np/fused/{i}: {out[:4]}"
+    return {k: stats()[k] - before[k] for k in ("partitions_sent", "fused_messages_sent")}
+
+
 def compressed_bypass():
     """A compressed push_pull skips the host sum: every worker pushes it."""
     before = stats()["partitions_sent"]
@@ -159,6 +179,7 @@ checks.run("stats_after_numpy", lambda: {k: stats()[k] - before[k] for k in
                                          ("partitions_sent", "local_reduce_ops", "ops_done")})
 if MODE == "on":
     checks.run("memory_follows_bytes_in_flight", memory_follows_bytes_in_flight)
+    checks.run("fused_host_sums", fused_host_sums)
 if MODE in ("off", "netns"):
     basics.shutdown()
     sys.exit(0)
