@@ -2,7 +2,7 @@
 engine, which dominates models with many small gradients (biases, norms).
 
     python benchmarks/small_tensors.py [--quick] [--in-flight 1,16,256] [--no-tf-op]
-        [--encryption on|off|both] [--rounds R]
+        [--encryption on|off|both] [--rounds R] [--compare-fusion] [--env NAME=VALUE]
 
 2 workers x 1 server on loopback. Each repetition enqueues K push_pulls of
 distinct 4 KiB tensors at once and waits for all of them; push_pulls/s =
@@ -67,15 +67,22 @@ def main(argv=None) -> int:
                          "without encryption")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every path this many times, interleaved; report the median")
+    ap.add_argument("--compare-fusion", action="store_true",
+                    help="add the TF op with tensor fusion off (BYTEPS_FUSION_THRESHOLD=0)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting for every job (repeatable), e.g. BYTEPS_FUSION_CYCLE_TIME_MS=1")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
 
     in_flight = [int(k) for k in args.in_flight.split(",")]
     cases = make_cases(in_flight, common.parse_size(args.bytes), args.quick)
-    enc = {"BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
+    extra = dict(item.split("=", 1) for item in args.env)
+    enc = {**extra, "BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
     paths = {"numpy": ("bps_numpy.py", enc)}
     if not args.no_tf_op:
         paths["TF op"] = ("bps_tf_op.py", enc)
+    if args.compare_fusion:
+        paths["TF op unfused"] = ("bps_tf_op.py", {**enc, "BYTEPS_FUSION_THRESHOLD": "0"})
     if args.encryption == "both":
         paths[UNENCRYPTED] = ("bps_numpy.py", {"BYTEPS_ENCRYPTION": "0"})
     measured = {name: [] for name in paths}
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
                   [r[n]["latency_ms"] for n in paths] +
                   ([r["encrypted_over_unencrypted_time"]] if both else []) for r in rows])
     common.write_json("small_tensors", {
-        "encryption": args.encryption, "rounds": args.rounds,
+        "encryption": args.encryption, "rounds": args.rounds, "env": extra,
         "workers": args.workers, "servers": args.servers, "tensor_bytes":
         common.parse_size(args.bytes), "rows": rows,
         "targets": {"push_pulls_per_s": ">= 5000"}}, args.out_dir)

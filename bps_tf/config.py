@@ -27,6 +27,11 @@ def _int(text: str) -> int:
     return int(text, 0)
 
 
+def _auto_bool(text: str) -> int:
+    """0/1, or -1 for "auto" (the core decides)."""
+    return -1 if text.strip().lower() == "auto" else _bool(text)
+
+
 def _bool(text: str) -> int:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -44,6 +49,18 @@ SETTINGS = (
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),
+    Setting("BYTEPS_FUSION_THRESHOLD", "fusion_threshold", "262144", _int,
+            "Tensor fusion: partitions bound for one server that are ready at "
+            "the same time travel in one message of at most this many bytes "
+            "(and the servers' replies likewise); only partitions that fit "
+            "twice in it are fused. Capped at max(BYTEPS_PARTITION_BYTES, "
+            "1 MiB). 0: every partition in its own message. "
+            "HOROVOD_FUSION_THRESHOLD is read when this is not set."),
+    Setting("BYTEPS_FUSION_CYCLE_TIME_MS", "fusion_cycle_ms", "0", float,
+            "Tensor fusion: milliseconds a small partition may wait in the queue "
+            "for others to share its message (the wait ends early once a full "
+            "message is ready). 0: send what is ready at once. "
+            "HOROVOD_CYCLE_TIME is read when this is not set."),
     Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
             "Threads a server uses to sum the partitions it owns."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
@@ -63,6 +80,12 @@ SETTINGS = (
     Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
             "Tensors smaller than this many bytes travel uncompressed whatever "
             "compressor is chosen (they gain nothing). Must agree on every node."),
+    Setting("BYTEPS_LOCAL_REDUCE", "local_reduce", "auto", _auto_bool,
+            "Workers of one host sum through shared memory first and one of "
+            "them pushes the host's sum (docs/engine.md#local-reduce). auto: "
+            "when the job spans several hosts and one has several workers; 1: "
+            "also when every worker is on one host; 0: every worker pushes its "
+            "own. Must agree on every node."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "
@@ -131,16 +154,28 @@ SETTINGS = (
 
 BY_ENV: Dict[str, Setting] = {s.env: s for s in SETTINGS}
 
+# Horovod's names for the same knobs, read when the BytePS name is not set.
+ALIASES: Dict[str, str] = {
+    "BYTEPS_FUSION_THRESHOLD": "HOROVOD_FUSION_THRESHOLD",
+    "BYTEPS_FUSION_CYCLE_TIME_MS": "HOROVOD_CYCLE_TIME",
+}
+
 
 def value(env: str, environ: Optional[Mapping[str, str]] = None):
     """The parsed value of one setting, raising a clear error on bad input."""
     environ = os.environ if environ is None else environ
     setting = BY_ENV[env]
-    text = environ.get(env, setting.default)
+    name = env
+    if env not in environ and env in ALIASES and ALIASES[env] in environ:
+        name = ALIASES[env]
+    text = environ.get(name, setting.default)
     try:
-        return setting.parse(text)
+        parsed = setting.parse(text)
     except ValueError as exc:
-        raise ValueError(f"{env}={text!r} is not valid: {exc}") from None
+        raise ValueError(f"{name}={text!r} is not valid: {exc}") from None
+    if env in ALIASES and parsed < 0:
+        raise ValueError(f"{name}={text!r} is not valid: it must not be negative")
+    return parsed
 
 
 def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:

@@ -5,6 +5,7 @@
 
 #include "bps_api.h"
 #include "common.h"
+#include "local_reduce.h"
 #include "server_node.h"
 #include "stats.h"
 #include "worker_engine.h"
@@ -23,7 +24,14 @@ extern "C" {
 
 int bps_worker_init(const char* config, char* err, size_t err_len) {
   try {
-    bps::WorkerEngine::Get().Init(bps::Config::Parse(config ? config : ""));
+    bps::Config cfg = bps::Config::Parse(config ? config : "");
+    bps::WorkerEngine::Get().Init(cfg);
+    try {
+      bps::LocalReduce::Get().Start(cfg);
+    } catch (...) {
+      bps::WorkerEngine::Get().Shutdown();
+      throw;
+    }
     return 0;
   } catch (const std::exception& e) {
     CopyError(e.what(), err, err_len);
@@ -31,7 +39,10 @@ int bps_worker_init(const char* config, char* err, size_t err_len) {
   }
 }
 
-void bps_worker_shutdown(void) { bps::WorkerEngine::Get().Shutdown(); }
+void bps_worker_shutdown(void) {
+  bps::LocalReduce::Get().Stop();
+  bps::WorkerEngine::Get().Shutdown();
+}
 int bps_is_initialized(void) { return bps::WorkerEngine::Get().initialized() ? 1 : 0; }
 int bps_rank(void) { return bps::WorkerEngine::Get().rank(); }
 int bps_size(void) { return bps::WorkerEngine::Get().size(); }
@@ -43,7 +54,8 @@ void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, in
                            void* ctx) {
   std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
   try {
-    bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx);
+    bps::LocalReduce::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
+                                    "", "");
   } catch (const std::exception& e) {
     done(ctx, BPS_ERR_INTERNAL, e.what());
   }
@@ -67,8 +79,8 @@ void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape,
                               bps_done_fn done, void* ctx) {
   std::vector<int64_t> dims(shape, shape + (ndim > 0 ? ndim : 0));
   try {
-    bps::WorkerEngine::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
-                                     compression ? compression : "", agreement ? agreement : "");
+    bps::LocalReduce::Get().Enqueue(name ? name : "", dtype, dims, in, out, priority, done, ctx,
+                                    compression ? compression : "", agreement ? agreement : "");
   } catch (const std::exception& e) {
     done(ctx, BPS_ERR_INTERNAL, e.what());
   }
@@ -86,6 +98,12 @@ void bps_trace_wait(const char* name, int64_t begin_ns, int64_t end_ns) {
 
 int bps_join(char* err, size_t err_len) {
   try {
+    // Every rank refuses alike (the setting agrees on every node), so none
+    // waits for a join the others never make.
+    if (bps::LocalReduce::Get().active()) {
+      throw bps::Error(
+          "join is not available with local reduce; set BYTEPS_LOCAL_REDUCE=0");
+    }
     return bps::WorkerEngine::Get().Join();
   } catch (const std::exception& e) {
     if (err && err_len) {

@@ -48,7 +48,8 @@ const char* MsgTypeName(uint16_t type) {
   static const char* kNames[] = {"?",        "HELLO",     "WELCOME",   "BARRIER",  "BARRIER_DONE",
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
                                  "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
-                                 "PUSH_COMPRESSED", "JOIN", "JOIN_NOTICE"};
+                                 "PUSH_COMPRESSED", "JOIN", "JOIN_NOTICE", "PUSH_FUSED",
+                                 "PULL_REPLY_FUSED"};
   return type <= kMaxMsgType ? kNames[type] : "?";
 }
 

@@ -17,7 +17,7 @@ namespace bps {
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
 // 3: a push says how many workers contribute to its key (and which ones) and how
-//    to reduce it.
+//    to reduce it; fused pushes and replies.
 constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
@@ -42,8 +42,10 @@ enum class MsgType : uint16_t {
                          // server -> worker: every worker has joined at this server
   kJoinNotice = 18,      // worker -> scheduler: it has joined;
                          // scheduler -> worker: every worker has joined ("last=<rank>")
+  kPushFused = 19,       // worker -> server: several small partitions (fusion.h)
+  kPullReplyFused = 20,  // server -> worker: several summed partitions (fusion.h)
 };
-constexpr uint16_t kMaxMsgType = 18;
+constexpr uint16_t kMaxMsgType = 20;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -95,6 +97,8 @@ constexpr SharedSetting kSharedSettings[] = {
     {"encryption", "BYTEPS_ENCRYPTION"},
     {"overlap", "BYTEPS_OVERLAP"},
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
+    // Decides whether a host's workers push one sum or each their own.
+    {"local_reduce", "BYTEPS_LOCAL_REDUCE"},
 };
 
 // How a server combines the pushes of one round of a key (FrameHeader's

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <random>
 
 namespace bps {
 
@@ -122,6 +123,7 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.role = static_cast<Role>(h.sender_role);
   n.id = h.sender;
   n.hostname = kv.Get("hostname");
+  n.host_key = kv.Get("host_key", n.hostname);
   n.pid = kv.Get("pid");
   n.data_addr = kv.Get("data_addr");
   n.local_rank = KvInt(kv, "local_rank", -1);
@@ -205,8 +207,14 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
   // Local rank: workers on one host, in rank order, unless a launcher said.
   std::map<std::string, std::vector<Node*>> by_host;
   for (auto& n : nodes_) {
-    if (n.second.role == Role::kWorker) by_host[n.second.hostname].push_back(&n.second);
+    if (n.second.role == Role::kWorker) by_host[n.second.host_key].push_back(&n.second);
   }
+  // Names the job's local-reduce rendezvous, so two jobs on one host never meet.
+  std::random_device rd;
+  std::string job_nonce = std::to_string((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  std::map<int, std::string> host_of_rank;
+  std::map<int, int> host_index_of_rank;
+  int host_index = 0;
   for (auto& host : by_host) {
     std::sort(host.second.begin(), host.second.end(),
               [](const Node* a, const Node* b) { return a->id < b->id; });
@@ -215,6 +223,14 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       if (w->local_rank < 0) w->local_rank = static_cast<int>(i);
       if (w->local_size < 0) w->local_size = static_cast<int>(host.second.size());
     }
+    std::string ranks;
+    for (const Node* w : host.second) ranks += (ranks.empty() ? "" : ",") + std::to_string(w->id);
+    host_roots_.insert(host.second.front()->id);
+    for (const Node* w : host.second) {
+      host_of_rank[w->id] = ranks;
+      host_index_of_rank[w->id] = host_index;
+    }
+    ++host_index;
   }
 
   for (auto& kv : nodes_) {
@@ -224,6 +240,12 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     w.Set("num_servers", std::to_string(num_servers_));
     w.Set("local_rank", std::to_string(std::max(kv.second.local_rank, 0)));
     w.Set("local_size", std::to_string(std::max(kv.second.local_size, 1)));
+    if (kv.second.role == Role::kWorker) {
+      w.Set("num_hosts", std::to_string(by_host.size()));
+      w.Set("host_index", std::to_string(host_index_of_rank[kv.second.id]));
+      w.Set("host_ranks", host_of_rank[kv.second.id]);
+      w.Set("job_nonce", job_nonce);
+    }
     for (size_t i = 0; i < addrs.size(); ++i) w.Set("server." + std::to_string(i), addrs[i]);
     out->push_back(Reply(kv.first, MsgType::kWelcome, w.Serialize()));
   }
@@ -343,6 +365,9 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     if (conflict->second.expected.empty()) set_conflicts_.erase(conflict);
     return;
   }
+  // A key reduced on each host first is declared by one worker per host.
+  int contributors = KvInt(kv, "contributors", 0);
+  int expected = contributors > 0 ? std::min(contributors, num_workers_) : num_workers_;
   auto& waiting = pending_[name];
   if (waiting.empty()) pending_since_[name] = Clock::now();
   auto overlaps = [](const std::vector<int>& a, const std::vector<int>& b) {
@@ -393,7 +418,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     }
     return;
   }
-  waiting[rank] = Pending{sig, from, h.request_id, members, static_cast<int>(h.dtype), bytes};
+  waiting[rank] = Pending{expected, sig, from, h.request_id, members, static_cast<int>(h.dtype), bytes};
   MaybeDeclare(name, members, out);
 }
 
@@ -421,9 +446,14 @@ void Scheduler::MaybeDeclare(const std::string& name, const std::vector<int>& me
   auto found = pending_.find(name);
   if (found == pending_.end()) return;
   // Every member has declared with this set, or has joined (it pushes nothing).
+  // A host sum (local reduce; never a process set) is declared by each
+  // host's root only.
+  bool by_host = false;
+  for (const auto& w : found->second) by_host = by_host || w.second.expected < num_workers_;
   std::vector<int> ranks;
   for (int r = 0; r < num_workers_; ++r) {
     if (!members.empty() && !std::binary_search(members.begin(), members.end(), r)) continue;
+    if (by_host && members.empty() && !host_roots_.count(r)) continue;
     auto w = found->second.find(r);
     if (w != found->second.end() && w->second.members == members) {
       ranks.push_back(r);
@@ -505,7 +535,10 @@ void Scheduler::CheckStalls(std::vector<Outgoing>* out) {
       }
     }
     std::string have, missing;
+    // A host sum is declared by each host's root only.
+    bool by_host = !p.second.empty() && p.second.begin()->second.expected < num_workers_;
     for (int r : awaited) {
+      if (by_host && !host_roots_.count(r)) continue;
       if (joined_.count(r)) continue;  // it contributes nothing until every worker joins
       std::string& list = p.second.count(r) ? have : missing;
       list += (list.empty() ? "" : ", ") + std::to_string(r);

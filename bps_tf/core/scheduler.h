@@ -45,6 +45,7 @@ class Scheduler {
     Role role;
     int id = -1;
     std::string hostname;
+    std::string host_key;  // which workers share a machine (and its memory)
     std::string data_addr;
     std::string pid;
     int local_rank = -1;
@@ -53,6 +54,7 @@ class Scheduler {
     bool departed = false;
   };
   struct Pending {
+    int expected;  // declarations that complete it: every worker, or one per host
     std::string sig;
     Peer peer;
     uint64_t request_id;
@@ -112,6 +114,7 @@ class Scheduler {
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;
+  std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
   std::vector<uint64_t> server_load_;
   bool finished_ = false;
   std::string fatal_;

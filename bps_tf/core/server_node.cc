@@ -1,12 +1,16 @@
 #include "server_node.h"
 
 #include <cstdio>
+#include <cstring>
 #include <algorithm>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 
 #include "channel.h"
+#include "fusion.h"
 #include "membership.h"
 #include "scheduler.h"
 #include "stats.h"
@@ -15,6 +19,20 @@
 namespace bps {
 
 namespace {
+
+// A push's job from its header fields, whether they came in a FrameHeader
+// or a fused part's sub-header, so both make the same job.
+PushJob JobOf(int sender, uint64_t key, uint64_t round, uint16_t dtype, uint64_t request_id,
+              uint32_t contributors, uint64_t members, uint8_t reduce_op, Msg payload,
+              bool compressed) {
+  PushJob job{sender, key, round, static_cast<int>(dtype), (request_id & kPushAsync) != 0,
+              std::move(payload), compressed};
+  job.contributors = contributors;
+  job.members = members;
+  job.reduce_op = reduce_op;
+  job.refuse_joined = (request_id & kPushRefuseJoined) != 0;
+  return job;
+}
 
 // Replies produced by engine threads wait here until the I/O thread sends.
 class ReplyQueue {
@@ -40,6 +58,8 @@ class ReplyQueue {
   Wakeup wake_;
 };
 
+void FreeBuffer(void* data, void*) { delete[] static_cast<char*>(data); }
+
 void WriteReadyFile(const std::string& path, int port) {
   std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "w");
@@ -62,6 +82,10 @@ class ServerNode {
         is_server_(cfg.Get("role") == "server"),
         hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
         num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
+        // The workers' cap (worker_engine.cc), so both directions agree.
+        fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
+            std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
+            std::max<int64_t>(cfg.GetInt("partition_bytes", 4096000), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
@@ -79,6 +103,8 @@ class ServerNode {
   void OnWelcome();
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies();
+  void SendReply(int worker, const FrameHeader& header, Msg&& payload);
+  void SubmitFused(Message& m);
   void Stop(const std::string& error);
   std::string Who() const {
     return is_server_ ? "server " + std::to_string(membership_.id()) : std::string("scheduler");
@@ -88,6 +114,7 @@ class ServerNode {
   bool is_server_;
   bool hosts_scheduler_;
   int num_workers_;
+  uint64_t fusion_bytes_;  // largest fused reply; 0: none
   double timeout_s_;
   double rendezvous_timeout_s_;
   ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
@@ -116,17 +143,67 @@ void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
   out->clear();
 }
 
-void ServerNode::SendReplies() {
-  for (auto& r : replies_.Take()) {
-    auto it = worker_peer_.find(r.worker);
-    if (it == worker_peer_.end()) continue;
-    const size_t bytes = r.payload.size();  // the Msg is handed to libzmq below
-    if (channel_->Send(it->second, r.header, std::move(r.payload))) {
-      Stats::Get().bytes_sent += bytes;
-    } else {
-      BPS_LOG(kWarning, "reply to worker " << r.worker << " failed: " << zmq_strerror(zmq_errno()));
-    }
+void ServerNode::SendReply(int worker, const FrameHeader& header, Msg&& payload) {
+  auto it = worker_peer_.find(worker);
+  if (it == worker_peer_.end()) return;
+  const size_t bytes = payload.size();  // the Msg is handed to libzmq below
+  if (channel_->Send(it->second, header, std::move(payload))) {
+    Stats::Get().bytes_sent += bytes;
+  } else {
+    BPS_LOG(kWarning, "reply to worker " << worker << " failed: " << zmq_strerror(zmq_errno()));
   }
+}
+
+void ServerNode::SendReplies() {
+  std::vector<ServerReply> replies = replies_.Take();
+  if (fusion_bytes_ == 0) {
+    for (auto& r : replies) SendReply(r.worker, r.header, std::move(r.payload));
+    return;
+  }
+  // Small sums for one worker that are ready together go back in one
+  // message, in the order the engine produced them.
+  std::map<int, FusedBuilder> fused;
+  auto flush = [this](int worker, FusedBuilder* b, std::deque<ServerReply>* held) {
+    if (b->count() == 1) {
+      SendReply(worker, held->front().header, std::move(held->front().payload));
+    } else if (b->count() > 1) {
+      uint64_t size = 0;
+      char* data = b->Finish(&size);
+      SendReply(worker, MakeHeader(MsgType::kPullReplyFused, Role::kServer, membership_.id()),
+                Msg(data, size, &FreeBuffer, nullptr));
+      Stats::Get().fused_messages_sent++;
+    }
+    held->clear();
+    *b = FusedBuilder();
+  };
+  // What each builder points into; a deque never moves what it holds (a
+  // small Msg keeps its bytes inside itself).
+  std::map<int, std::deque<ServerReply>> held;
+  for (auto& r : replies) {
+    uint64_t n = r.payload.size();
+    bool small = r.header.type == static_cast<uint16_t>(MsgType::kPullReply) &&
+                 kFusedPrefixBytes + 2 * FusedCost(n) <= fusion_bytes_;
+    if (!small) {
+      SendReply(r.worker, r.header, std::move(r.payload));
+      continue;
+    }
+    FusedBuilder& b = fused[r.worker];
+    std::deque<ServerReply>& h = held[r.worker];
+    if (b.count() && b.bytes() + FusedCost(n) > fusion_bytes_) flush(r.worker, &b, &h);
+    FusedPart fp;
+    std::memset(&fp, 0, sizeof(fp));
+    fp.key = r.header.key;
+    fp.round = r.header.round;
+    fp.request_id = r.header.request_id;
+    fp.payload_bytes = n;
+    fp.dtype = r.header.dtype;
+    fp.contributors = r.header.contributors;
+    fp.reduce_op = r.header.reduce_op;
+    fp.members = r.header.members;
+    h.push_back(std::move(r));
+    b.Add(fp, h.back().payload.data());
+  }
+  for (auto& kv : fused) flush(kv.first, &kv.second, &held[kv.first]);
 }
 
 void ServerNode::Handle(Message& m) {
@@ -136,7 +213,8 @@ void ServerNode::Handle(Message& m) {
   try {
     if (static_cast<MsgType>(m.header.type) == MsgType::kPush ||
         static_cast<MsgType>(m.header.type) == MsgType::kPushCompressed ||
-        static_cast<MsgType>(m.header.type) == MsgType::kJoin) {
+        static_cast<MsgType>(m.header.type) == MsgType::kJoin ||
+        static_cast<MsgType>(m.header.type) == MsgType::kPushFused) {
       return HandlePush(m);
     }
     if (scheduler_) {
@@ -170,10 +248,40 @@ void ServerNode::HandlePush(Message& m) {
   }
   if (h.type == static_cast<uint16_t>(MsgType::kJoin)) return engine_->SubmitJoin(h.sender);
   Stats::Get().bytes_received += h.payload_bytes;
-  engine_->Submit(PushJob{h.sender, h.key, h.round, static_cast<int>(h.dtype),
-                          (h.request_id & kPushAsync) != 0, std::move(m.payload),
-                          h.type == static_cast<uint16_t>(MsgType::kPushCompressed),
-                          h.contributors, h.members, h.reduce_op, (h.request_id & kPushRefuseJoined) != 0});
+  if (h.type == static_cast<uint16_t>(MsgType::kPushFused)) return SubmitFused(m);
+  Stats::Get().pushes_received++;
+  engine_->Submit(JobOf(h.sender, h.key, h.round, h.dtype, h.request_id, h.contributors,
+                        h.members, h.reduce_op, std::move(m.payload),
+                        h.type == static_cast<uint16_t>(MsgType::kPushCompressed)));
+}
+
+void ServerNode::SubmitFused(Message& m) {
+  std::vector<FusedView> parts;
+  std::string why = ParseFused(m.payload.data(), m.payload.size(), &parts);
+  for (const FusedView& v : parts) {
+    if (!why.empty()) break;
+    const FusedPart& p = v.part;
+    if (!ValidDType(p.dtype)) why = "a fused part of unknown dtype";
+    // The checks ValidateHeader makes of a single push's header.
+    if (p.reduce_op > kMaxReduceOp) why = "a fused part with an unknown reduce op";
+    if (p.members != 0 && static_cast<uint32_t>(__builtin_popcountll(p.members)) != p.contributors) {
+      why = "a fused part whose member mask disagrees with its contributors";
+    }
+  }
+  if (!why.empty()) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kDebug, "dropped a fused push of worker " << m.header.sender << ": " << why);
+    return;
+  }
+  Stats::Get().fused_messages_received++;
+  // In the sub-headers' order, which is the worker's priority order.
+  // Each part becomes exactly the job its single push would.
+  for (const FusedView& v : parts) {
+    const FusedPart& p = v.part;
+    Stats::Get().pushes_received++;
+    engine_->Submit(JobOf(m.header.sender, p.key, p.round, p.dtype, p.request_id, p.contributors,
+                          p.members, p.reduce_op, Msg(v.data, p.payload_bytes), false));
+  }
 }
 
 void ServerNode::OnWelcome() {

@@ -29,6 +29,10 @@ std::string Stats::Json() {
     << ",\"frames_dropped\":" << frames_dropped
     << ",\"connections_refused\":" << connections_refused << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
+    << ",\"fused_messages_sent\":" << fused_messages_sent
+    << ",\"fused_messages_received\":" << fused_messages_received
+    << ",\"pushes_received\":" << pushes_received
+    << ",\"local_reduce_ops\":" << local_reduce_ops
     << ",\"node_state\":" << node_state
     << ",\"send_log\":[";
   std::lock_guard<std::mutex> lock(mu_);

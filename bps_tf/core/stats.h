@@ -27,6 +27,11 @@ class Stats {
   std::atomic<uint64_t> ops_done{0};
   std::atomic<uint64_t> ops_failed{0};
   std::atomic<uint64_t> partitions_sent{0};
+  // Messages carrying several partitions (fusion.h), sent and received.
+  std::atomic<uint64_t> fused_messages_sent{0};
+  std::atomic<uint64_t> fused_messages_received{0};
+  std::atomic<uint64_t> pushes_received{0};     // a server's partitions in
+  std::atomic<uint64_t> local_reduce_ops{0};    // ops summed with this host's peers
   std::atomic<bool> send_log_on{false};
   // A server or scheduler process: 0 starting, 1 the cluster has met,
   // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).

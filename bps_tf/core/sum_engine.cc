@@ -148,7 +148,8 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             " pushed key " + std::to_string(job.key) + " for " +
             std::to_string(job.contributors) + " contributors, but it was first pushed for " +
             std::to_string(st.contributors) + " (0 = every worker; the job has " +
-            std::to_string(num_workers_) + "), or for another process set of that size"));
+            std::to_string(num_workers_) + "), or for another process set of that size "
+            "(BYTEPS_LOCAL_REDUCE must agree on every node)"));
     return;
   }
   if (job.async != st.async) {
@@ -300,7 +301,10 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
   std::string refused;
   // A process set with a rank past the header's member mask: the server
   // cannot tell whether a joined worker belongs to it, so such a round
-  // fails rather than completing too early or waiting forever.
+  // fails rather than completing too early or waiting forever. A local-reduce
+  // host sum (members 0, contributors = hosts) takes the same path: it
+  // completes after `contributors` pushes, and join() is refused on the
+  // workers while local reduce is active.
   const bool unknown_set = st.contributors != 0 && st.members == 0;
   if (unknown_set && st.count >= st.needed) {
     absent = 0;

@@ -5,6 +5,9 @@
 // push header says how many) have pushed it; then each gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
 // fast worker's next push never disturbs a slow worker's pending reply.
+// A key reduced on each host first is pushed by one worker per host: its
+// header's `contributors` says how many pushes complete a round, and only
+// those workers get a reply.
 // An asynchronous key (protocol.h) has no rounds: each push is added to the
 // stored value and answered at once with a copy of it.
 //

@@ -137,12 +137,16 @@ Wakeup::Wakeup() : fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
 Wakeup::~Wakeup() { close(fd_); }
 
 void Wakeup::Notify() {
+  // One write per wake-up is enough: the woken thread drains before it
+  // looks at its queues, so whatever was queued before the drain is seen.
+  if (pending_.exchange(true)) return;
   uint64_t one = 1;
   ssize_t n = write(fd_, &one, sizeof(one));
   (void)n;
 }
 
 void Wakeup::Drain() {
+  pending_ = false;
   uint64_t v;
   while (read(fd_, &v, sizeof(v)) > 0) {
   }

@@ -5,6 +5,7 @@
 #ifndef BPS_TF_CORE_TRANSPORT_H_
 #define BPS_TF_CORE_TRANSPORT_H_
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,7 @@ class Wakeup {
 
  private:
   int fd_;
+  std::atomic<bool> pending_{false};  // written since the last Drain
 };
 
 }  // namespace bps

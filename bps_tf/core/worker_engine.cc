@@ -72,6 +72,8 @@ void WorkerEngine::Init(const Config& cfg) {
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
   local_size_ = 1;
+  host_group_ = HostGroup();
+  host_group_.ranks = {rank_};
   SetLogIdentity("worker " + std::to_string(rank_));
   // A new cluster after shutdown(): nothing learned from the old one holds.
   tensors_.clear();
@@ -107,6 +109,14 @@ void WorkerEngine::Init(const Config& cfg) {
       static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));
   int64_t credit = cfg.GetInt("credit_bytes", 0);
   credit_bytes_ = credit > 0 ? static_cast<uint64_t>(credit) : 8 * partition_bytes_;
+  int64_t fusion = cfg.GetInt("fusion_threshold", 0);
+  if (fusion < 0) throw Error("BYTEPS_FUSION_THRESHOLD must not be negative");
+  // A server accepts messages up to its partition size (at least 1 MiB,
+  // server_node.cc): a larger fused one would be dropped there.
+  fusion_bytes_ = std::min<uint64_t>(static_cast<uint64_t>(fusion),
+                                     std::max<uint64_t>(partition_bytes_, 1 << 20));
+  cycle_s_ = cfg.GetDouble("fusion_cycle_ms", 0) / 1000.0;
+  if (cycle_s_ < 0) throw Error("BYTEPS_FUSION_CYCLE_TIME_MS must not be negative");
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
   heartbeat_s_ = cfg.GetDouble("heartbeat_s", 1);
   op_timeout_s_ = cfg.GetDouble("op_timeout_s", 0);
@@ -121,6 +131,13 @@ void WorkerEngine::Init(const Config& cfg) {
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
   extra.Set("local_size", cfg.Get("local_size", "-1"));
+  // Which workers can sum through shared memory (local_reduce.h): one
+  // machine, one advertised address and one network namespace (the local
+  // reduce socket lives in it; namespaced "hosts" of one machine stay apart).
+  char netns[64] = {0};
+  ssize_t netns_len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  extra.Set("host_key", cfg.Get("hostname") + " " + cfg.Get("advertise_host") + " " +
+                            (netns_len > 0 ? std::string(netns, static_cast<size_t>(netns_len)) : ""));
   membership_->Join(scheduler_endpoint_, cfg, extra);
   state_ = State::kJoining;
   stop_requested_ = false;
@@ -176,7 +193,7 @@ void WorkerEngine::CloseChannel() {
 void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                            const void* in, void* out, int64_t priority, bps_done_fn done,
                            void* ctx, const std::string& compression,
-                           const std::string& agreement, int reduce_op) {
+                           const std::string& agreement, int reduce_op, uint32_t contributors) {
   size_t elem = DTypeSize(dtype);
   if (reduce_op < 0 || reduce_op > kMaxReduceOp) {
     done(ctx, BPS_ERR_INVALID, ("push_pull '" + name + "': unknown reduce op " +
@@ -231,6 +248,10 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
       bad_set = "asynchronous keys belong to every worker, not to a process set";
     }
   }
+  if (bad_set.empty() && contributors > 0 && (!members.empty() || reduce_op != 0)) {
+    // LocalReduce bypasses both: a host sum is a global sum.
+    bad_set = "a local-reduce host sum cannot be a process set's or a min/max/product";
+  }
   if (!bad_set.empty()) {
     done(ctx, BPS_ERR_INVALID, ("push_pull '" + name + "': " + bad_set).c_str());
     return;
@@ -251,6 +272,7 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   task->priority = priority;
   task->done = done;
   task->ctx = ctx;
+  if (contributors > 0) task->contributors = contributors;
   // What workers must agree on for this name; the scheduler compares it.
   std::string sig = ShapeString(dtype, shape);
   if (!agreement.empty()) sig += " " + agreement;
@@ -258,6 +280,8 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
     // Declared with the shape: workers that reduce a name differently all fail at once.
     sig += std::string(" reduce=") + ReduceOpName(static_cast<uint8_t>(reduce_op));
   }
+  // A host sum and a worker's own value never meet in one round.
+  if (contributors > 0) sig += " hosts=" + std::to_string(contributors);
   if (Compresses(spec, dtype, bytes)) {
     if (reduce_op != 0) {
       delete task;
@@ -314,6 +338,7 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
           kv.Set("bytes", std::to_string(bytes));
           kv.Set("dtype", std::to_string(dtype));
           if (!members.empty()) kv.Set("members", JoinRanks(members));
+          if (contributors > 0) kv.Set("contributors", std::to_string(contributors));
           uint64_t id = next_request_++;
           request_sig_[id] = sigkey;
           control_outbox_.emplace_back(id, kv.Serialize());
@@ -429,6 +454,7 @@ void WorkerEngine::Fatal(const std::string& message, int status, bool peer_failu
       unsent.push_back(ready_.top().task);
       ready_.pop();
     }
+    ready_bytes_ = 0;
   }
   for (Task* t : abandoned) Release(t, 1);  // the reply will not come
   for (Task* t : unsent) Release(t, 2);     // neither sent nor replied

@@ -47,6 +47,15 @@ class WorkerEngine {
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
+  // The workers sharing this process's host, as the scheduler grouped them
+  // (set once joined; local_reduce.h uses them).
+  struct HostGroup {
+    int num_hosts = 1;
+    int host_index = 0;
+    std::vector<int> ranks;  // ascending, this rank among them
+    std::string job_nonce;
+  };
+  HostGroup host_group() const { return host_group_; }
 
   // Holds partitions in the queue (for tests and diagnostics of the order).
   void PauseSends(bool paused);
@@ -54,7 +63,7 @@ class WorkerEngine {
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
                const std::string& compression = "", const std::string& agreement = "",
-               int reduce_op = 0);
+               int reduce_op = 0, uint32_t contributors = 0);
 
   // join(): waits for this worker's operations in flight, tells every
   // server (after its pushes) and the scheduler that it joined, and blocks
@@ -84,6 +93,12 @@ class WorkerEngine {
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
   void SendJoin();
+  // Send one partition alone / several small ones for one server in one
+  // message; false when the link failed.
+  bool SendPart(const PartRef& p);
+  bool SendFused(int server, const std::vector<PartRef>& parts);
+  bool Fuses(const Task* t, uint64_t len) const;
+  void HandleReply(const FrameHeader& h, const char* data, size_t size);
   void FlushControl();
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
@@ -97,6 +112,7 @@ class WorkerEngine {
   void Release(Task* task, int count);
   void Complete(Task* task);
   static void FreePart(void* data, void* hint);  // libzmq's release callback
+  static void FreeFused(void* data, void* hint);
   // The compressed bytes of a partition (error feedback, momentum applied).
   Msg CompressPart(Task* task, uint32_t part, uint64_t key);
   bool Compresses(const CompressorSpec& spec, int dtype, uint64_t bytes) const;
@@ -105,10 +121,13 @@ class WorkerEngine {
   std::atomic<bool> initialized_{false};
   bool local_mode_ = false;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  HostGroup host_group_;
   int num_servers_ = 0;
   uint64_t partition_bytes_ = 4096000;
   uint64_t min_compress_bytes_ = 4096;
   uint64_t credit_bytes_ = 0;
+  uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
+  double cycle_s_ = 0;         // how long small partitions may wait for company
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
   std::string scheduler_endpoint_;
 
@@ -136,6 +155,8 @@ class WorkerEngine {
   std::map<uint64_t, std::string> request_sig_;
   std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
   std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_;
+  uint64_t ready_bytes_ = 0;  // in ready_
+  Clock::time_point hold_since_{};  // small partitions wait for company since
   uint64_t next_seq_ = 0;
   uint64_t next_request_ = 1;
 

@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "fusion.h"
 #include "stats.h"
 #include "trace.h"
 #include "worker_task.h"
@@ -16,6 +18,13 @@ void WorkerEngine::IoLoop() {
   Message m;
   while (!stop_requested_) {
     long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
+    if (cycle_s_ > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (hold_since_ != Clock::time_point{}) {
+        double left_ms = (cycle_s_ - SecondsSince(hold_since_)) * 1000;
+        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(left_ms))));
+      }
+    }
     if (!channel_->Wait(wait_ms)) {
       Fatal(ZmqError("polling sockets"), BPS_ERR_INTERNAL);
       break;
@@ -53,13 +62,37 @@ void WorkerEngine::FlushControl() {
 }
 
 void WorkerEngine::HandleData(const Message& m) {
-  const FrameHeader& h = m.header;
-  if (h.type == static_cast<uint16_t>(MsgType::kJoin)) {
+  if (m.header.type == static_cast<uint16_t>(MsgType::kJoin)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (joining_) ++join_acks_;
     state_cv_.notify_all();
     return;
   }
+  if (m.header.type != static_cast<uint16_t>(MsgType::kPullReplyFused)) {
+    HandleReply(m.header, m.payload.data(), m.payload.size());
+    return;
+  }
+  std::vector<FusedView> parts;
+  std::string why = ParseFused(m.payload.data(), m.payload.size(), &parts);
+  if (!why.empty()) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kWarning, "dropped a reply of server " << m.header.sender << ": " << why);
+    return;
+  }
+  Stats::Get().fused_messages_received++;
+  FrameHeader h = m.header;
+  h.type = static_cast<uint16_t>(MsgType::kPullReply);
+  for (const FusedView& v : parts) {
+    h.key = v.part.key;
+    h.round = v.part.round;
+    h.dtype = v.part.dtype;
+    h.request_id = v.part.request_id;
+    h.payload_bytes = v.part.payload_bytes;
+    HandleReply(h, v.data, v.part.payload_bytes);
+  }
+}
+
+void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t size) {
   auto it = in_flight_.find(h.key);
   if (it == in_flight_.end() || it->second.task->round != h.round) {
     Stats::Get().frames_dropped++;
@@ -73,9 +106,9 @@ void WorkerEngine::HandleData(const Message& m) {
     PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
     if (times) times->replied = Clock::now();
     try {
-      Decompress(*t->compressor, m.payload.data(), m.payload.size(), len / sizeof(float),
+      Decompress(*t->compressor, data, size, len / sizeof(float),
                  reinterpret_cast<float*>(t->out + t->PartOffset(p.part)));
-      Stats::Get().bytes_received += m.payload.size();
+      Stats::Get().bytes_received += size;
       if (times) {
         times->copied = Clock::now();  // decompressed into the output
         times->server_sum_us = h.request_id;
@@ -85,10 +118,10 @@ void WorkerEngine::HandleData(const Message& m) {
                                         std::to_string(h.sender) + " does not decompress: " +
                                         e.what());
     }
-  } else if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && m.payload.size() == len) {
+  } else if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && size == len) {
     PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
     if (times) times->replied = Clock::now();
-    std::memcpy(t->out + t->PartOffset(p.part), m.payload.data(), len);
+    std::memcpy(t->out + t->PartOffset(p.part), data, len);
     if (times) {
       times->copied = Clock::now();
       times->server_sum_us = h.request_id;  // the server reports its summing time here
@@ -96,7 +129,7 @@ void WorkerEngine::HandleData(const Message& m) {
     Stats::Get().bytes_received += len;
   } else if (h.type == static_cast<uint16_t>(MsgType::kError)) {
     // Servers refuse a partition only when workers pushed it inconsistently.
-    FailTask(t, BPS_ERR_INVALID, "push_pull '" + t->name + "': " + m.payload.str());
+    FailTask(t, BPS_ERR_INVALID, "push_pull '" + t->name + "': " + std::string(data, size));
   } else {
     FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': malformed reply from server " +
                                       std::to_string(h.sender));
@@ -108,6 +141,17 @@ void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
   local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
   local_size_ = static_cast<int>(w.GetInt("local_size", 1));
+  host_group_.num_hosts = static_cast<int>(w.GetInt("num_hosts", size_));
+  host_group_.host_index = static_cast<int>(w.GetInt("host_index", rank_));
+  host_group_.job_nonce = w.Get("job_nonce");
+  host_group_.ranks.clear();
+  std::string ranks = w.Get("host_ranks", std::to_string(rank_));
+  for (size_t pos = 0; pos < ranks.size();) {
+    size_t comma = ranks.find(',', pos);
+    if (comma == std::string::npos) comma = ranks.size();
+    host_group_.ranks.push_back(std::atoi(ranks.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
   for (int s = 0; s < num_servers_; ++s) {
     servers_.push_back(channel_->Connect(w.Get("server." + std::to_string(s)), id));

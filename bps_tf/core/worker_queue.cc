@@ -1,6 +1,9 @@
 // The worker's partition queue and its credit: what leaves next, and how
 // many bytes may be handed to libzmq before it has sent earlier ones.
 #include <algorithm>
+#include <cstring>
+
+#include "fusion.h"
 
 #include "labels.h"
 #include "stats.h"
@@ -38,6 +41,7 @@ bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>&
   if (Trace::Get().Wants(task->round)) task->times.resize(parts);
   task->remaining = static_cast<int>(2 * parts);
   for (uint32_t p = 0; p < parts; ++p) ready_.push(PartRef{task, p});
+  ready_bytes_ += task->bytes;
   return parts == 0;
 }
 
@@ -106,78 +110,187 @@ void WorkerEngine::FreePart(void*, void* hint) {
   engine.Release(task, 1);
 }
 
+namespace {
+// A fused payload's buffer; libzmq frees it, which returns its raw bytes'
+// credit (the inputs were already released when they were copied in).
+struct SentFused {
+  uint64_t bytes;
+  char* data;
+};
+}  // namespace
+
+void WorkerEngine::FreeFused(void*, void* hint) {
+  SentFused* sent = static_cast<SentFused*>(hint);
+  WorkerEngine& engine = WorkerEngine::Get();
+  engine.credit_released_ += sent->bytes;
+  engine.wake_.Notify();
+  delete[] sent->data;
+  delete sent;
+}
+
+bool WorkerEngine::Fuses(const Task* t, uint64_t len) const {
+  // Compressed and asynchronous partitions keep their own message types.
+  return fusion_bytes_ > 0 && !t->compressor && !IsAsyncName(t->name) &&
+         kFusedPrefixBytes + 2 * FusedCost(len) <= fusion_bytes_;
+}
+
 void WorkerEngine::SendReadyParts() {
   std::vector<PartRef> to_send;
   std::vector<Task*> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (cycle_s_ > 0 && !sends_paused_ && !ready_.empty()) {
+      // Small partitions wait up to a cycle for others to share a message,
+      // unless a full message is already there.
+      const PartRef& top = ready_.top();
+      if (!top.task->failed && Fuses(top.task, top.task->PartLength(top.part)) &&
+          ready_bytes_ < fusion_bytes_) {
+        if (hold_since_ == Clock::time_point{}) hold_since_ = Clock::now();
+        if (SecondsSince(hold_since_) < cycle_s_) return;
+      }
+    }
+    hold_since_ = Clock::time_point{};
     while (!ready_.empty()) {
       PartRef p = ready_.top();
+      uint64_t len = p.task->PartLength(p.part);
       if (p.task->failed) {
         ready_.pop();
+        ready_bytes_ -= len;
         dropped.push_back(p.task);
         continue;
       }
-      uint64_t len = p.task->PartLength(p.part);
       uint64_t in_flight = credit_handed_ - credit_released_.load();
       if (sends_paused_ || (in_flight > 0 && in_flight + len > credit_bytes_)) break;
       ready_.pop();
+      ready_bytes_ -= len;
       credit_handed_ += len;
       to_send.push_back(p);
     }
   }
   for (Task* t : dropped) Release(t, 2);
-  bool log = Stats::Get().send_log_on;
-  for (size_t i = 0; i < to_send.size(); ++i) {
-    const PartRef& p = to_send[i];
-    Task* t = p.task;
-    uint64_t off = t->PartOffset(p.part);
-    uint64_t len = t->PartLength(p.part);
-    uint64_t key = PartKey(t->info->key, p.part);
-    FrameHeader h = MakeHeader(MsgType::kPush, Role::kWorker, rank_);
-    h.key = key;
-    h.round = t->round;
-    h.dtype = static_cast<uint16_t>(t->dtype);
-    if (IsAsyncName(t->name)) h.request_id = kPushAsync;
-    h.contributors = t->contributors;
-    h.members = t->members;
-    h.reduce_op = t->reduce_op;
-    if (t->refuse_joined) h.request_id |= kPushRefuseJoined;
-    in_flight_[key] = p;
-    if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
-    if (!t->times.empty()) t->times[p.part].sent = Clock::now();
-    FrameHeader h_sent = h;
-    Msg payload;
-    if (t->compressor) {
-      h_sent.type = static_cast<uint16_t>(MsgType::kPushCompressed);
-      try {
-        payload = CompressPart(t, p.part, key);
-      } catch (const std::exception& e) {
-        in_flight_.erase(key);
-        credit_released_ += len;
-        FailTask(t, BPS_ERR_INVALID, std::string("compressing: ") + e.what());
-        Release(t, 2);
-        continue;
-      }
-    } else {
-      payload = Msg(const_cast<char*>(t->in) + off, len, &FreePart,
-                    new SentPart{t, len, p.part, nullptr});
+  // Small partitions for one server that left the queue together travel in
+  // one message, placed where the first of them was in the priority order
+  // and keeping that order inside.
+  struct Outgoing {
+    int server;
+    std::vector<PartRef> parts;
+    uint64_t bytes;
+  };
+  std::vector<Outgoing> outgoing;
+  std::vector<int> open(servers_.size(), -1);  // server -> its group being filled
+  for (const PartRef& p : to_send) {
+    int server = p.task->info->servers[p.part];
+    uint64_t len = p.task->PartLength(p.part);
+    if (!Fuses(p.task, len)) {
+      outgoing.push_back(Outgoing{server, {p}, 0});
+      continue;
     }
-    const uint64_t wire_bytes = payload.size();
-    int server = t->info->servers[p.part];
-    if (!channel_->Send(servers_[static_cast<size_t>(server)], h_sent, std::move(payload))) {
-      std::string why = "sending to server " + std::to_string(server) + " failed: " +
-                        zmq_strerror(zmq_errno());
-      for (size_t j = i + 1; j < to_send.size(); ++j) {
-        FailTask(to_send[j].task, BPS_ERR_UNAVAILABLE, why);
-        Release(to_send[j].task, 2);
+    int& g = open[static_cast<size_t>(server)];
+    if (g >= 0 && outgoing[static_cast<size_t>(g)].bytes + FusedCost(len) <= fusion_bytes_) {
+      outgoing[static_cast<size_t>(g)].parts.push_back(p);
+      outgoing[static_cast<size_t>(g)].bytes += FusedCost(len);
+      continue;
+    }
+    g = static_cast<int>(outgoing.size());
+    outgoing.push_back(Outgoing{server, {p}, kFusedPrefixBytes + FusedCost(len)});
+  }
+  for (size_t i = 0; i < outgoing.size(); ++i) {
+    bool sent = outgoing[i].parts.size() == 1 ? SendPart(outgoing[i].parts[0])
+                                              : SendFused(outgoing[i].server, outgoing[i].parts);
+    if (!sent) {
+      std::string why = "sending to server " + std::to_string(outgoing[i].server) +
+                        " failed: " + zmq_strerror(zmq_errno());
+      for (size_t j = i + 1; j < outgoing.size(); ++j) {
+        for (const PartRef& p : outgoing[j].parts) {
+          FailTask(p.task, BPS_ERR_UNAVAILABLE, why);
+          Release(p.task, 2);
+        }
       }
       Fatal(why, BPS_ERR_UNAVAILABLE);
       return;
     }
-    Stats::Get().partitions_sent++;
-    Stats::Get().bytes_sent += wire_bytes;
   }
+}
+
+bool WorkerEngine::SendPart(const PartRef& p) {
+  Task* t = p.task;
+  uint64_t off = t->PartOffset(p.part);
+  uint64_t len = t->PartLength(p.part);
+  uint64_t key = PartKey(t->info->key, p.part);
+  FrameHeader h = MakeHeader(MsgType::kPush, Role::kWorker, rank_);
+  h.key = key;
+  h.round = t->round;
+  h.dtype = static_cast<uint16_t>(t->dtype);
+  h.contributors = t->contributors;
+  h.members = t->members;
+  h.reduce_op = t->reduce_op;
+  if (IsAsyncName(t->name)) h.request_id = kPushAsync;
+  if (t->refuse_joined) h.request_id |= kPushRefuseJoined;
+  in_flight_[key] = p;
+  if (Stats::Get().send_log_on) Stats::Get().RecordSend(t->name, p.part, t->priority);
+  if (!t->times.empty()) t->times[p.part].sent = Clock::now();
+  Msg payload;
+  if (t->compressor) {
+    h.type = static_cast<uint16_t>(MsgType::kPushCompressed);
+    try {
+      payload = CompressPart(t, p.part, key);
+    } catch (const std::exception& e) {
+      in_flight_.erase(key);
+      credit_released_ += len;
+      FailTask(t, BPS_ERR_INVALID, std::string("compressing: ") + e.what());
+      Release(t, 2);
+      return true;  // this task failed; the link is fine
+    }
+  } else {
+    payload = Msg(const_cast<char*>(t->in) + off, len, &FreePart,
+                  new SentPart{t, len, p.part, nullptr});
+  }
+  const uint64_t wire_bytes = payload.size();
+  int server = t->info->servers[p.part];
+  if (!channel_->Send(servers_[static_cast<size_t>(server)], h, std::move(payload))) return false;
+  Stats::Get().partitions_sent++;
+  Stats::Get().bytes_sent += wire_bytes;
+  return true;
+}
+
+bool WorkerEngine::SendFused(int server, const std::vector<PartRef>& parts) {
+  FusedBuilder builder;
+  uint64_t raw = 0;
+  bool log = Stats::Get().send_log_on;
+  for (const PartRef& p : parts) {
+    Task* t = p.task;
+    FusedPart fp;
+    std::memset(&fp, 0, sizeof(fp));
+    fp.key = PartKey(t->info->key, p.part);
+    fp.round = t->round;
+    fp.dtype = static_cast<uint16_t>(t->dtype);
+    fp.payload_bytes = t->PartLength(p.part);
+    fp.contributors = t->contributors;  // a host root's sum stands for its host
+    // Everything else a single push's header would say, so the server makes
+    // the same job of it.
+    fp.members = t->members;
+    fp.reduce_op = t->reduce_op;
+    if (IsAsyncName(t->name)) fp.request_id = kPushAsync;
+    if (t->refuse_joined) fp.request_id |= kPushRefuseJoined;
+    raw += fp.payload_bytes;
+    builder.Add(fp, t->in + t->PartOffset(p.part));
+    in_flight_[fp.key] = p;
+    if (log) Stats::Get().RecordSend(t->name, p.part, t->priority);
+  }
+  uint64_t size = 0;
+  char* data = builder.Finish(&size);
+  auto now = Clock::now();
+  for (const PartRef& p : parts) {
+    if (!p.task->times.empty()) p.task->times[p.part].sent = p.task->times[p.part].released = now;
+    Release(p.task, 1);  // copied: the input is free again
+  }
+  Msg payload(data, size, &FreeFused, new SentFused{raw, data});
+  FrameHeader h = MakeHeader(MsgType::kPushFused, Role::kWorker, rank_);
+  if (!channel_->Send(servers_[static_cast<size_t>(server)], h, std::move(payload))) return false;
+  Stats::Get().partitions_sent += parts.size();
+  Stats::Get().fused_messages_sent++;
+  Stats::Get().bytes_sent += size;
+  return true;
 }
 
 Msg WorkerEngine::CompressPart(Task* t, uint32_t part, uint64_t key) {

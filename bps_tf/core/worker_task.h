@@ -41,7 +41,9 @@ struct WorkerEngine::Task {
   void* ctx = nullptr;
   std::shared_ptr<TensorInfo> info;
   std::shared_ptr<const CompressorSpec> compressor;  // null: travels as it is
-  uint32_t contributors = 0;  // workers of its process set; 0: every worker
+  // Pushes per round: the workers of its process set, or the hosts for a
+  // local-reduce host sum; 0: every worker. protocol.h
+  uint32_t contributors = 0;
   uint64_t members = 0;       // FrameHeader::members
   uint64_t round = 0;
   uint32_t first_part = 0;  // where this worker starts among the partitions

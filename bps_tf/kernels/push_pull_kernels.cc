@@ -1,6 +1,8 @@
 // CPU kernels of BytepsPushPull and BytepsBroadcast: they only translate TF
 // tensors into the core's buffers and call `done` when the core finishes.
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,46 @@ void Enqueue(const std::string& name, int64_t priority, Pending* p, const void* 
                            compression.c_str(), agreement.c_str(), &OnDone, p);
 }
 
+// The output buffer of one push_pull node, kept across steps. TensorFlow's
+// CPU allocator gives a kernel fresh memory every step, and above glibc's
+// mmap threshold copying the reply into it first-touches every page again,
+// which costs as much as the transfer (docs/performance.md). A result is
+// handed out again only while this kernel holds the one reference to it, so
+// a result the program still holds (a Python variable, a list, a second
+// output of the same function, a consumer still running) is never written.
+class OutputBuffer {
+ public:
+  // Output 0 of `ctx`, of the input's dtype and shape: the input itself when
+  // TensorFlow lets the kernel reuse it (the core allows in == out), else the
+  // kept buffer when nobody else holds it, else a new one that is kept.
+  tensorflow::Status Take(OpKernelContext* ctx, const Tensor& input, Tensor* out) {
+    std::unique_ptr<Tensor> forwarded =
+        ctx->forward_input(0, 0, input.dtype(), input.shape(), ctx->output_memory_type(0),
+                           ctx->output_alloc_attr(0));
+    if (forwarded) {
+      ctx->set_output(0, *forwarded);
+      *out = *forwarded;
+      return tensorflow::Status();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!(kept_.dtype() == input.dtype() && kept_.shape() == input.shape() &&
+          kept_.RefCountIsOne())) {
+      Tensor fresh;
+      tensorflow::Status s = ctx->allocate_temp(input.dtype(), input.shape(), &fresh,
+                                                ctx->output_alloc_attr(0));
+      if (!s.ok()) return s;
+      kept_ = fresh;
+    }
+    ctx->set_output(0, kept_);
+    *out = kept_;
+    return tensorflow::Status();
+  }
+
+ private:
+  std::mutex mu_;
+  Tensor kept_;
+};
+
 }  // namespace
 
 class PushPullOp : public AsyncOpKernel {
@@ -73,13 +115,9 @@ class PushPullOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& input = ctx->input(0);
-    Tensor* output = nullptr;
-    // Sum in place when TensorFlow lets us reuse the input: a fresh output
-    // would be first-touched page by page, which costs as much as the
-    // transfer for large gradients. The core allows in == out.
-    OP_REQUIRES_OK_ASYNC(
-        ctx, ctx->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
-    Pending* p = new Pending{ctx, std::move(done), input, *output, Tensor()};
+    Tensor output;
+    OP_REQUIRES_OK_ASYNC(ctx, output_.Take(ctx, input, &output), done);
+    Pending* p = new Pending{ctx, std::move(done), input, output, Tensor()};
     Enqueue(name_, priority_, p, input.tensor_data().data(), compression_, agreement_, reduce_op_);
   }
 
@@ -89,6 +127,7 @@ class PushPullOp : public AsyncOpKernel {
   std::string agreement_;
   int reduce_op_ = 0;
   tensorflow::int64 priority_ = 0;
+  OutputBuffer output_;
 };
 
 class BroadcastOp : public AsyncOpKernel {
