@@ -59,6 +59,14 @@ def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
     passed_details(found, log, "tf_sums")
     bypass = passed_details(found, log, "compressed_bypass")
     assert all(bypass[r]["partitions_sent"] == 1 for r in range(4)), bypass
+    # A process set's members and a Min push for themselves (exact values are
+    # checked in the worker); join() is refused on every rank with the setting.
+    other = passed_details(found, log, "sets_min_broadcast_join")
+    assert [other[r]["set_sent"] for r in range(4)] == [0, 1, 1, 1], other
+    assert all(other[r]["min_sent"] == 1 for r in range(4)), other
+    for r in range(4):
+        assert ("join is not available with local reduce; set BYTEPS_LOCAL_REDUCE=0"
+                in other[r]["join_error"]), other[r]
     # A shape that differs inside one host fails on every worker, not a hang.
     errors = passed_details(found, log, "shape_mismatch")
     for r in (0, 1):

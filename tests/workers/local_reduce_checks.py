@@ -146,6 +146,36 @@ def stats():
     return basics.stats()
 
 
+def sets_min_broadcast_join():
+    """Process-set sums and Min bypass the host sum (each worker pushes its
+    own value, so they stay exact); a broadcast keeps it and is exact;
+    join() is refused on every rank instead of hanging."""
+    import tensorflow as tf
+    import bps_tf
+    ps = bps_tf.add_process_set([1, 2, 3])  # splits host A, spans host B
+    x = tf.constant(values(1000, np.float32, rank))
+    before = stats()["partitions_sent"]
+    if rank in (1, 2, 3):
+        got = bps_tf.allreduce(x, op=bps_tf.Sum, name="lr/set_sum", process_set=ps).numpy()
+        want = sum(values(1000, np.int64, r) for r in (1, 2, 3)).astype(np.float32)
+        assert np.array_equal(got, want), got[:5]
+    set_sent = stats()["partitions_sent"] - before
+    before = stats()["partitions_sent"]
+    m = bps_tf.allreduce(tf.constant([rank, -rank, 5], tf.int32), op=bps_tf.Min,
+                         name="lr/min").numpy()
+    assert m.tolist() == [0, -(size - 1), 5], m
+    min_sent = stats()["partitions_sent"] - before
+    b = bps_tf.broadcast(tf.fill([7], float(rank)), root_rank=2, name="lr/bcast").numpy()
+    assert b.tolist() == [2.0] * 7, b
+    try:
+        bps_tf.join()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        join_error = str(exc)
+    else:
+        raise AssertionError("join() ran under local reduce")
+    return {"set_sent": set_sent, "min_sent": min_sent, "join_error": join_error}
+
+
 def tf_sums():
     import tensorflow as tf
     import bps_tf
@@ -188,6 +218,7 @@ if MODE in ("off", "netns"):
     sys.exit(0)
 checks.run("tf_sums", tf_sums)
 checks.run("compressed_bypass", compressed_bypass)
+checks.run("sets_min_broadcast_join", sets_min_broadcast_join)
 checks.run("shape_mismatch", shape_mismatch)
 # Last: worker 1 dies; its root must fail with a clear error, not wait.
 if rank == 1:
