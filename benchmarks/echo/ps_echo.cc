@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -256,8 +257,6 @@ int Client(int argc, char** argv) {
   }
   int rank = std::atoi(argv[2]), clients = std::atoi(argv[3]);
   std::string barrier_dir = argv[4], out_path = argv[5];
-  std::vector<int> fds;
-  for (const auto& address : Split(argv[6], ',')) fds.push_back(Connect(address));
   std::vector<Case> cases;
   for (const auto& text : Split(argv[7], ',')) {
     auto f = Split(text, ':');
@@ -265,8 +264,21 @@ int Client(int argc, char** argv) {
       std::fprintf(stderr, "ps_echo: case %s is not label:bytes:warmup:reps\n", text.c_str());
       return 2;
     }
-    cases.push_back({f[0], std::stoull(f[1]), std::stoi(f[2]), std::stoi(f[3])});
+    try {
+      cases.push_back({f[0], std::stoull(f[1]), std::stoi(f[2]), std::stoi(f[3])});
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "ps_echo: case %s: bytes, warmup and reps must be numbers\n",
+                   text.c_str());
+      return 2;
+    }
+    if (cases.back().bytes == 0 || cases.back().warmup < 0 || cases.back().reps < 1) {
+      std::fprintf(stderr, "ps_echo: case %s: needs bytes > 0, warmup >= 0, reps >= 1\n",
+                   text.c_str());
+      return 2;
+    }
   }
+  std::vector<int> fds;
+  for (const auto& address : Split(argv[6], ',')) fds.push_back(Connect(address));
   if (fds.empty() || cases.empty() || clients < 1) {
     std::fprintf(stderr, "ps_echo: no servers, no cases or no clients\n");
     return 2;

@@ -2,7 +2,7 @@
 
 Runs in benchmarks/.hvd-venv (made by benchmarks/setup_horovod.sh), never in
 the project's venv: it imports no bps_tf. Launched by `horovodrun --gloo` on
-loopback, or by benchmarks/hvd_launch.py inside namespace hosts (horovodrun
+loopback, or by benchmarks/hvd_peer.py inside namespace hosts (horovodrun
 would need ssh to reach them). Usage: hvd_allreduce.py SPEC.json (the spec of
 benchmarks/workers/bps_numpy.py). Each repetition all-reduces (float32 Sum)
 every tensor of the case from one tf.function; Horovod fuses them as it
