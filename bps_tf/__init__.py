@@ -17,8 +17,10 @@ from bps_tf.basics import (  # noqa: F401  (no TensorFlow)
     local_rank,
     local_size,
     rank,
+    resume,
     shutdown,
     size,
+    suspend,
 )
 
 __version__ = "0.1.0"
@@ -70,7 +72,7 @@ _LAZY = {
 # The documented API: `from bps_tf import *` gives all of it (the lazy names
 # import TensorFlow then; a plain `import bps_tf` still does not).
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
-           "local_rank", *_LAZY]
+           "local_rank", "suspend", "resume", *_LAZY]
 
 
 def __getattr__(name):

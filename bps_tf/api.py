@@ -98,7 +98,8 @@ SERVER_OPS = {Min: "min", Max: "max", Product: "product"}
 # --------------------------------------------------------------------------
 def push_pull(tensor, average=None, name=None, compression=Compression.none,
               op=None, priority=0, device_dense="", device_sparse="",
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+              scope="", enable_async=False):
     """Reduces ``tensor`` across all workers (``op=Average`` by default).
 
     ``Sum``/``Average`` go through the servers' sum; ``Min``, ``Max`` and
@@ -113,7 +114,22 @@ def push_pull(tensor, average=None, name=None, compression=Compression.none,
     ``process_set``: a registered ProcessSet; only its members take part
     (and call this), the average divides by its size. Workers that pass
     different ops or sets under one name all fail, naming both.
+
+    BytePS's ``push_pull(tensor, scope, average, ...)`` runs too: a string
+    in the second place is its ``scope`` (names come from ``name`` or the
+    tensor, so the scope is not needed for them); ``enable_async=True`` is
+    refused, since asynchronous training here pushes weight deltas
+    (``BytePSStrategy(mode="async")`` or ``BYTEPS_ENABLE_ASYNC=1`` with
+    ``DistributedOptimizer``), not gradients through this call.
     """
+    if isinstance(average, str):  # BytePS's positional order: (tensor, scope, average)
+        scope, average = average, None
+    del scope
+    if enable_async:
+        raise NotImplementedError(
+            "push_pull(enable_async=True): asynchronous training pushes weight deltas, not "
+            "gradients through push_pull; use BytePSStrategy(mode='async') or "
+            "BYTEPS_ENABLE_ASYNC=1 with bps_tf.keras.DistributedOptimizer (docs/strategy.md).")
     ps = process_sets.resolve(process_set, "push_pull")
     require_init()
     op = resolve_op(average, op)
@@ -246,9 +262,12 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 # broadcast
 # --------------------------------------------------------------------------
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
-              process_set=global_process_set):
+              process_set=global_process_set, scope="", is_variable=True):
     """Every worker gets ``root_rank``'s value of ``tensor``. With a
-    ``process_set``, ``root_rank`` is a global rank in the set (as in Horovod)."""
+    ``process_set``, ``root_rank`` is a global rank in the set (as in Horovod).
+    BytePS's ``scope`` and ``is_variable`` are accepted (names come from
+    ``name`` or the tensor)."""
+    del scope, is_variable
     ps = process_sets.resolve(process_set, "broadcast")
     del ignore_name_scope
     require_init()
@@ -268,7 +287,7 @@ def check_set_root(root_rank, ps):
     return root_rank
 
 
-def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set, scope=""):
     """Assigns ``root_rank``'s values to ``variables`` in place, on every worker.
 
     All broadcasts run inside one ``tf.function`` so they overlap (100
@@ -277,8 +296,12 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
     same variables under the same names. In a TF1 graph it returns the op
     that does it (run it in the session). Under BYTEPS_ENABLE_ASYNC=1 the
     trainable ones are also written into the servers' store
-    (bps_tf.async_training.start_from_root; eager calls only).
+    (bps_tf.async_training.start_from_root; eager calls only). BytePS's
+    ``broadcast_variables(variables, root_rank, scope)`` runs too.
     """
+    if isinstance(process_set, str):  # BytePS's third argument is a name scope
+        process_set, scope = global_process_set, process_set
+    del scope
     ps = process_sets.resolve(process_set, "broadcast_variables")
     require_init()
     root_rank = check_set_root(root_rank, ps)

@@ -82,6 +82,20 @@ def shutdown() -> None:
         _core.worker_shutdown()
 
 
+def suspend() -> None:
+    """BytePS's elastic-training call: refused, with what to do instead."""
+    raise NotImplementedError(
+        "suspend()/resume(): elastic training is not available in bps_tf; a lost worker "
+        "fails the job with an error, and the job restarts from a checkpoint "
+        "(BackupAndRestore / ModelCheckpoint, docs/reliability.md).")
+
+
+def resume(num_workers=None, num_servers=None) -> None:
+    """BytePS's elastic-training call: refused (see :func:`suspend`)."""
+    del num_workers, num_servers
+    suspend()
+
+
 def is_initialized() -> bool:
     return _core is not None and _core.is_initialized()
 

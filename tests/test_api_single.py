@@ -524,6 +524,27 @@ def test_keras_namespace_matches_horovod_names():
     np.testing.assert_array_equal(out.numpy(), [2.0, 4.0])
 
 
+def test_byteps_argument_order_and_names_run_unchanged():
+    # byteps.tensorflow: push_pull(tensor, scope, average, ...), broadcast(...,
+    # scope, name, is_variable), broadcast_variables(variables, root, scope).
+    x = tf.constant([2.0, 4.0])
+    np.testing.assert_array_equal(api.push_pull(x, "Push_Pull").numpy(), [2.0, 4.0])
+    np.testing.assert_array_equal(
+        api.push_pull(x, scope="s", average=False, name="byteps_sum").numpy(), [2.0, 4.0])
+    with pytest.raises(NotImplementedError, match="mode='async'"):
+        api.push_pull(x, enable_async=True)
+    np.testing.assert_array_equal(
+        api.broadcast(x, 0, scope="s", name="byteps_bcast", is_variable=False).numpy(),
+        [2.0, 4.0])
+    v = tf.Variable([1.0, 3.0])
+    api.broadcast_variables([v], 0, "scope")
+    np.testing.assert_array_equal(v.numpy(), [1.0, 3.0])
+    with pytest.raises(NotImplementedError, match="elastic training"):
+        bps_tf.suspend()
+    with pytest.raises(NotImplementedError, match="elastic training"):
+        bps_tf.resume(2, 1)
+
+
 def test_xla_compiled_code_is_refused_clearly():
     @tf.function(jit_compile=True)
     def compiled(x):
