@@ -1,10 +1,14 @@
 #include "transport.h"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
 
 #include "common.h"
 
@@ -146,10 +150,46 @@ void Wakeup::Notify() {
 }
 
 void Wakeup::Drain() {
-  pending_ = false;
+  // Read first, then clear. Clearing first lets a Notify in between write
+  // a count this read then swallows while `pending_` stays set: every later
+  // Notify would skip its write and the owner would sleep out its whole
+  // poll timeout on each wake-up (100 ms per message on a quiet channel).
+  // In this order a Notify that sees `pending_` set was queued before the
+  // clear, so the drained thread, which looks at its queues next, sees it.
   uint64_t v;
   while (read(fd_, &v, sizeof(v)) > 0) {
   }
+  pending_.store(false);
+}
+
+long WakeupLostCount(long items, int timeout_ms) {
+  Wakeup wake;
+  std::mutex mu;
+  long queued = 0, taken = 0, lost = 0;
+  std::thread consumer([&] {
+    while (true) {
+      pollfd p{wake.fd(), POLLIN, 0};
+      int ready = poll(&p, 1, timeout_ms);
+      if (ready > 0) wake.Drain();
+      std::lock_guard<std::mutex> lock(mu);
+      if (ready == 0 && queued > 0) ++lost;
+      taken += queued;
+      queued = 0;
+      if (taken == items) return;
+    }
+  });
+  std::mt19937 rng(12345);
+  for (long i = 0; i < items; ++i) {
+    for (volatile unsigned spin = rng() % 512; spin > 0; spin = spin - 1) {
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++queued;
+    }
+    wake.Notify();
+  }
+  consumer.join();
+  return lost;
 }
 
 }  // namespace bps

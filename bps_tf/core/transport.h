@@ -94,6 +94,13 @@ class Wakeup {
   std::atomic<bool> pending_{false};  // written since the last Drain
 };
 
+// Checks Wakeup against lost wake-ups: one thread queues `items` (with
+// short random pauses) and notifies after each; another polls the fd with
+// `timeout_ms`, drains and takes what is queued, as the I/O loops do.
+// Returns how many of its polls timed out while an item was queued (0 when
+// no wake-up was lost).
+long WakeupLostCount(long items, int timeout_ms);
+
 }  // namespace bps
 
 #endif  // BPS_TF_CORE_TRANSPORT_H_
