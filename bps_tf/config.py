@@ -73,10 +73,12 @@ SETTINGS = (
             "Asynchronous training: every this many steps a worker logs (INFO) "
             "its staleness, the other workers' updates folded in between two "
             "of its own pulls (0: never)."),
-    Setting("BYTEPS_OVERLAP", "overlap", "0", _bool,
+    Setting("BYTEPS_OVERLAP", "overlap", "1", _bool,
             "BytePSStrategy's default for overlap=: model.fit starts each step's "
             "gradient push_pulls and applies each layer's update right before its "
-            "forward pass in the next step (docs/overlap.md). Must agree on every node."),
+            "forward pass in the next step, bit-identical to the barrier; models "
+            "it cannot serve exactly keep the barrier with one log line "
+            "(docs/overlap.md). 0: a barrier between steps. Must agree on every node."),
     Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
             "Tensors smaller than this many bytes travel uncompressed whatever "
             "compressor is chosen (they gain nothing). Must agree on every node."),

@@ -1,4 +1,4 @@
-"""Cross-step overlap for an unchanged ``model.fit`` under ``BytePSStrategy(overlap=True)``.
+"""Cross-step overlap for an unchanged ``model.fit`` under ``BytePSStrategy`` (on by default).
 
 The same deferred per-layer apply as :mod:`bps_tf.overlap`, fitted into the
 Keras 3 train step that the strategy runs:
@@ -12,7 +12,11 @@ Keras 3 train step that the strategy runs:
 * before anything reads the weights (end of an epoch, end of ``fit``,
   ``evaluate``, ``predict``, ``save``, ``save_weights``, ``get_weights``,
   the checkpoint callbacks, the process's exit) :meth:`FitOverlap.flush`
-  applies whatever is still pending.
+  applies whatever is still pending; reads elsewhere (in the traced step,
+  eager reads, ``tf.function``\ s run between steps) are caught by
+  :mod:`bps_tf.overlap_guard`;
+* each start's priority comes from the traced step: the variable the
+  forward pass reads first leaves first.
 
 A layer's read of its weights in step k+1 thus waits only for its own
 update (TensorFlow orders stateful ops per resource), so the first layers
@@ -26,7 +30,8 @@ both modes. Falls back to the barrier, with one log line, for optimizers
 not verified bit for bit (anything but SGD, Adam, AdamW: RMSprop differs by
 an ulp) and for what needs every update at once or reads the weights inside
 the step: EMA, loss scaling, gradient accumulation, variable constraints,
-``overwrite_with_gradient`` variables, fp16 compression. Sparse gradients (``IndexedSlices``,
+``overwrite_with_gradient`` variables, compression, several local devices,
+``run_eagerly``. Sparse gradients (``IndexedSlices``,
 Embedding) take the barrier path for their own variables, with one log line.
 """
 from __future__ import annotations
@@ -39,10 +44,11 @@ import weakref
 from typing import Dict, List, Optional
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.distribute import values as values_lib
 
-from bps_tf import collectives, config, naming
+from bps_tf import collectives, config, naming, overlap_guard
 
 log = logging.getLogger("bps_tf")
 
@@ -55,51 +61,14 @@ class OverlapError(RuntimeError):
     """Overlap cannot be applied to this model exactly."""
 
 
-def fallback_reason(model, strategy) -> Optional[str]:
-    """Why ``model.fit`` must keep the barrier for this model, or None."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return "the model has no optimizer"
-    if getattr(strategy, "compressed", False):
-        return "compression is applied by the barrier's reduction only"
-    verified = _verified_optimizers()
-    if type(optimizer) not in verified:
-        return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "
-                f"verified bit-identical to the barrier's "
-                f"({', '.join(c.__name__ for c in verified)})")
-    if hasattr(optimizer, "inner_optimizer"):
-        return "loss scaling (LossScaleOptimizer) checks all gradients for inf/nan at once"
-    if getattr(optimizer, "use_ema", False):
-        return "EMA (use_ema) averages all weights after the whole update"
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        return "gradient accumulation applies on a step count shared by all variables"
-    for v in model.trainable_variables:
-        if getattr(v, "constraint", None) is not None:
-            return f"variable {naming.variable_name(v)} has a constraint applied after all updates"
-        if getattr(v, "overwrite_with_gradient", False):
-            return f"variable {naming.variable_name(v)} is overwritten with its gradient"
-    if not model.trainable_variables:
-        return "the model has no trainable variables"
-    import keras
-    if type(model).train_step is not keras.Model.train_step:
-        # It may read weights outside the layers' own calls, before their
-        # deferred update: a different model, without a word.
-        return f"{type(model).__name__} overrides train_step"
-    owners = {}
-    for layer in model.layers:
-        for v in layer.trainable_variables:
-            if owners.setdefault(id(v), layer.name) != layer.name:
-                return (f"variable {naming.variable_name(v)} is shared by layers "
-                        f"{owners[id(v)]!r} and {layer.name!r}")
-    return None
+class _Retrace(OverlapError, overlap_guard.StaleRead):
+    """Found while tracing the train step: ``fit`` retraces it with the barrier."""
 
 
-def _verified_optimizers() -> tuple:
-    """Optimizer classes tested bit for bit (tests/test_overlap_fit.py).
-    RMSprop is not: its deferred update differs by an ulp, through
-    Grappler's arithmetic rewrites (equal with arithmetic_optimization off)."""
-    import keras
-    return (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW)
+def _last_op_id(graph) -> int:
+    """Id of the op created last in ``graph`` (ids grow in creation order)."""
+    ops = graph.get_operations()
+    return ops[-1]._id if ops else 0  # pylint: disable=protected-access
 
 
 def _local_values(value) -> list:
@@ -126,6 +95,11 @@ class FitOverlap:
         self._graph = None        # the replica graph of the step being traced
         # graph -> {variable index: op of its deferred update in that graph}
         self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # graph -> {variable index: [ops of its apply (first, last id), id of its start op]}
+        self._windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.enabled = True
+        self.dirty = False        # a step ran since the last flush
+        self.priorities: Dict[str, int] = {}   # key -> priority of its start (last trace)
         self._sparse_logged = set()
         if not self.optimizer.built:
             self.optimizer.build(self.variables)
@@ -142,6 +116,8 @@ class FitOverlap:
         self._patch_optimizer()
         self._patch_train_step()
         _controllers.add(self)
+        self._handles = [c.handle for v in self.variables for c in _local_values(v.value)]
+        overlap_guard.watch(self.variables, self._handles, self)
 
     # -- installation ------------------------------------------------------
     def _hook_layers(self):
@@ -169,7 +145,7 @@ class FitOverlap:
 
         @functools.wraps(original)
         def call(*args, **kwargs):
-            if self._active:
+            if self._active and self.enabled:
                 self._apply_before_forward(layer, indices)
             return original(*args, **kwargs)
 
@@ -181,12 +157,12 @@ class FitOverlap:
         update_step = opt._backend_update_step        # pylint: disable=protected-access
 
         def deferred_weight_decay(variables):
-            if not self._active:
+            if not (self._active and self.enabled):
                 return weight_decay(variables)
             return None   # applied with the deferred update
 
         def deferred_update_step(grads, trainable_variables, learning_rate):
-            if not self._active:
+            if not (self._active and self.enabled):
                 return update_step(grads, trainable_variables, learning_rate)
             sparse = [(g, v) for g, v in zip(grads, trainable_variables)
                       if isinstance(g, indexed_slices.IndexedSlices)]
@@ -210,13 +186,73 @@ class FitOverlap:
 
         @functools.wraps(original)
         def train_step(data):
-            self._active += 1
-            self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-            try:
+            if not self.enabled:
                 return original(data)
+            self._active += 1
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            self._graph = graph
+            try:
+                outputs = original(data)
             finally:
                 self._active -= 1
+            if graph is not None and not self._active:
+                self._finish_trace(graph)
+            return outputs
         object.__setattr__(self.model, "train_step", train_step)
+
+    def _finish_trace(self, graph):
+        """Checks the traced step's reads (bps_tf.overlap_guard.stale_reads:
+        raises _Retrace if one is outside its variable's overlap window) and
+        sets each start's priority from where the next forward pass first
+        reads its variable: the first read leaves first."""
+        starts = {i: w[1] for i, w in self._windows.get(graph, {}).items()
+                  if w[0] is not None}
+        windows = {i: (self._windows[graph][i][0], op._id if op is not None else None)  # pylint: disable=protected-access
+                   for i, op in starts.items()}
+        handles = {i: [c.handle for c in _local_values(self.variables[i].value)]
+                   for i in windows}
+        names = {i: naming.variable_name(self.variables[i]) for i in windows}
+        first_reads: Dict[int, int] = {}
+        stale = overlap_guard.stale_reads(graph, handles, windows, names, first_reads)
+        if stale:
+            raise _Retrace(f"the train step reads weights outside the layers' own forward "
+                           f"passes ({'; '.join(stale[:3])}{'; ...' if len(stale) > 3 else ''})")
+        if self._fifo:
+            return
+        started = [i for i, op in starts.items() if op is not None]
+        order = sorted(started, key=lambda i: (first_reads.get(i, float("inf")), i))
+        for rank, i in enumerate(order):
+            starts[i]._set_attr("priority", attr_value_pb2.AttrValue(i=-rank))  # pylint: disable=protected-access
+            self.priorities[self.keys[i]] = -rank
+
+    def disable(self, reason: str) -> None:
+        """Back to the barrier for this model (eager): pending updates are
+        applied first."""
+        self.flush()
+        self.enabled = False
+        overlap_guard.unwatch(self.variables, self._handles)
+        log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.",
+                    reason)
+
+    def guard(self, train_function):
+        """``train_function`` that marks the model dirty and, if tracing
+        found a read overlap cannot serve exactly, retraces with the barrier."""
+        model = self.model
+
+        @functools.wraps(train_function)
+        def guarded(*args, **kwargs):
+            if not self.enabled:
+                return train_function(*args, **kwargs)
+            self.dirty = True
+            try:
+                with overlap_guard.in_train_step.scope():
+                    return train_function(*args, **kwargs)
+            except _Retrace as exc:
+                # Raised while tracing, before the step ran: nothing started.
+                self.disable(str(exc).splitlines()[0])
+                model.make_train_function(force=True)
+                return model.train_function(*args, **kwargs)
+        return guarded
 
     def _log_sparse(self, variables):
         names = [naming.variable_name(v) for v in variables
@@ -234,10 +270,10 @@ class FitOverlap:
                                "(model.compile(run_eagerly=False)); use overlap=False.")
         graph = tf.compat.v1.get_default_graph()
         if graph is not self._graph:
-            raise OverlapError(
+            raise _Retrace(
                 f"BytePSStrategy overlap: layer {layer.name!r} is called inside control flow "
                 f"(a loop or condition in the train step), where its pending update cannot be "
-                f"applied before its forward pass; use BytePSStrategy(overlap=False).")
+                f"applied before its forward pass")
         done = self._applied.setdefault(graph, {})
         todo = [i for i in indices if i not in done]
         if todo:
@@ -264,9 +300,11 @@ class FitOverlap:
                 local = values[0] if len(values) == 1 else tf.math.add_n(values)
             deps = [done[i]] if i in done else []
             with tf.control_dependencies(deps):
-                collectives.push_pull_start(local, self.keys[i],
-                                            priority=0 if self._fifo else -i)
+                token = collectives.push_pull_start(local, self.keys[i],
+                                                    priority=0 if self._fifo else -i)
             done.pop(i, None)
+            if graph is not None:
+                self._windows.setdefault(graph, {}).setdefault(i, [None, None])[1] = token.op
 
     def _index_of(self, variable) -> int:
         i = self._index.get(id(variable))
@@ -284,6 +322,7 @@ class FitOverlap:
         for i in indices:
             var = self.variables[i]
             like = tf.zeros(var.shape, var.dtype)
+            first = _last_op_id(graph) if graph is not None else None
             summed, valid = collectives.push_pull_wait(like, self.keys[i])
             if graph is None:
                 if bool(valid):
@@ -294,8 +333,9 @@ class FitOverlap:
             def update(var=var, summed=summed):
                 self._update(var, summed)
                 return tf.constant(True)
-            self._applied.setdefault(graph, {})[i] = tf.cond(
-                valid, update, lambda: tf.constant(False))
+            applied_op = tf.cond(valid, update, lambda: tf.constant(False))
+            self._applied.setdefault(graph, {})[i] = applied_op
+            self._windows.setdefault(graph, {})[i] = [(first, _last_op_id(graph)), None]
         return applied
 
     @contextlib.contextmanager
@@ -335,10 +375,11 @@ class FitOverlap:
         many variables were updated; a second flush applies nothing."""
         if not tf.executing_eagerly() or self._active:
             return 0
+        self.dirty = False
         pending = set(self.pending())
         if not pending:
             return 0
-        with self.strategy.scope():
+        with self.strategy.scope(), overlap_guard.flushing.scope():
             return self._apply([i for i, k in enumerate(self.keys) if k in pending])
 
 
@@ -379,7 +420,7 @@ def _ensure(model):
     if not getattr(strategy, "overlap", False) or getattr(model, "_bps_fit_overlap_checked", False):
         return
     object.__setattr__(model, "_bps_fit_overlap_checked", True)
-    reason = fallback_reason(model, strategy)
+    reason = overlap_guard.fallback_reason(model, strategy)
     if reason is not None:
         log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.",
                     reason)
@@ -410,7 +451,12 @@ def install() -> None:
     @functools.wraps(make_train_function)
     def make_train(self, force=False):
         _ensure(self)
-        return make_train_function(self, force=force)
+        ctl = controller(self)
+        fresh = force or self.train_function is None
+        make_train_function(self, force=force)
+        if ctl is not None and ctl.enabled and fresh and self.train_function is not None:
+            self.train_function = ctl.guard(self.train_function)
+        return self.train_function
     trainer.make_train_function = make_train
     for name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         setattr(trainer, name, _flush_first(getattr(trainer, name)))
@@ -422,5 +468,6 @@ def install() -> None:
                 _flush_first(getattr(callback_list, name), lambda cbs: cbs.model))
     for cls in (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore):
         cls._save_model = _flush_first(cls._save_model, lambda cb: cb.model)  # pylint: disable=protected-access
+    overlap_guard.install_flushes()
     atexit.register(flush_all)
     _installed[0] = True

@@ -44,6 +44,7 @@ every worker, so every weight is identical on every worker.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import weakref
 
@@ -383,10 +384,13 @@ class AsyncBytePSExtended(BytePSExtended):
 def _agreed_choices(is_async: bool, overlap) -> bool:
     """The overlap choice; every worker must choose the same mode and overlap
     (one push_pull of both votes), or they would wait for each other forever."""
+    chosen = overlap is not None or "BYTEPS_OVERLAP" in os.environ
     overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
     if overlap and is_async:
-        raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
-                         "barrier to overlap; unset one of them.")
+        if chosen:
+            raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
+                             "barrier to overlap; unset one of them.")
+        overlap = False   # the default: nothing to overlap without a barrier
     size = basics.size()
     if size == 1:
         return overlap
@@ -439,7 +443,8 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     the next step's forward pass, layer by layer, with the same weights bit
     for bit (bps_tf.overlap_fit, docs/overlap.md); models it cannot serve
     exactly keep the barrier, with one log line. None (default): the
-    ``BYTEPS_OVERLAP`` setting (default 0). Every worker must choose the same.
+    ``BYTEPS_OVERLAP`` setting (default 1; off in ``mode="async"``). False:
+    the barrier between steps. Every worker must choose the same.
     """
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,

@@ -18,7 +18,7 @@ pytest.importorskip("tensorflow")
 WORKERS, SERVERS = 2, 2
 CHECKS = os.path.join(ROOT, "tests", "workers", "overlap_fit_checks.py")
 EXACT = ["sgd", "momentum", "adam", "adamw_schedule_spe3", "momentum_bn", "global_clipnorm",
-         "embedding_adam"]
+         "embedding_adam", "graph_probe"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,32 @@ def test_models_overlap_cannot_see_into_fall_back_with_one_log_line(ranks, case,
     for detail in _check(ranks, case).values():
         assert not detail["overlapped"]
         assert len(detail["log"]) == 1 and reason in detail["log"][0], detail["log"]
+
+
+def test_a_read_before_the_deferred_update_retraces_with_the_barrier(ranks):
+    # A layer reads a later layer's kernel (not its own attribute, so no
+    # heuristic sees it): the traced step is checked op by op, the read is
+    # found, and fit retraces the step with the barrier before it runs.
+    for detail in _check(ranks, "reads_later_fallback").values():
+        assert not detail["overlapped"], detail
+        lines = [line for line in detail["log"] if "outside the layers' own forward" in line]
+        assert len(lines) == 1 and "dense" in lines[0] and "kernel" in lines[0], detail["log"]
+
+
+def test_reads_between_train_on_batch_calls_see_the_barriers_weights(ranks):
+    # After each train_on_batch, a kernel's numpy() and a tf.function of the
+    # caller's on the model equal the barrier's bit for bit.
+    for detail in _check(ranks, "train_on_batch").values():
+        assert detail["reads"] == 8
+
+
+def test_start_priorities_follow_the_forward_passs_first_reads(ranks):
+    # Created third, second, first (so listed in that order), called first,
+    # second, third: the first layer's kernel then bias leave first.
+    for detail in _check(ranks, "priorities").values():
+        assert [v.split("/")[-1] for v in detail["variables"]] == ["kernel", "bias"] * 3
+        # listed third (kernel, bias), second, first: ranks in call order
+        assert detail["priorities"] == [-4, -5, -2, -3, 0, -1], detail
 
 
 def test_rmsprop_falls_back_to_the_barrier_with_one_log_line(ranks):

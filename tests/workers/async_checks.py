@@ -81,7 +81,9 @@ class StepTimes(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self._t)
         if self.sleep:
-            time.sleep(self.sleep)
+            # At least twice this very step: on a loaded machine steps grow,
+            # and a fixed sleep would stop making this worker 3x slower.
+            time.sleep(max(self.sleep, 2.0 * self.times[-1]))
         if self.wait_at is not None and len(self.times) == self.wait_at:
             gone = os.path.join(OUT, "rank0.gone")
             deadline = time.time() + 60

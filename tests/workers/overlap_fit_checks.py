@@ -83,6 +83,42 @@ def tied_model():
     return keras.Model(inputs, TiedOutput(first)(first(inputs)))
 
 
+class ReadsLater(keras.layers.Layer):
+    """Adds a term of a later layer's kernel: read before that layer's own
+    forward, where its deferred update has not been applied yet. The kernel
+    comes through a function, so Keras does not count it as this layer's."""
+
+    def __init__(self, kernel_of, **kwargs):
+        super().__init__(**kwargs)
+        self.kernel_of = kernel_of
+
+    def call(self, x):
+        return x + 0.1 * keras.ops.mean(self.kernel_of())
+
+
+def reads_later_model():
+    inputs = keras.Input((FEATURES,))
+    last = keras.layers.Dense(3)
+    last.build((None, 16))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    x = ReadsLater(lambda: last.kernel)(x)
+    return keras.Model(inputs, last(x))
+
+
+class GraphProbe(keras.callbacks.Callback):
+    """Reads the weights every batch inside a tf.function (not through Keras)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums, self._read = [], None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._read is None:
+            weights = self.model.trainable_variables
+            self._read = tf.function(lambda: tf.add_n([tf.reduce_sum(w) for w in weights]))
+        self.sums.append(float(self._read()))
+
+
 CASES = {
     "sgd": (dense_model, lambda: keras.optimizers.SGD(0.05), 1),
     "momentum": (dense_model, lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), 1),
@@ -99,6 +135,8 @@ CASES = {
     "ema_fallback": (dense_model, lambda: keras.optimizers.Adam(0.01, use_ema=True), 1),
     "train_step_fallback": (own_train_step_model, lambda: keras.optimizers.SGD(0.05), 1),
     "tied_fallback": (tied_model, lambda: keras.optimizers.SGD(0.05), 1),
+    "reads_later_fallback": (reads_later_model, lambda: keras.optimizers.SGD(0.05), 1),
+    "graph_probe": (dense_model, lambda: keras.optimizers.Adam(0.01), 1),
 }
 
 
@@ -143,8 +181,13 @@ def train(case, strategy, ckpt_dir, hold_batch=None):
     probe = Probe(hold_batch)
     path = os.path.join(ckpt_dir, f"{case}.weights.h5")
     ckpt = keras.callbacks.ModelCheckpoint(path, save_weights_only=True, save_freq=3 * spe)
+    callbacks = [probe, ckpt]
+    if case == "graph_probe":
+        # Only a callback that reads in a graph: the flush before user
+        # batch callbacks must cover it (Probe would flush through get_weights).
+        callbacks = [GraphProbe(), ckpt]
     hist = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                     validation_data=(x[:64], y[:64]), callbacks=[probe, ckpt])
+                     validation_data=(x[:64], y[:64]), callbacks=callbacks)
     ctl = overlap_fit.controller(model)
     out = {
         "pending_after_fit": ctl.pending() if ctl is not None else [],
@@ -152,10 +195,10 @@ def train(case, strategy, ckpt_dir, hold_batch=None):
         "optimizer": [np.array(v.numpy()) for v in model.optimizer.variables],
         "iterations": int(model.optimizer.iterations.numpy()),
         "history": hist.history,
-        "probe": probe.seen,
+        "probe": probe.seen if case != "graph_probe" else callbacks[0].sums,
         "evaluate": model.evaluate(x[:64], y[:64], batch_size=GLOBAL_BATCH, verbose=0),
         "predict": model.predict(x[:16], batch_size=GLOBAL_BATCH, verbose=0),
-        "overlapped": ctl is not None,
+        "overlapped": ctl is not None and ctl.enabled,
         "keys": list(ctl.keys) if ctl is not None else [],
     }
     if bps_tf.rank() == 0:   # rank 0 writes the real checkpoint file
@@ -233,6 +276,63 @@ def check_recompile(strategy, log_lines):
     return run
 
 
+def check_train_on_batch(off, on):
+    """train_on_batch steps with reads between them -- one layer's kernel
+    through numpy() and the model's output through a tf.function of the
+    caller's: each read sees the barrier's weights."""
+    def run():
+        x, y = data("sgd")
+        seen = {}
+        for label, strategy in (("off", off), ("on", on)):
+            keras.utils.set_random_seed(7)
+            with strategy.scope():
+                model = dense_model()
+                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            reads = []
+            forward = tf.function(lambda inputs: model(inputs, training=False))
+            for step in range(4):
+                rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+                model.train_on_batch(x[rows], y[rows])
+                reads.append(model.layers[-1].kernel.numpy().copy())
+                reads.append(forward(x[:4]).numpy())
+            seen[label] = (reads, overlap_fit.controller(model) is not None)
+        same("kernel reads", seen["on"][0], seen["off"][0])
+        if not seen["on"][1]:
+            raise AssertionError("train_on_batch did not overlap")
+        return {"reads": len(seen["on"][0])}
+    return run
+
+
+class CalledInReverse(keras.Model):
+    """Layers created (and listed in trainable_variables) in the reverse of
+    the order the forward pass calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.third = keras.layers.Dense(3)
+        self.second = keras.layers.Dense(8, activation="relu")
+        self.first = keras.layers.Dense(8, activation="relu")
+
+    def call(self, x):
+        return self.third(self.second(self.first(x)))
+
+
+def check_priorities(on):
+    """The starts' priorities follow the forward pass's first reads."""
+    def run():
+        x, y = data("sgd")
+        with on.scope():
+            model = CalledInReverse()
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        ctl = overlap_fit.controller(model)
+        if ctl is None or not ctl.enabled:
+            raise AssertionError("the model did not overlap")
+        return {"variables": [v.path for v in ctl.variables],
+                "priorities": [ctl.priorities.get(k) for k in ctl.keys]}
+    return run
+
+
 def check_arguments(rank):
     def run():
         found = {}
@@ -266,6 +366,8 @@ def main():
         if case != "sgd":
             checks.run(case, check_case(case, off, on, ckpt_dir, log_lines.lines))
     checks.run("recompile", check_recompile(on, log_lines.lines))
+    checks.run("train_on_batch", check_train_on_batch(off, on))
+    checks.run("priorities", check_priorities(on))
     checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
 

@@ -1,0 +1,221 @@
+"""What keeps ``BytePSStrategy`` overlap exact when code reads weights in
+places the per-layer hooks of :mod:`bps_tf.overlap_fit` do not see.
+
+Under overlap, a variable's update of step k is applied right before the
+forward of the layer that holds it in step k+1. A read anywhere else would
+see the weight one update behind, which the barrier never shows. Three
+guards close that gap:
+
+* **In the traced train step** (:func:`stale_reads`): once the step is
+  traced, every op of the step's graph that uses a pending variable's
+  resource must come after that variable's deferred update and before its
+  next push_pull is started. TensorFlow runs the ops of one resource in the
+  order they were created, so op creation order is run order for them. A
+  read outside that window (a layer reading another layer's weights before
+  that layer ran, a ``train_step`` that reads weights after ``apply``, a
+  metric over weights) makes ``fit`` retrace the step with the barrier,
+  with one log line naming the variable and the op.
+* **Reads between steps** (:func:`install_flushes`): reading a watched
+  variable's value eagerly (``numpy()``, ``layer.get_weights()``,
+  ``tf.convert_to_tensor``), or running a ``tf.function`` that captures it
+  (a callback's, the caller's between ``train_on_batch`` calls), while a
+  step has run since the last flush first applies every pending update of
+  its model. The train function itself is exempt: its layers apply their
+  own updates.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+from bps_tf import naming
+
+_state = threading.local()
+
+
+class StaleRead(RuntimeError):
+    """A traced train step reads a variable outside its overlap window."""
+
+
+def stale_reads(graph, handles: Dict[int, List], windows: Dict[int, tuple],
+                names: Dict[int, str], first_reads: Optional[Dict[int, int]] = None
+                ) -> List[str]:
+    """Reads of ``graph`` that would see a variable one update behind.
+
+    ``handles``: variable index -> its eager resource handles;
+    ``windows``: variable index -> ((ids of the ops that apply its pending
+    update: after the first, up to the last), id of the op that starts its
+    next push_pull or None).
+    ``first_reads`` (filled in): variable index -> id of the first op that
+    uses it inside its window (its first read in the forward pass).
+    """
+    internal = {}
+    for external, placeholder in graph.captures:
+        internal.setdefault(id(external), []).append(placeholder)
+    found = []
+    for i, ((before, last), started) in windows.items():
+        for handle in handles.get(i, []):
+            for placeholder in internal.get(id(handle), []):
+                for op in placeholder.consumers():
+                    if before < op._id <= last:  # pylint: disable=protected-access
+                        continue   # the deferred update itself
+                    early = op._id <= before  # pylint: disable=protected-access
+                    late = started is not None and op._id > started  # pylint: disable=protected-access
+                    if early or late:
+                        when = ("before its pending update is applied" if early else
+                                "after its gradient's push_pull is started")
+                        found.append(f"{op.type} op {op.name!r} uses {names[i]} {when}")
+                    elif first_reads is not None:
+                        first_reads[i] = min(first_reads.get(i, op._id), op._id)  # pylint: disable=protected-access
+    return found
+
+
+# --------------------------------------------------------------------------
+# Models the deferred apply cannot serve
+# --------------------------------------------------------------------------
+def fallback_reason(model, strategy) -> Optional[str]:
+    """Why ``model.fit`` must keep the barrier for this model, or None."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return "the model has no optimizer"
+    if getattr(strategy, "compressed", False):
+        return "compression is applied by the barrier's reduction only"
+    verified = _verified_optimizers()
+    if type(optimizer) not in verified:
+        return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "
+                f"verified bit-identical to the barrier's "
+                f"({', '.join(c.__name__ for c in verified)})")
+    if hasattr(optimizer, "inner_optimizer"):
+        return "loss scaling (LossScaleOptimizer) checks all gradients for inf/nan at once"
+    if getattr(optimizer, "use_ema", False):
+        return "EMA (use_ema) averages all weights after the whole update"
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return "gradient accumulation applies on a step count shared by all variables"
+    for v in model.trainable_variables:
+        if getattr(v, "constraint", None) is not None:
+            return f"variable {naming.variable_name(v)} has a constraint applied after all updates"
+        if getattr(v, "overwrite_with_gradient", False):
+            return f"variable {naming.variable_name(v)} is overwritten with its gradient"
+    if not model.trainable_variables:
+        return "the model has no trainable variables"
+    if strategy.num_replicas_in_sync > _size():
+        return "several local devices per worker (not verified bit for bit yet)"
+    if getattr(model, "run_eagerly", False):
+        return "the train step runs eagerly (run_eagerly=True)"
+    import keras
+    if type(model).train_step is not keras.Model.train_step:
+        # It may read weights outside the layers' own calls, before their
+        # deferred update: a different model, without a word.
+        return f"{type(model).__name__} overrides train_step"
+    owners = {}
+    for layer in model.layers:
+        for v in layer.trainable_variables:
+            if owners.setdefault(id(v), layer.name) != layer.name:
+                return (f"variable {naming.variable_name(v)} is shared by layers "
+                        f"{owners[id(v)]!r} and {layer.name!r}")
+    return None
+
+
+def _verified_optimizers() -> tuple:
+    """Optimizer classes tested bit for bit (tests/test_overlap_fit.py).
+    RMSprop is not: its deferred update differs by an ulp, through
+    Grappler's arithmetic rewrites (equal with arithmetic_optimization off)."""
+    import keras
+    return (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW)
+
+
+def _size() -> int:
+    from bps_tf import basics
+    return basics.size()
+
+
+# --------------------------------------------------------------------------
+# Reads between steps
+# --------------------------------------------------------------------------
+# id of a Keras variable, or of one of its resource handles -> its controller
+_watched: "Dict[int, weakref.ref]" = {}
+_watched_handles: "Dict[int, weakref.ref]" = {}
+_installed = [False]
+
+
+def watch(variables, handles, controller) -> None:
+    """Reads of ``variables`` (eager, or through a function capturing one of
+    ``handles``) flush ``controller`` first when it is dirty."""
+    ref = weakref.ref(controller)
+    for v in variables:
+        _watched[id(v)] = ref
+    for h in handles:
+        _watched_handles[id(h)] = ref
+
+
+def unwatch(variables, handles) -> None:
+    for v in variables:
+        _watched.pop(id(v), None)
+    for h in handles:
+        _watched_handles.pop(id(h), None)
+
+
+class _Flag:
+    """A per-thread flag set inside a ``with`` block."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __bool__(self):
+        return getattr(_state, self.name, False)
+
+    @contextlib.contextmanager
+    def scope(self):
+        saved = bool(self)
+        setattr(_state, self.name, True)
+        try:
+            yield
+        finally:
+            setattr(_state, self.name, saved)
+
+
+flushing = _Flag("flushing")        # applying pending updates: no nested flush
+in_train_step = _Flag("in_step")    # running the train function: layers apply their own
+
+
+def _flush(ref) -> None:
+    ctl = ref()
+    if ctl is not None and ctl.dirty:
+        ctl.flush()
+
+
+def install_flushes() -> None:
+    """Wraps the Keras variable's ``value`` (every eager read goes through
+    it) and the execution of a traced function."""
+    if _installed[0]:
+        return
+    from keras.src.backend.common.variables import Variable as KerasVariable
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+    value_property = KerasVariable.value
+
+    def value(self):
+        ref = _watched.get(id(self))
+        if ref is not None and not flushing and tf.executing_eagerly():
+            _flush(ref)
+        return value_property.fget(self)
+
+    KerasVariable.value = property(value, doc=value_property.__doc__)
+
+    function_class = concrete_function.ConcreteFunction
+    call_flat = function_class._call_flat  # pylint: disable=protected-access
+
+    def _call_flat(self, tensor_inputs, captured_inputs):
+        if (_watched_handles and not in_train_step and not flushing
+                and tf.executing_eagerly()):
+            for tensor in captured_inputs:
+                ref = _watched_handles.get(id(tensor))
+                if ref is not None:
+                    _flush(ref)
+        return call_flat(self, tensor_inputs, captured_inputs)
+
+    function_class._call_flat = _call_flat  # pylint: disable=protected-access
+    _installed[0] = True
