@@ -24,9 +24,10 @@ and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
   and ``evaluate()`` are global and identical on every worker;
 * new variables start from rank 0's value (a broadcast inside the initial
   value), so no separate broadcast callback is needed;
-* gradients get push_pull priorities from the graph TensorFlow runs (the
-  C++ priority pass, bps_tf/ops/priority_pass.cc): the variable read first
-  in the forward pass first;
+* each step's push_pulls overlap the next step's forward pass, layer by
+  layer (bps_tf.overlap_fit; ``overlap=False``: the barrier); the variable
+  the forward pass reads first leaves first (with the barrier, the C++
+  priority pass, bps_tf/ops/priority_pass.cc, sets that order);
 * rank 0 alone is ``should_checkpoint`` / ``should_save_summary``; Keras'
   ``ModelCheckpoint`` and ``BackupAndRestore`` write on rank 0 only
   (bps_tf.keras_patches);
@@ -34,12 +35,10 @@ and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
 
 Rules: create the model *and* the optimizer under ``scope()``; every worker
 creates the same variables in the same order; shuffle with the same seed on
-every worker (``keras.utils.set_random_seed``) so the shards partition the
-data. ``model.predict(x)`` returns the predictions of all of ``x`` on every
-worker (:func:`gather_predictions`; ``predict="shard"`` for this worker's
-shard only). Non-trainable variables that Keras updates in the step
-(BatchNormalization's moving statistics) are averaged over every replica of
-every worker, so every weight is identical on every worker.
+every worker (``keras.utils.set_random_seed``). ``model.predict(x)`` returns
+the predictions of all of ``x`` on every worker (``predict="shard"``: this
+worker's shard). BatchNormalization's moving statistics are averaged over
+every replica of every worker, so every weight is identical everywhere.
 """
 from __future__ import annotations
 
@@ -384,13 +383,12 @@ class AsyncBytePSExtended(BytePSExtended):
 def _agreed_choices(is_async: bool, overlap) -> bool:
     """The overlap choice; every worker must choose the same mode and overlap
     (one push_pull of both votes), or they would wait for each other forever."""
-    chosen = overlap is not None or "BYTEPS_OVERLAP" in os.environ
+    if overlap is None and is_async and "BYTEPS_OVERLAP" not in os.environ:
+        overlap = False   # async mode has no barrier to overlap
     overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
     if overlap and is_async:
-        if chosen:
-            raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
-                             "barrier to overlap; unset one of them.")
-        overlap = False   # the default: nothing to overlap without a barrier
+        raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
+                         "barrier to overlap; unset one of them.")
     size = basics.size()
     if size == 1:
         return overlap
@@ -398,14 +396,12 @@ def _agreed_choices(is_async: bool, overlap) -> bool:
                                       naming.strategy_key("mode"), collectives.BLOCKING_PRIORITY)
     async_votes, overlap_votes = (int(v) for v in votes.numpy())
     if async_votes not in (0, size):
-        raise ValueError(
-            f"BytePSStrategy: {async_votes} of {size} workers use mode='async' and the "
-            "others mode='sync'; every worker must use the same mode (and the same "
-            "BYTEPS_ENABLE_ASYNC).")
+        raise ValueError(f"BytePSStrategy: {async_votes} of {size} workers use mode='async' "
+                         "and the others mode='sync'; every worker must use the same mode "
+                         "(and the same BYTEPS_ENABLE_ASYNC).")
     if overlap_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy overlap: {overlap_votes} of {size} workers chose "
-                         f"overlap=True and the others False (BYTEPS_OVERLAP or the "
-                         f"overlap= argument); every worker must choose the same.")
+        raise ValueError(f"BytePSStrategy overlap: {overlap_votes} of {size} workers chose overlap=True "
+                         "and the others False (BYTEPS_OVERLAP or overlap=); all must choose the same.")
     return overlap
 
 
@@ -440,11 +436,10 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     least BYTEPS_MIN_COMPRESS_BYTES. State updates stay exact.
 
     ``overlap``: True -- ``model.fit`` overlaps each step's push_pulls with
-    the next step's forward pass, layer by layer, with the same weights bit
-    for bit (bps_tf.overlap_fit, docs/overlap.md); models it cannot serve
-    exactly keep the barrier, with one log line. None (default): the
-    ``BYTEPS_OVERLAP`` setting (default 1; off in ``mode="async"``). False:
-    the barrier between steps. Every worker must choose the same.
+    the next step's forward pass, layer by layer, bit-identical to the
+    barrier (docs/overlap.md); models it cannot serve exactly keep the
+    barrier, with one log line. None: ``BYTEPS_OVERLAP`` (default 1; off
+    in async mode). Every worker must choose the same.
     """
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
