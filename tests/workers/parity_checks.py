@@ -374,7 +374,7 @@ def check_server_reductions(rank, size):
     try:
         api.allreduce(tf.constant([1.0]), op=api.Min if rank == 0 else api.Max,
                       name="server_reduce/mismatch")
-    except tf.errors.InvalidArgumentError as exc:
+    except tf.errors.FailedPreconditionError as exc:
         message = str(exc)
         if "server_reduce/mismatch" not in message or "min" not in message \
                 or "max" not in message:
