@@ -14,6 +14,7 @@ import tensorflow as tf
 import keras
 
 import bps_tf
+import bps_tf.keras  # noqa: F401  (bps_tf.keras.callbacks)
 from bps_tf import api
 import gradient_checks
 
@@ -405,6 +406,16 @@ def check_horovod_peer_semantics(rank, size):
     got = api.allreduce(tf.constant([7], tf.int32), op=api.Sum, prescale_factor=0.5,
                         name="peer/int_prescale")
     expect_equal("integer prescale", got, [3 * size])
+    init = keras.initializers.Constant(float(rank))
+    model = keras.Sequential([keras.layers.Dense(1, kernel_initializer=init,
+                                                 bias_initializer=init)])
+    model.build((None, 1))
+    callback = bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(
+        0, local_variables=[model.layers[0].bias])
+    callback.set_model(model)
+    callback.on_train_begin()
+    kernel, bias = model.get_weights()
+    expect_equal("broadcast kernel, local bias", [kernel[0, 0], bias[0]], [0.0, float(rank)])
     return "ok"
 
 
