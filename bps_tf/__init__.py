@@ -40,6 +40,7 @@ _LAZY = {
     "broadcast_object": "bps_tf.api",
     "allgather_object": "bps_tf.api",
     "DistributedGradientTape": "bps_tf.tape",
+    "PartialDistributedGradientTape": "bps_tf.tape",
     "Compression": "bps_tf.api",
     "Average": "bps_tf.api",
     "Sum": "bps_tf.api",
@@ -59,6 +60,7 @@ _LAZY = {
     "join": "bps_tf.synchronization",
     "SyncBatchNormalization": "bps_tf.sync_batch_norm",
     "broadcast_global_variables": "bps_tf.tf1_session",
+    "_executing_eagerly": "bps_tf.util",
     "BroadcastGlobalVariablesHook": "bps_tf.tf1_session",
     **{query: "bps_tf.build_info" for query in (
         "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
@@ -72,10 +74,12 @@ _LAZY = {
 # The documented API: `from bps_tf import *` gives all of it (the lazy names
 # import TensorFlow then; a plain `import bps_tf` still does not).
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
-           "local_rank", "suspend", "resume", *_LAZY]
+           "local_rank", "suspend", "resume", *(n for n in _LAZY if not n.startswith("_"))]
 
 
 def __getattr__(name):
+    if name in ("util", "elastic"):  # hvd.util, hvd.elastic, as in Horovod
+        return importlib.import_module(f"bps_tf.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'bps_tf' has no attribute {name!r}")

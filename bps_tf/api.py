@@ -206,8 +206,8 @@ def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor, ps):
     values = collectives.scale(slices.values, prescale_factor, "prescale_factor")
     values = allgather(values, name=naming.part_key(base, "values"), process_set=ps)
     indices = allgather(slices.indices, name=naming.part_key(base, "indices"), process_set=ps)
-    if op == Average:
-        values = collectives.divide(values, ps.size())
+    if op == Average:   # Horovod's true division: integer values average to floats
+        values = values / ps.size()
     values = collectives.scale(values, postscale_factor, "postscale_factor")
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
@@ -217,8 +217,14 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
               postscale_factor=1.0, name=None, ignore_name_scope=False,
               priority=0, process_set=global_process_set):
     """``push_pull`` under Horovod's name and argument order.
-    ``ignore_name_scope`` is accepted for compatibility and has no effect."""
+    ``ignore_name_scope`` is accepted for compatibility and has no effect.
+    As in Horovod, an ``IndexedSlices`` takes no pre/postscaling here
+    (``NotImplementedError``; ``push_pull`` scales its values)."""
     del ignore_name_scope
+    if isinstance(tensor, tf.IndexedSlices) and (prescale_factor != 1.0 or
+                                                 postscale_factor != 1.0):
+        raise NotImplementedError("allreduce: pre/postscaling is not supported with "
+                                  "tf.IndexedSlices (as in Horovod).")
     return push_pull(tensor, average=average, name=name, compression=compression,
                      op=op, priority=priority, device_dense=device_dense,
                      device_sparse=device_sparse, prescale_factor=prescale_factor,
@@ -242,17 +248,22 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 # --------------------------------------------------------------------------
 # allgather
 # --------------------------------------------------------------------------
-def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set,
+              same_shape=True, scope=""):
     """Concatenates ``tensor`` over workers along the first dimension, in
     rank order. The first dimension may differ between workers; the others
     must agree. Exact for every supported dtype, except that a float -0.0
-    comes back as +0.0 (see ``bps_tf.collectives.allgather``).
+    comes back as +0.0 (see ``bps_tf.collectives.allgather``). BytePS's
+    ``same_shape`` and ``scope`` are accepted (first dimensions may differ
+    either way).
     """
     ps = process_sets.resolve(process_set, "allgather")
-    del ignore_name_scope
+    del ignore_name_scope, same_shape, scope
     require_init()
     tensor = collectives.row_tensor(tensor, "allgather", collectives.GATHER_DTYPES)
     key = naming.op_key("Allgather", name, tensor, ps.process_set_id)
+    # Horovod's gradient: this rank's rows of the *average* of the gradients.
+    tensor = collectives.scale_gradient(tensor, 1.0 / ps.size())
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         gathered, _ = collectives.allgather(tensor, key, ps.rank(), ps.size(), widen=True)
     return gathered
@@ -274,6 +285,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     root_rank = check_set_root(root_rank, ps)
     tensor = tf.convert_to_tensor(tensor)
     key = naming.op_key("Broadcast", name, tensor, ps.process_set_id)
+    # Horovod's gradient: the root gets the average of the gradients.
+    tensor = collectives.scale_gradient(tensor, 1.0 / ps.size())
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         return collectives.broadcast(tensor, key, root_rank)
 
@@ -333,28 +346,40 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set, 
         return assign_all()
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+def _object_value(tensor, session, where):
+    """The numpy value of ``tensor``: eagerly, or run in ``session`` (else
+    the default session) inside a TF1 graph, as Horovod's object calls do."""
+    if tf.executing_eagerly():
+        return tensor.numpy()
+    session = session or tf.compat.v1.get_default_session()
+    if session is None:
+        raise RuntimeError(f"{where} in a graph needs a session: pass session= or run it "
+                           f"under a default session (or call it eagerly).")
+    return session.run(tensor)
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None,
+                     process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` on every worker (any picklable object).
 
-    Eager only. The pickled bytes travel as int32 words; their length is
-    broadcast first so the other workers can size the buffer.
+    The pickled bytes travel as int32 words; their length is broadcast first
+    so the other workers can size the buffer. In a TF1 graph the collectives
+    run in ``session`` (default: the default session), as in Horovod.
     """
     ps = process_sets.resolve(process_set, "broadcast_object")
     require_init()
-    if not tf.executing_eagerly():
-        raise RuntimeError("broadcast_object works in eager mode only.")
     root_rank = check_set_root(root_rank, ps)
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         return _broadcast_object(obj, root_rank, naming.op_key("BroadcastObject", name, None,
-                                                               ps.process_set_id))
+                                                               ps.process_set_id), session)
 
 
-def _broadcast_object(obj, root_rank, base):
+def _broadcast_object(obj, root_rank, base, session=None):
     is_root = basics.rank() == root_rank
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
     length = collectives.broadcast(tf.constant([len(payload)], tf.int64),
                                    naming.part_key(base, "length"), root_rank)
-    nbytes = int(length.numpy()[0])
+    nbytes = int(_object_value(length, session, "broadcast_object")[0])
     words = (nbytes + 3) // 4
     if is_root:
         padded = payload + b"\0" * (words * 4 - nbytes)
@@ -362,26 +387,25 @@ def _broadcast_object(obj, root_rank, base):
     else:
         buf = np.zeros([words], np.int32)
     data = collectives.broadcast(tf.constant(buf), naming.part_key(base, "data"), root_rank)
-    return pickle.loads(data.numpy().tobytes()[:nbytes])
+    return pickle.loads(_object_value(data, session, "broadcast_object").tobytes()[:nbytes])
 
 
-def allgather_object(obj, name=None, process_set=global_process_set):
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every worker's ``obj`` (any picklable object), as a list in rank order.
 
-    Eager only. The pickled bytes travel as uint8 rows of an allgather
-    (first dimension may differ per worker), after an allgather of their
-    lengths.
+    The pickled bytes travel as uint8 rows of an allgather (first dimension
+    may differ per worker), after an allgather of their lengths. In a TF1
+    graph they run in ``session`` (default: the default session).
     """
     ps = process_sets.resolve(process_set, "allgather_object")
     require_init()
-    if not tf.executing_eagerly():
-        raise RuntimeError("allgather_object works in eager mode only.")
     base = naming.op_key("AllgatherObject", name, None, ps.process_set_id)
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    lengths = allgather(tf.constant([payload.size], tf.int64),
-                        name=naming.part_key(base, "lengths"), process_set=ps).numpy()
-    data = allgather(tf.constant(payload), name=naming.part_key(base, "data"),
-                     process_set=ps).numpy()
+    lengths = _object_value(allgather(tf.constant([payload.size], tf.int64),
+                                      name=naming.part_key(base, "lengths"), process_set=ps),
+                            session, "allgather_object")
+    data = _object_value(allgather(tf.constant(payload), name=naming.part_key(base, "data"),
+                                   process_set=ps), session, "allgather_object")
     out, start = [], 0
     for length in lengths:
         out.append(pickle.loads(data[start:start + int(length)].tobytes()))

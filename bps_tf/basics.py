@@ -27,8 +27,9 @@ def core():
     return _core
 
 
-def init(environ=None, process_sets=None) -> None:
+def init(environ=None, process_sets=None, lazy=True) -> None:
     """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1).
+    ``lazy`` (BytePS's) is accepted: the cluster is always joined here.
 
     Blocks until every worker and server has met; raises with the reason if
     they disagree or do not all arrive in BYTEPS_RENDEZVOUS_TIMEOUT seconds.

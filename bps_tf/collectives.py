@@ -149,15 +149,32 @@ def check_root(root_rank: int) -> int:
 
 
 def scale(tensor, factor: float, what: str):
-    """``tensor * factor``; integer tensors take integral factors only."""
+    """``tensor * factor`` computed as Horovod does on the CPU: integers in
+    float64 (the product truncated back to the dtype), float16/bfloat16 in
+    float32, other floats in their own dtype. ``what`` names the argument."""
+    del what
     if factor == 1.0:
         return tensor
-    if tensor.dtype.is_integer:
-        if float(factor) != int(factor):
-            raise ValueError(f"{what}={factor} cannot scale an integer tensor "
-                             f"({tensor.dtype.name}); use an integral factor.")
-        return tensor * tf.cast(int(factor), tensor.dtype)
-    return tensor * tf.cast(factor, tensor.dtype)
+    dtype = tensor.dtype
+    if dtype.is_integer or dtype in (tf.float16, tf.bfloat16):
+        wide = tf.float64 if dtype.is_integer else tf.float32
+        return tf.cast(tf.cast(tensor, wide) * tf.constant(factor, wide), dtype)
+    return tensor * tf.cast(factor, dtype)
+
+
+def scale_gradient(tensor, factor: float):
+    """``tensor`` unchanged, its gradient multiplied by ``factor``: gives a
+    collective built on the sum Horovod's gradient (an allgather's and a
+    broadcast's gradient are averaged over the workers, a reducescatter's
+    summed). Integer and bool tensors, which carry no gradient, pass as is."""
+    if factor == 1.0 or not tensor.dtype.is_floating:
+        return tensor
+
+    @tf.custom_gradient
+    def scaled(x):
+        return tf.identity(x), lambda dy: dy * tf.cast(factor, dy.dtype)
+
+    return scaled(tensor)
 
 
 def divide(tensor, n: int):

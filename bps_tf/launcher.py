@@ -47,6 +47,11 @@ OUTPUT_DRAIN_S = 5.0               # for the last output of the children at the 
 
 EXIT_USAGE = 2
 
+# What horovodrun (Gloo) tells each worker, for scripts and tests that read
+# their place from the environment; a local job is one host.
+HOROVOD_PLACEMENT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                     "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
 # Variables that place a process in a cluster. A child gets only those the
 # launcher sets for it, so a stale value in the caller's shell cannot leak in.
 PLACEMENT_VARIABLES = (
@@ -54,6 +59,7 @@ PLACEMENT_VARIABLES = (
     "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST", "BYTEPS_SERVER_ID",
     "BYTEPS_SERVER_PORT", "BYTEPS_BIND_HOST", "BYTEPS_HOST_SCHEDULER", "BYTEPS_READY_FILE",
     "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE",
+    *HOROVOD_PLACEMENT,
 )
 
 
@@ -114,6 +120,8 @@ def _worker_env(job_env: Mapping[str, str], rank: int, num_workers: int,
         "BYTEPS_LOCAL_SIZE": str(num_workers),
         "DMLC_PS_ROOT_PORT": str(scheduler_port),
     })
+    env.update(zip(HOROVOD_PLACEMENT, (str(rank), str(num_workers), str(rank),
+                                       str(num_workers), "0", "1")))
     env.pop("BYTEPS_HEALTH_PORT", None)     # workers serve no health service
     return env
 

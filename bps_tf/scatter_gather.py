@@ -76,6 +76,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
         raise ValueError("reducescatter needs a tensor with at least one dimension.")
     key = naming.op_key("Reducescatter", name, tensor, ps.process_set_id)
     rank, size = ps.rank(), ps.size()
+    # Horovod's gradient: the gathered gradients, times size() for a Sum
+    # (the sum's own gradient is the gathered ones, the average's 1/size).
+    tensor = collectives.scale_gradient(tensor, float(size))
     with tf.device(device_dense), collectives.agreement_scope(
             set=process_sets.set_agreement(ps), op=op.name.lower()):
         sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
@@ -111,20 +114,23 @@ def _checked_splits(tensor, splits, size):
     """``splits`` as an int64 vector of ``size`` counts that add up to the
     first dimension of ``tensor`` (even split when None)."""
     rows = tf.shape(tensor, out_type=tf.int64)[0]
+    # Bad splits are InvalidArgumentError, as Horovod's op reports them.
+    invalid = tf.errors.InvalidArgumentError
     if splits is None:
         if tensor.shape[0] is not None and tensor.shape[0] % size:
-            raise ValueError(f"alltoall without splits needs a first dimension divisible "
-                             f"by size() ({size}); got {tensor.shape[0]}.")
+            raise invalid(None, None, f"alltoall without splits needs a first dimension "
+                                      f"divisible by size() ({size}); got {tensor.shape[0]}.")
         return tf.fill([size], rows // size)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
     if splits.shape.rank != 1 or (splits.shape[0] is not None and splits.shape[0] != size):
-        raise ValueError(f"alltoall: splits must be a vector of size() = {size} counts; "
-                         f"got shape {splits.shape}.")
+        raise invalid(None, None, f"alltoall: splits must be a vector of size() = {size} "
+                                  f"counts; got shape {splits.shape}.")
     if tf.executing_eagerly():
         values = splits.numpy().tolist()
         if min(values, default=0) < 0 or sum(values) != int(rows):
-            raise ValueError(f"alltoall: splits {values} must be non-negative and add up "
-                             f"to the first dimension of the tensor ({int(rows)}).")
+            raise invalid(None, None, f"alltoall: splits {values} must be non-negative and "
+                                      f"add up to the first dimension of the tensor "
+                                      f"({int(rows)}).")
         return splits
     with tf.control_dependencies([
             tf.debugging.assert_non_negative(splits, message="alltoall: negative splits"),
@@ -136,16 +142,18 @@ def _checked_splits(tensor, splits, size):
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Sends ``splits[i]`` rows of ``tensor`` (in order) to rank ``i`` and
-    returns ``(received, received_splits)``: the rows every rank sent to
-    this one, concatenated in rank order, and how many came from each rank
-    (int32). ``splits=None`` splits the first dimension evenly. A rank may
-    send or receive nothing (zeros in the splits, or an empty tensor)."""
+    returns the rows every rank sent to this one, concatenated in rank order;
+    with ``splits`` given, as in Horovod, ``(received, received_splits)``,
+    the second saying how many rows came from each rank (int32).
+    ``splits=None`` splits the first dimension evenly. A rank may send or
+    receive nothing (zeros in the splits, or an empty tensor)."""
     ps = process_sets.resolve(process_set, "alltoall")
     del ignore_name_scope
     require_init()
     tensor = collectives.row_tensor(tensor, "alltoall", collectives.GATHER_DTYPES)
     rank, size = ps.rank(), ps.size()
     key = naming.op_key("Alltoall", name, tensor, ps.process_set_id)
+    with_splits = splits is not None
     splits = _checked_splits(tensor, splits, size)
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         # matrix[s, d]: rows rank s sends to rank d (ranks within the set)
@@ -157,4 +165,5 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     received_splits = matrix[:, rank]
     starts = source_start + tf.reduce_sum(matrix[:, :rank], axis=1)
     index = tf.ragged.range(starts, starts + received_splits).flat_values
-    return tf.gather(data, index), tf.cast(received_splits, tf.int32)
+    received = tf.gather(data, index)
+    return (received, tf.cast(received_splits, tf.int32)) if with_splits else received

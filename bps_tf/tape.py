@@ -14,6 +14,11 @@ from bps_tf.process_sets import global_process_set, resolve
 from bps_tf.collectives import require_init
 
 
+def _source_key(source):
+    """A hashable identity of a source (Keras 3 variables have no ``ref()``)."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
 class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape``; ``gradient`` returns gradients reduced
     across workers (averaged by default).
@@ -40,7 +45,8 @@ class DistributedGradientTape(tf.GradientTape):
     def __init__(self, gradtape, device_dense="", device_sparse="",
                  compression=Compression.none, sparse_as_dense=False, op=Average,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 process_set=global_process_set, priority_fn=None):
+                 process_set=global_process_set, scale_local_gradients=True,
+                 priority_fn=None):
         refuse_gradient_exchange("DistributedGradientTape")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
@@ -56,7 +62,24 @@ class DistributedGradientTape(tf.GradientTape):
                          op=op, priority_fn=priority_fn,
                          prescale=prescale, postscale=postscale,
                          device_dense=device_dense, device_sparse=device_sparse,
-                         process_set=process_set)
+                         process_set=process_set, local=set(),
+                         scale_local=bool(scale_local_gradients))
+
+    def register_local_source(self, source):
+        """Marks a variable as this worker's own (Horovod's name): its gradient
+        is not reduced across workers, only divided by the set's size when
+        ``scale_local_gradients`` (the default)."""
+        self._bps["local"].add(_source_key(source))
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """``(local, global)``: lists of ``(variable, gradient)`` for the
+        registered local sources and for the reduced others."""
+        flat = tf.nest.flatten(sources, expand_composites=False)
+        grads = self.gradient(target, flat, output_gradients=output_gradients)
+        local = [(v, g) for v, g in zip(flat, grads) if _source_key(v) in self._bps["local"]]
+        shared = [(v, g) for v, g in zip(flat, grads)
+                  if _source_key(v) not in self._bps["local"]]
+        return local, shared
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -66,11 +89,45 @@ class DistributedGradientTape(tf.GradientTape):
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         opts = self._bps
+        shared = [i for i, s in enumerate(flat_sources) if _source_key(s) not in opts["local"]]
         with tf.device(opts["device_dense"]):
             reduced = reduce_gradients(
-                flat_grads, flat_sources, "DistributedGradientTape",
+                [flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
+                "DistributedGradientTape",
                 compression=opts["compression"], sparse_as_dense=opts["sparse_as_dense"],
                 op=opts["op"], priority_fn=opts["priority_fn"],
                 prescale_factor=opts["prescale"], postscale_factor=opts["postscale"],
                 process_set=opts["process_set"])
-        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+        out = list(flat_grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if opts["scale_local"] and opts["local"]:
+            n = opts["process_set"].size()
+            for i, g in enumerate(out):
+                if i in shared or g is None:
+                    continue
+                if isinstance(g, tf.IndexedSlices):
+                    out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                else:
+                    out[i] = g / n
+        return tf.nest.pack_sequence_as(grads, out, expand_composites=False)
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A DistributedGradientTape that keeps the gradients of ``local_layers``
+    (a Keras layer or a list of them) on this worker, as Horovod's."""
+    if local_layers is None:
+        local_layers = []
+    elif not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor,
+                                   num_groups, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape

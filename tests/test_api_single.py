@@ -108,8 +108,8 @@ def test_prescale_and_postscale(fake_size):
     np.testing.assert_allclose(out.numpy(), [0.75, 1.5])
     out = api.push_pull(tf.constant([5], tf.int32), op=api.Sum, prescale_factor=2)
     assert out.numpy().tolist() == [10]
-    with pytest.raises(ValueError, match="integer"):
-        api.push_pull(tf.constant([5], tf.int32), prescale_factor=0.5)
+    out = api.push_pull(tf.constant([5], tf.int32), op=api.Sum, prescale_factor=0.5)
+    assert out.numpy().tolist() == [2]   # float64 math truncated, as Horovod (op copies)
 
 
 def test_op_and_average_together_is_an_error():

@@ -150,6 +150,7 @@ def run(job, np_, servers, plan=None, server_mode="normal", **kwargs):
 def test_every_child_gets_its_place(job, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {}}')
     monkeypatch.setenv("BYTEPS_SERVER_ID", "7")          # stale values must not leak in
+    monkeypatch.setenv("HOROVOD_RANK", "9")
     monkeypatch.delenv("BYTEPS_JOB_TOKEN", raising=False)
     code, _ = run(job, 3, 2)
     assert code == 0
@@ -165,6 +166,8 @@ def test_every_child_gets_its_place(job, monkeypatch):
         assert (env["BYTEPS_LOCAL_SIZE"], env["DMLC_NUM_WORKER"], env["DMLC_NUM_SERVER"]) == ("3", "3", "2")
         assert (env["DMLC_PS_ROOT_URI"], env["DMLC_PS_ROOT_PORT"]) == ("127.0.0.1", port)
         assert "TF_CONFIG" not in env and "BYTEPS_SERVER_ID" not in env
+        assert (env["HOROVOD_RANK"], env["HOROVOD_SIZE"], env["HOROVOD_LOCAL_RANK"],
+                env["HOROVOD_LOCAL_SIZE"]) == (rank, "3", rank, "3")   # as horovodrun's
         tokens.add(env["BYTEPS_JOB_TOKEN"])
     s0, s1 = servers["0"]["env"], servers["1"]["env"]
     assert (s0["DMLC_ROLE"], s0["BYTEPS_SERVER_ID"], s0["BYTEPS_HOST_SCHEDULER"]) == ("server", "0", "1")

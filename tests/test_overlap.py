@@ -65,7 +65,7 @@ def test_next_steps_first_layer_ran_before_the_last_push_pull_was_delivered(rank
 
 def test_an_engine_failure_is_raised_by_the_wait(ranks):
     for detail in _check(ranks, "engine_failure").values():
-        assert detail["error"] == "InvalidArgumentError"
+        assert detail["error"] == "FailedPreconditionError"
         assert "Overlap/test/mismatch" in detail["message"]
 
 

@@ -69,14 +69,14 @@ def test_every_dtype_through_every_collective(dtype):
     for out in (api.allgather(x, name=f"single/gather/{dtype.name}"),
                 api.broadcast(x, 0, name=f"single/bcast/{dtype.name}"),
                 bps_tf.reducescatter(x, op=api.Sum, name=f"single/rs/{dtype.name}"),
-                bps_tf.alltoall(x, name=f"single/a2a/{dtype.name}")[0]):
+                bps_tf.alltoall(x, name=f"single/a2a/{dtype.name}")):
         assert out.dtype == dtype
         np.testing.assert_array_equal(out.numpy(), x.numpy())
 
 
 def test_bool_broadcast_allgather_alltoall_but_not_allreduce():
     x = tf.constant([[True, False], [False, True]])
-    for out in (api.broadcast(x, 0), api.allgather(x), bps_tf.alltoall(x)[0]):
+    for out in (api.broadcast(x, 0), api.allgather(x), bps_tf.alltoall(x)):
         assert out.dtype == tf.bool
         np.testing.assert_array_equal(out.numpy(), x.numpy())
     for bad in (lambda: api.allreduce(x), lambda: bps_tf.reducescatter(x)):
@@ -163,9 +163,9 @@ def test_alltoall_splits_empty_and_errors(op_names):
                         "Alltoall/a/data/counts", "Alltoall/a/data/data"]
     got, splits = bps_tf.alltoall(tf.zeros([0, 4], tf.uint8), splits=tf.constant([0]))
     assert got.shape == (0, 4) and got.dtype == tf.uint8 and splits.numpy().tolist() == [0]
-    with pytest.raises(ValueError, match="add up"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="add up"):
         bps_tf.alltoall(x, splits=[2])
-    with pytest.raises(ValueError, match="vector of size"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="vector of size"):
         bps_tf.alltoall(x, splits=[1, 2])
 
     @tf.function
@@ -282,3 +282,44 @@ def test_join_alone_returns_rank_0_and_is_eager_only():
     np.testing.assert_array_equal(out.numpy(), [3.0])
     with pytest.raises(RuntimeError, match="eagerly"):
         tf.function(lambda: bps_tf.join())()
+
+
+def test_horovod_peer_semantics_at_size_one():
+    """What Horovod's own tests expect of the API: ``alltoall`` without splits
+    returns the tensor alone; bad splits are InvalidArgumentError; an
+    IndexedSlices allreduce takes no pre/postscaling (NotImplementedError);
+    integer tensors scale in float64 and truncate, float16 in float32;
+    ``util._executing_eagerly``, ``elastic`` state and
+    ``PartialDistributedGradientTape`` exist."""
+    x = tf.constant([[1, 2], [3, 4]], tf.int32)
+    assert isinstance(bps_tf.alltoall(x), tf.Tensor)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        bps_tf.alltoall(x, splits=[3])
+    slices = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([0]))
+    for scaling in ({"prescale_factor": 0.5}, {"postscale_factor": 0.5}):
+        with pytest.raises(NotImplementedError):
+            bps_tf.allreduce(slices, op=bps_tf.Sum, **scaling)
+    got = bps_tf.allreduce(tf.constant([7, -7], tf.int32), op=bps_tf.Sum, prescale_factor=0.5)
+    assert got.numpy().tolist() == [3, -3]          # trunc(3.5), trunc(-3.5)
+    half = bps_tf.allreduce(tf.constant([0.1], tf.float16), op=bps_tf.Sum, postscale_factor=0.3)
+    want = tf.cast(tf.cast(tf.constant([0.1], tf.float16), tf.float32) * 0.3, tf.float16)
+    assert half.numpy().tolist() == want.numpy().tolist()
+    assert bps_tf.util._executing_eagerly() and bps_tf._executing_eagerly()
+    v = tf.Variable([1.0, 2.0])
+    state = bps_tf.elastic.TensorFlowState([v], batch=3)
+    state.sync()
+    v.assign([5.0, 6.0])
+    state.batch = 4
+    state.restore()
+    assert v.numpy().tolist() == [1.0, 2.0] and state.batch == 3
+    v.assign([5.0, 6.0])
+    state.commit()
+    state.restore()
+    assert v.numpy().tolist() == [5.0, 6.0]
+    assert bps_keras.elastic.KerasState is bps_tf.elastic.KerasState
+    layer = keras.layers.Dense(1, kernel_initializer="ones")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.ones([1, 2])))
+    tape = bps_tf.PartialDistributedGradientTape(tape, local_layers=[layer])
+    local, shared = tape.get_local_and_global_gradients(loss, layer.trainable_weights)
+    assert len(local) == 2 and not shared

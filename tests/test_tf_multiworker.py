@@ -168,6 +168,10 @@ def test_parity_gradient_predivide_factor_equals_the_average(ranks):
     _check(ranks, "parity_gradient_predivide_factor")
 
 
+def test_parity_local_sources_elastic_state_and_integer_prescale(ranks):
+    _check(ranks, "parity_horovod_peer_semantics")
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_parity_gradients_of_every_collective_match_the_definition(ranks, mode):
     for detail in _check(ranks, f"parity_gradients_{mode}"):

@@ -29,12 +29,15 @@ enum bps_dtype {
 enum bps_status {
   BPS_OK = 0,
   BPS_ERR_NOT_INITIALIZED = 1,  // FailedPrecondition: init() has not run
-  BPS_ERR_INVALID = 2,          // InvalidArgument: workers disagree on a tensor,
-                                // or a dtype, shape or name the core refuses
+  BPS_ERR_INVALID = 2,          // InvalidArgument: a dtype, shape, name or call
+                                // the core refuses
   BPS_ERR_UNAVAILABLE = 3,      // Unavailable: a peer was lost or left, or the
                                 // job failed or was shut down
   BPS_ERR_TIMEOUT = 4,          // DeadlineExceeded: BYTEPS_OP_TIMEOUT ran out
   BPS_ERR_INTERNAL = 5,         // Internal: a fault of the core itself
+  BPS_ERR_MISMATCH = 6,         // FailedPrecondition: workers disagree on a tensor
+                                // (shape, dtype, root, reduce op or process set),
+                                // as Horovod reports such a mismatch
 };
 
 // Called once per enqueued operation with a bps_status; when it is not

@@ -319,6 +319,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
     auto known = async_sig_.find(name);
     Config c;
     if (known != async_sig_.end()) {
+      c.Set("mismatch", "1");
       c.Set("error", "asynchronous tensor '" + name + "' differs across workers: worker " +
                          std::to_string(rank) + " has " + sig + " but it was declared as " +
                          known->second);
@@ -352,6 +353,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
   auto reply_error = [&](const Peer& to, uint64_t request_id, const std::string& why) {
     Config c;
     c.Set("error", why);
+    if (why.find("differs across workers") != std::string::npos) c.Set("mismatch", "1");
     out->push_back(Reply(to, MsgType::kDeclared, c.Serialize(), request_id));
   };
   if (!valid_set) {
@@ -485,6 +487,7 @@ void Scheduler::Complete(const std::string& name, const std::vector<int>& ranks,
     BPS_LOG(kError, error);
     Config c;
     c.Set("error", error);
+    c.Set("mismatch", "1");
     payload = c.Serialize();
   } else {
     Assignment a = Assign(name, first.sig, first.dtype, static_cast<uint64_t>(first.bytes));

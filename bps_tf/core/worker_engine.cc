@@ -396,10 +396,13 @@ void WorkerEngine::OnDeclared(uint64_t request_id, const Config& kv) {
         info->part_bytes = std::max<uint64_t>(elem, (partition_bytes_ / elem) * elem);
       }
     }
-    tensors_[sigkey] = info;
+    // A refused declaration is not kept: the next call under this name (the
+    // workers may agree then) declares again instead of failing at once.
+    int refused = kv.Get("mismatch") == "1" ? BPS_ERR_MISMATCH : BPS_ERR_INVALID;
+    if (info->error.empty()) tensors_[sigkey] = info;
     for (Task* t : declaring_[sigkey]) {
       if (!info->error.empty()) {
-        FailTask(t, BPS_ERR_INVALID, info->error);
+        FailTask(t, refused, info->error);
         finished.push_back(t);
       } else if (ScheduleLocked(t, info)) {
         finished.push_back(t);

@@ -129,7 +129,7 @@ void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t si
     Stats::Get().bytes_received += len;
   } else if (h.type == static_cast<uint16_t>(MsgType::kError)) {
     // Servers refuse a partition only when workers pushed it inconsistently.
-    FailTask(t, BPS_ERR_INVALID, "push_pull '" + t->name + "': " + std::string(data, size));
+    FailTask(t, BPS_ERR_MISMATCH, "push_pull '" + t->name + "': " + std::string(data, size));
   } else {
     FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': malformed reply from server " +
                                       std::to_string(h.sender));

@@ -15,6 +15,7 @@ from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, 
                         broadcast_object, broadcast_variables, push_pull)
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
+from bps_tf import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
 from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
 from bps_tf import keras_patches
 from bps_tf.naming import model_variables

@@ -43,18 +43,20 @@ class BroadcastGlobalVariablesCallback(_KerasCallback):
     At train begin it broadcasts the variables that exist (``fit`` has built
     the model and usually the optimizer by then); optimizer variables that
     appear only with the first step are broadcast after the first batch.
-    ``device`` is accepted for compatibility.
+    ``local_variables`` (Horovod's): variables each worker keeps its own
+    value of, never broadcast. ``device`` is accepted for compatibility.
     """
 
-    def __init__(self, root_rank=0, device=""):
+    def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        self._local_ids = {id(v) for v in (local_variables or [])}
         self._done_ids = None     # ids of the variables broadcast so far
         self._late_done = False   # the after-first-batch pass has run
 
     def _all_variables(self):
-        return model_variables(self.model)
+        return [v for v in model_variables(self.model) if id(v) not in self._local_ids]
 
     def _broadcast(self, variables):
         with tf.device(self.device):

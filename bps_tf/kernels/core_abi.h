@@ -53,6 +53,7 @@ inline tensorflow::Status EngineStatus(int status, const char* error) {
     case BPS_OK: return tensorflow::Status();
     case BPS_ERR_NOT_INITIALIZED: return tensorflow::errors::FailedPrecondition(message);
     case BPS_ERR_INVALID: return tensorflow::errors::InvalidArgument(message);
+    case BPS_ERR_MISMATCH: return tensorflow::errors::FailedPrecondition(message);
     case BPS_ERR_TIMEOUT: return tensorflow::errors::DeadlineExceeded(message);
     case BPS_ERR_INTERNAL: return tensorflow::errors::Internal(message);
     default: return tensorflow::errors::Unavailable(message);

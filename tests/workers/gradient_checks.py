@@ -3,11 +3,12 @@
 Each rank r computes ``out_r = C(x_0, ..., x_{n-1})`` and a loss
 ``L_r = sum(c_r * out_r)`` with a constant ``c_r`` of its own. The gradient
 every collective must give rank q is the derivative of the total loss
-``sum_r L_r`` with respect to ``x_q`` (Horovod's definition: an allreduce's
-gradient is the allreduce of the gradients, a broadcast's goes to the root,
-an allgather's is this rank's slice of the summed gradient). Values are small
-integers, so every expectation is exact (an average over 3 workers to one
-rounding).
+``sum_r L_r`` with respect to ``x_q``, scaled as Horovod scales it: an
+allreduce's gradient is the allreduce of the gradients; a broadcast's is the
+*average* of the gradients, on the root; an allgather's is this rank's slice
+of the averaged gradient; a reducescatter's is the gathered gradients times
+size(). Values are small integers, so every expectation is exact (an average
+over 3 workers to one rounding).
 
 ``run(mode, rank, size)`` builds the same checks in eager mode, in a
 ``tf.function`` or in a TF1 graph (``mode="tf1"``: the caller has disabled
@@ -36,15 +37,16 @@ def expectations(rank, size):
     want = {
         "allreduce_sum": sum(full),
         "allreduce_average": sum(full) / size,
-        "broadcast_root1": sum(full) if rank == 1 else np.zeros((ROWS, COLS), np.float32),
+        "broadcast_root1": sum(full) / size if rank == 1 else np.zeros((ROWS, COLS), np.float32),
     }
     gathered_rows = sum(ROWS + r for r in range(size))
     total = sum(c_value(r, (gathered_rows, COLS)) for r in range(size))
     start = sum(ROWS + r for r in range(rank))
-    want["allgather"] = total[start:start + ROWS + rank]
+    want["allgather"] = total[start:start + ROWS + rank] / size
     # reducescatter(op=Sum) of [size * ROWS, COLS]: rank r keeps rows
     # [r * ROWS, (r + 1) * ROWS) of the sum, so x_q's gradient stacks each c_r.
-    want["reducescatter_sum"] = np.concatenate([c_value(r, (ROWS, COLS)) for r in range(size)])
+    want["reducescatter_sum"] = size * np.concatenate([c_value(r, (ROWS, COLS))
+                                                       for r in range(size)])
     # alltoall with even splits: x_q's block s goes to rank s, arriving as
     # block q of out_s, so its gradient is block q of c_s.
     blocks = []
@@ -76,7 +78,7 @@ def outputs(x, x_uneven, x_scatter, tag):
         "allgather": (bps_tf.allgather(x_uneven, name=f"grad_{tag}_gather"), x_uneven),
         "reducescatter_sum": (bps_tf.reducescatter(x_scatter, op=bps_tf.Sum,
                                                    name=f"grad_{tag}_rs"), x_scatter),
-        "alltoall": (bps_tf.alltoall(x_scatter, name=f"grad_{tag}_a2a")[0], x_scatter),
+        "alltoall": (bps_tf.alltoall(x_scatter, name=f"grad_{tag}_a2a"), x_scatter),
     }
 
 
@@ -119,10 +121,11 @@ def run(mode, rank, size):
         if g.shape != w.shape:
             raise AssertionError(f"{mode} {k}: gradient shape {g.shape}, want {w.shape}")
         errors[k] = float(np.max(np.abs(g - w))) if g.size else 0.0
-    # Exact, except an average over 3 workers: x / 3 may be computed as
-    # x * (1 / 3) inside a graph, one rounding apart.
+    # Exact, except averages over 3 workers: x / 3 may be computed as
+    # x * (1 / 3), one rounding apart.
     bad = {k: e for k, e in errors.items()
-           if e > (1e-6 * float(np.max(np.abs(want[k]))) if k == "allreduce_average" else 0.0)}
+           if e > (1e-6 * float(np.max(np.abs(want[k])))
+                   if k in ("allreduce_average", "allgather", "broadcast_root1") else 0.0)}
     if bad:
         raise AssertionError(f"{mode}: gradients differ from the definition: {bad}")
     return errors

@@ -88,7 +88,7 @@ def check_broadcast_and_allgather_refused_under_join(rank, size):
                      lambda: api.allgather(tf.constant([[rank]]), name="join/gather")):
             try:
                 call()
-            except tf.errors.InvalidArgumentError as exc:
+            except tf.errors.FailedPreconditionError as exc:
                 if "joined" not in str(exc):
                     raise AssertionError(f"refusal does not say why: {exc}") from exc
                 errors.append("refused")

@@ -268,18 +268,25 @@ def check_fit_with_distributed_optimizer(rank, size):
 
 
 def check_shape_mismatch_is_reported(rank, size):
+    """Horovod's error type on every rank; then the same name, now agreed on,
+    works (a refused declaration is not kept)."""
     try:
         api.push_pull(tf.zeros([rank + 2]), op=api.Sum, name="mismatch/w")
-    except Exception as exc:   # the engine's error, as TensorFlow raises it
-        return str(exc)
-    raise AssertionError("push_pull of different shapes under one name did not fail")
+    except tf.errors.FailedPreconditionError as exc:   # as Horovod raises it
+        message = str(exc)
+    else:
+        raise AssertionError("push_pull of different shapes under one name did not fail")
+    again = api.push_pull(tf.ones([2 + rank % 1]), op=api.Sum, name="mismatch/w")
+    if again.numpy().tolist() != [float(size)] * 2:
+        raise AssertionError(f"the name after a mismatch: {again.numpy()}")
+    return message
 
 
 def check_broadcast_root_mismatch_is_reported(rank, size):
     try:
         api.broadcast(tf.constant([float(rank)]), root_rank=0 if rank == 0 else 1,
                       name="mismatch/root")
-    except Exception as exc:   # the scheduler's error, on every rank
+    except tf.errors.FailedPreconditionError as exc:   # the scheduler's, on every rank
         return str(exc)
     raise AssertionError("broadcast with different roots under one name did not fail")
 
