@@ -59,7 +59,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from bps_tf import async_training, basics, collectives, naming
+from bps_tf import async_training, basics, collectives, naming, overlap_guard
 
 log = logging.getLogger("bps_tf")
 
@@ -124,6 +124,11 @@ class OverlappedApply:
         # graph -> {variable index: token of its start in that graph}
         self._tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._install_hooks()
+        # Reads between steps (an eager numpy(), a tf.function reading the
+        # weights directly) apply the pending updates first.
+        self.dirty = False
+        overlap_guard.watch(self.variables, overlap_guard.resource_handles(self.variables), self)
+        overlap_guard.install_flushes()
 
     # ------------------------------------------------------------------
     def _install_hooks(self):
@@ -226,6 +231,10 @@ class OverlappedApply:
         # the same keys are started again.
         self._apply(indices)
         graph = self._graph()
+        if graph is not None:
+            overlap_guard.mark_train_graph(graph, self)
+        else:
+            self.dirty = True
         done = self._applied.get(graph, {}) if graph is not None else {}
         updates = list(done.values())
         tokens = []
@@ -251,7 +260,9 @@ class OverlappedApply:
         variables were updated (eager; 0 when traced). A second flush is a
         no-op. Call it before evaluation, saving or reading the weights."""
         if tf.executing_eagerly():
-            return self._apply(range(len(self.variables)))
+            self.dirty = False
+            with overlap_guard.flushing.scope():
+                return self._apply(range(len(self.variables)))
         # In a graph each key is applied once per graph; a flush must wait
         # again even for keys a hook already applied in this graph.
         graph = self._graph()

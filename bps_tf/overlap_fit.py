@@ -116,7 +116,7 @@ class FitOverlap:
         self._patch_optimizer()
         self._patch_train_step()
         _controllers.add(self)
-        self._handles = [c.handle for v in self.variables for c in _local_values(v.value)]
+        self._handles = overlap_guard.resource_handles(self.variables)
         overlap_guard.watch(self.variables, self._handles, self)
 
     # -- installation ------------------------------------------------------

@@ -139,7 +139,27 @@ def _size() -> int:
 # id of a Keras variable, or of one of its resource handles -> its controller
 _watched: "Dict[int, weakref.ref]" = {}
 _watched_handles: "Dict[int, weakref.ref]" = {}
+# the graph a custom loop's train step was traced in -> its OverlappedApply
+_train_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _installed = [False]
+
+
+def resource_handles(variables) -> list:
+    """The eager resource handles of ``variables`` (Keras or tf variables;
+    every local copy of a distributed one)."""
+    from tensorflow.python.distribute import values as values_lib
+    handles = []
+    for v in variables:
+        value = getattr(v, "value", v)
+        parts = value.values if isinstance(value, values_lib.DistributedValues) else [value]
+        handles += [p.handle for p in parts]
+    return handles
+
+
+def mark_train_graph(graph, controller) -> None:
+    """Running a function of ``graph`` is a train step of ``controller``:
+    it applies its own pending updates and leaves new ones (dirty)."""
+    _train_graphs[graph] = weakref.ref(controller)
 
 
 def watch(variables, handles, controller) -> None:
@@ -209,12 +229,17 @@ def install_flushes() -> None:
     call_flat = function_class._call_flat  # pylint: disable=protected-access
 
     def _call_flat(self, tensor_inputs, captured_inputs):
-        if (_watched_handles and not in_train_step and not flushing
-                and tf.executing_eagerly()):
-            for tensor in captured_inputs:
-                ref = _watched_handles.get(id(tensor))
-                if ref is not None:
-                    _flush(ref)
+        if _watched_handles and not flushing and tf.executing_eagerly():
+            train = _train_graphs.get(getattr(self, "_func_graph", None))
+            if train is not None:
+                ctl = train()
+                if ctl is not None:
+                    ctl.dirty = True
+            elif not in_train_step:
+                for tensor in captured_inputs:
+                    ref = _watched_handles.get(id(tensor))
+                    if ref is not None:
+                        _flush(ref)
         return call_flat(self, tensor_inputs, captured_inputs)
 
     function_class._call_flat = _call_flat  # pylint: disable=protected-access

@@ -63,6 +63,14 @@ def test_next_steps_first_layer_ran_before_the_last_push_pull_was_delivered(rank
     assert log[0] in (f"{last_key} released-by marker", f"{last_key} in-flight-at marker"), log
 
 
+def test_reads_between_steps_see_the_barriers_weights(ranks):
+    # numpy() of a kernel and a tf.function summing the weights directly,
+    # after each step: equal bit for bit to the barrier loop's after the
+    # same step (the pending updates are applied first).
+    for detail in _check(ranks, "reads_between_steps").values():
+        assert detail["reads"] >= 4, detail
+
+
 def test_an_engine_failure_is_raised_by_the_wait(ranks):
     for detail in _check(ranks, "engine_failure").values():
         assert detail["error"] == "FailedPreconditionError"

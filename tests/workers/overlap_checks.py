@@ -154,6 +154,47 @@ def check_exact(opt_name, rank, steps_per_call=1, hold_at=None):
     return run
 
 
+def check_reads_between_steps(rank):
+    """Between OverlappedApply steps, a kernel's numpy() and a tf.function
+    summing the weights directly (no layer call) see the weights the
+    barrier's loop has after the same step, bit for bit."""
+    def run():
+        data = batches(rank)
+        seen = {}
+        for label in ("barrier", "overlap"):
+            model, optimizer = make_model(), OPTIMIZERS["adam"]()
+            variables = model.trainable_variables
+            total = tf.function(lambda: tf.add_n([tf.reduce_sum(v) for v in variables]))
+            if label == "overlap":
+                overlap = OverlappedApply(model, optimizer, prefix="reads")
+
+                @tf.function
+                def step(x, y):
+                    with tf.GradientTape() as tape:
+                        loss = loss_fn(y, model(x, training=True))
+                    overlap.start(tape.gradient(loss, variables))
+                    return loss
+            else:
+                @tf.function
+                def step(x, y):
+                    with tf.GradientTape() as tape:
+                        loss = loss_fn(y, model(x, training=True))
+                    grads = DistributedGradientTape(tape).gradient(loss, variables)
+                    optimizer.apply(grads, variables)
+                    return loss
+            reads = []
+            for k, (x, y) in enumerate(data):
+                step(x, y)
+                if k % 2:
+                    reads.append(np.array(variables[-2].numpy()))
+                else:
+                    reads.append(np.array(total().numpy()))
+            seen[label] = reads
+        expect_bits("reads between steps", seen["overlap"], seen["barrier"])
+        return {"reads": len(seen["overlap"])}
+    return run
+
+
 def check_start_twice(rank):
     def run():
         key = "Overlap/test/twice"
@@ -214,6 +255,7 @@ def main():
     checks.run("exact_adam", check_exact("adam", rank))
     checks.run("exact_adam_2_steps_per_call", check_exact("adam", rank, steps_per_call=2))
     checks.run("exact_adamw_schedule_clipnorm", check_exact("adamw_schedule", rank))
+    checks.run("reads_between_steps", check_reads_between_steps(rank))
     checks.run("engine_failure", check_engine_failure(rank))
     bps_tf.shutdown()
 
