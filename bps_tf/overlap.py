@@ -73,15 +73,9 @@ except (ImportError, AttributeError):  # pragma: no cover
 
 def unsupported_reason(optimizer) -> Optional[str]:
     """Why ``optimizer`` cannot be applied per layer exactly, or None."""
-    if hasattr(optimizer, "inner_optimizer"):
-        return "loss scaling (LossScaleOptimizer) checks all gradients for inf/nan at once"
     if getattr(optimizer, "global_clipnorm", None):
         return "global_clipnorm needs the norm of all reduced gradients"
-    if getattr(optimizer, "use_ema", False):
-        return "EMA (use_ema) updates all averages after the whole step"
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        return "gradient accumulation applies on a step count shared by all variables"
-    return None
+    return overlap_guard.needs_the_whole_step(optimizer)
 
 
 def _own_variables(layer) -> list:

@@ -61,8 +61,12 @@ class OverlapError(RuntimeError):
     """Overlap cannot be applied to this model exactly."""
 
 
-class _Retrace(OverlapError, overlap_guard.StaleRead):
+class _Retrace(OverlapError):
     """Found while tracing the train step: ``fit`` retraces it with the barrier."""
+
+
+def _log_barrier(reason: str) -> None:
+    log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.", reason)
 
 
 def _last_op_id(graph) -> int:
@@ -205,12 +209,11 @@ class FitOverlap:
         raises _Retrace if one is outside its variable's overlap window) and
         sets each start's priority from where the next forward pass first
         reads its variable: the first read leaves first."""
-        starts = {i: w[1] for i, w in self._windows.get(graph, {}).items()
-                  if w[0] is not None}
-        windows = {i: (self._windows[graph][i][0], op._id if op is not None else None)  # pylint: disable=protected-access
-                   for i, op in starts.items()}
-        handles = {i: [c.handle for c in _local_values(self.variables[i].value)]
-                   for i in windows}
+        entries = {i: w for i, w in self._windows.get(graph, {}).items() if w[0] is not None}
+        starts = {i: op for i, (_, op) in entries.items() if op is not None}
+        windows = {i: (applied, op._id if op is not None else None)  # pylint: disable=protected-access
+                   for i, (applied, op) in entries.items()}
+        handles = {i: overlap_guard.resource_handles([self.variables[i]]) for i in windows}
         names = {i: naming.variable_name(self.variables[i]) for i in windows}
         first_reads: Dict[int, int] = {}
         stale = overlap_guard.stale_reads(graph, handles, windows, names, first_reads)
@@ -219,8 +222,7 @@ class FitOverlap:
                            f"passes ({'; '.join(stale[:3])}{'; ...' if len(stale) > 3 else ''})")
         if self._fifo:
             return
-        started = [i for i, op in starts.items() if op is not None]
-        order = sorted(started, key=lambda i: (first_reads.get(i, float("inf")), i))
+        order = sorted(starts, key=lambda i: (first_reads.get(i, float("inf")), i))
         for rank, i in enumerate(order):
             starts[i]._set_attr("priority", attr_value_pb2.AttrValue(i=-rank))  # pylint: disable=protected-access
             self.priorities[self.keys[i]] = -rank
@@ -231,8 +233,7 @@ class FitOverlap:
         self.flush()
         self.enabled = False
         overlap_guard.unwatch(self.variables, self._handles)
-        log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.",
-                    reason)
+        _log_barrier(reason)
 
     def guard(self, train_function):
         """``train_function`` that marks the model dirty and, if tracing
@@ -422,8 +423,7 @@ def _ensure(model):
     object.__setattr__(model, "_bps_fit_overlap_checked", True)
     reason = overlap_guard.fallback_reason(model, strategy)
     if reason is not None:
-        log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.",
-                    reason)
+        _log_barrier(reason)
         return
     object.__setattr__(model, "_bps_fit_overlap", FitOverlap(model, strategy))
 

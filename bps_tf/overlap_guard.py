@@ -37,10 +37,6 @@ from bps_tf import naming
 _state = threading.local()
 
 
-class StaleRead(RuntimeError):
-    """A traced train step reads a variable outside its overlap window."""
-
-
 def stale_reads(graph, handles: Dict[int, List], windows: Dict[int, tuple],
                 names: Dict[int, str], first_reads: Optional[Dict[int, int]] = None
                 ) -> List[str]:
@@ -77,6 +73,18 @@ def stale_reads(graph, handles: Dict[int, List], windows: Dict[int, tuple],
 # --------------------------------------------------------------------------
 # Models the deferred apply cannot serve
 # --------------------------------------------------------------------------
+def needs_the_whole_step(optimizer) -> Optional[str]:
+    """Why ``optimizer``'s update needs every variable's gradient at once
+    (so no update can be deferred per layer), or None."""
+    if hasattr(optimizer, "inner_optimizer"):
+        return "loss scaling (LossScaleOptimizer) checks all gradients for inf/nan at once"
+    if getattr(optimizer, "use_ema", False):
+        return "EMA (use_ema) averages all weights after the whole update"
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return "gradient accumulation applies on a step count shared by all variables"
+    return None
+
+
 def fallback_reason(model, strategy) -> Optional[str]:
     """Why ``model.fit`` must keep the barrier for this model, or None."""
     optimizer = getattr(model, "optimizer", None)
@@ -89,12 +97,9 @@ def fallback_reason(model, strategy) -> Optional[str]:
         return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "
                 f"verified bit-identical to the barrier's "
                 f"({', '.join(c.__name__ for c in verified)})")
-    if hasattr(optimizer, "inner_optimizer"):
-        return "loss scaling (LossScaleOptimizer) checks all gradients for inf/nan at once"
-    if getattr(optimizer, "use_ema", False):
-        return "EMA (use_ema) averages all weights after the whole update"
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        return "gradient accumulation applies on a step count shared by all variables"
+    whole_step = needs_the_whole_step(optimizer)
+    if whole_step:
+        return whole_step
     for v in model.trainable_variables:
         if getattr(v, "constraint", None) is not None:
             return f"variable {naming.variable_name(v)} has a constraint applied after all updates"
