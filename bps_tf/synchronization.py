@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
@@ -33,14 +34,22 @@ def join(device=""):
     zeros; an Average still divides by ``size()``, as in Horovod. A
     broadcast or allgather while a worker has joined fails on the workers
     that call it, as Horovod refuses them. Afterwards every collective runs
-    normally again and workers may join again (next epoch). Eager only;
+    normally again and workers may join again (next epoch). Eagerly it
+    returns an int; inside a ``tf.function`` or a TF1 graph an int32 scalar
+    tensor, and the join happens when that op runs (in a ``tf.function``
+    after the function's earlier collectives, which it is ordered after).
     ``device`` is accepted for compatibility."""
     del device
     require_init()
-    if not tf.executing_eagerly():
-        raise RuntimeError("join() runs eagerly only (call it outside tf.function, after the "
-                           "training loop has run out of data).")
-    return int(basics.core().join())
+    if tf.executing_eagerly():
+        return int(basics.core().join())
+    # A py_function: the join blocks until every worker has joined, and the
+    # core releases the GIL while it waits. It is stateful, so a
+    # tf.function keeps it after the collectives traced before it.
+    joined = tf.py_function(lambda: np.int32(basics.core().join()), [], tf.int32,
+                            name="BytePSJoin")
+    joined.set_shape([])
+    return joined
 
 
 def barrier(name=None, process_set=global_process_set):

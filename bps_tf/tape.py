@@ -19,6 +19,41 @@ def _source_key(source):
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
+def _scale(grad, divisor, factor):
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    if divisor != 1:
+        values = values / divisor
+    if factor != 1.0:
+        values = values * factor
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return values
+
+
+def reduce_except_local(grads, sources, prefix, local_keys, scale_local,
+                        process_set=global_process_set, local_factor=1.0, **reduce_options):
+    """``reduce_gradients`` for the sources whose ``_source_key`` is not in
+    ``local_keys``; a local source's gradient stays this worker's, divided
+    by the process set's size when ``scale_local`` (Horovod's
+    ``scale_local_gradients``) and multiplied by ``local_factor``. Shared
+    by the tape and the optimizers' ``register_local_var``."""
+    if process_set is None:
+        process_set = global_process_set
+    shared = [i for i, s in enumerate(sources) if _source_key(s) not in local_keys]
+    reduced = reduce_gradients([grads[i] for i in shared], [sources[i] for i in shared],
+                               prefix, process_set=process_set, **reduce_options)
+    out = list(grads)
+    for i, g in zip(shared, reduced):
+        out[i] = g
+    if local_keys and (scale_local or local_factor != 1.0):
+        n = process_set.size() if scale_local else 1
+        shared = set(shared)
+        for i, g in enumerate(out):
+            if i not in shared and g is not None:
+                out[i] = _scale(g, n, local_factor)
+    return out
+
+
 class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape``; ``gradient`` returns gradients reduced
     across workers (averaged by default).
@@ -89,27 +124,13 @@ class DistributedGradientTape(tf.GradientTape):
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         opts = self._bps
-        shared = [i for i, s in enumerate(flat_sources) if _source_key(s) not in opts["local"]]
         with tf.device(opts["device_dense"]):
-            reduced = reduce_gradients(
-                [flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
-                "DistributedGradientTape",
-                compression=opts["compression"], sparse_as_dense=opts["sparse_as_dense"],
-                op=opts["op"], priority_fn=opts["priority_fn"],
-                prescale_factor=opts["prescale"], postscale_factor=opts["postscale"],
-                process_set=opts["process_set"])
-        out = list(flat_grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if opts["scale_local"] and opts["local"]:
-            n = opts["process_set"].size()
-            for i, g in enumerate(out):
-                if i in shared or g is None:
-                    continue
-                if isinstance(g, tf.IndexedSlices):
-                    out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                else:
-                    out[i] = g / n
+            out = reduce_except_local(
+                flat_grads, flat_sources, "DistributedGradientTape", opts["local"],
+                opts["scale_local"], compression=opts["compression"],
+                sparse_as_dense=opts["sparse_as_dense"], op=opts["op"],
+                priority_fn=opts["priority_fn"], prescale_factor=opts["prescale"],
+                postscale_factor=opts["postscale"], process_set=opts["process_set"])
         return tf.nest.pack_sequence_as(grads, out, expand_composites=False)
 
 

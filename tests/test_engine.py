@@ -162,3 +162,17 @@ def test_no_wake_up_of_an_io_thread_is_lost():
     # none of its polls may time out while an item is queued.
     from bps_tf._loader import load_core
     assert load_core().wakeup_lost_count(200_000, 50) == 0
+
+
+def test_the_last_to_join_is_the_latest_notice_no_other_worker_saw_join():
+    # The scheduler reads JOIN_NOTICEs from different workers in turn, not
+    # in the order they were sent. Worker 0's notice came first here although
+    # its results had counted workers 1 and 2 as joined (seen = 0b110):
+    # worker 0 joined last. Workers whose joins nothing ordered: the later
+    # arrival is last.
+    from bps_tf._loader import load_core
+    core = load_core()
+    assert core.last_to_join([(2, 0), (0, 0b110), (1, 0b100)]) == 0
+    assert core.last_to_join([(1, 0b001), (0, 0)]) == 1
+    assert core.last_to_join([(0, 0), (1, 0)]) == 1
+    assert core.last_to_join([(1, 0), (0, 0)]) == 0

@@ -275,13 +275,17 @@ def test_the_global_process_set_and_refused_process_sets():
     assert bps_tf.remove_process_set(gps) is False
 
 
-def test_join_alone_returns_rank_0_and_is_eager_only():
+def test_join_alone_returns_rank_0_eagerly_in_a_function_and_in_a_session():
     assert bps_tf.join() == 0
     assert bps_tf.join(device="/cpu:0") == 0     # again (next epoch), Horovod's argument
     out = api.allreduce(tf.constant([3.0]), op=api.Sum, name="single/after_join")
     np.testing.assert_array_equal(out.numpy(), [3.0])
-    with pytest.raises(RuntimeError, match="eagerly"):
-        tf.function(lambda: bps_tf.join())()
+    in_function = tf.function(lambda: bps_tf.join())()
+    assert in_function.dtype == tf.int32 and in_function.numpy() == 0
+    with tf.Graph().as_default():
+        joined = bps_tf.join()
+        with tf.compat.v1.Session() as session:
+            assert session.run(joined) == 0
 
 
 def test_horovod_peer_semantics_at_size_one():
@@ -323,3 +327,25 @@ def test_horovod_peer_semantics_at_size_one():
     tape = bps_tf.PartialDistributedGradientTape(tape, local_layers=[layer])
     local, shared = tape.get_local_and_global_gradients(loss, layer.trainable_weights)
     assert len(local) == 2 and not shared
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_partial_distributed_optimizer_keeps_local_layers_local(op_names, passes):
+    """Keras 3: PartialDistributedOptimizer (Horovod's) reduces only the
+    shared layers' gradients. A local one is this worker's own; with
+    backward_passes_per_step=2 its two passes are summed (Horovod's default),
+    as the shared ones are, although Keras 3 accumulates their mean."""
+    local = keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False, name="own")
+    shared = keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False, name="common")
+    local.build((None, 1))
+    shared.build((None, 1))
+    opt = bps_keras.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=local,
+                                                backward_passes_per_step=passes)
+    variables = [local.kernel, shared.kernel]
+    for step in range(passes):
+        grads = [tf.constant([[float(step + 1)]]), tf.constant([[10.0 * (step + 1)]])]
+        opt.apply(grads, variables)
+    assert op_names and all("common" in n and "own" not in n for n in op_names), op_names
+    total = sum(range(1, passes + 1))
+    assert local.kernel.numpy().tolist() == [[-float(total)]]
+    assert shared.kernel.numpy().tolist() == [[-10.0 * total]]

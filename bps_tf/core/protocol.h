@@ -64,7 +64,9 @@ struct FrameHeader {
   uint32_t contributors;  // how many distinct workers push this key each round; 0 = every worker
   uint8_t reduce_op;      // kPush: 0 sum, 1 min, 2 max, 3 product (enum class ReduceOp)
   uint64_t members;       // kPush of a process set: bit r = rank r takes part; 0 = every worker,
-                          // or a set with a rank above kMaxMaskRank (see sum_engine.h)
+                          // or a set with a rank above kMaxMaskRank (see sum_engine.h).
+                          // kPullReply(Fused): the workers counted as joined in the round
+                          // (contributors = their number), for the scheduler's join order
   uint8_t reserved[3];    // zero
 };
 #pragma pack(pop)

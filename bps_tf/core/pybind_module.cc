@@ -15,6 +15,7 @@
 #include "common.h"
 #include "compressor.h"
 #include "dtypes.h"
+#include "scheduler.h"
 #include "transport.h"
 
 namespace py = pybind11;
@@ -113,6 +114,8 @@ void AddCompressors(py::module_& m) {
   m.def("stream_seed", &bps::StreamSeed);
   m.def("wakeup_lost_count", &bps::WakeupLostCount, py::arg("items"), py::arg("timeout_ms"),
         py::call_guard<py::gil_scoped_release>());
+  // Internal, for tests: the scheduler's rule naming the last worker to join.
+  m.def("last_to_join", &bps::LastToJoin, py::arg("order"));
   m.def("compress", [spec_of](const std::string& text, Floats x, uint64_t stream) {
     bps::CompressorSpec spec = spec_of(text);
     size_t n = static_cast<size_t>(x.size());

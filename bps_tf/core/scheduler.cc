@@ -80,7 +80,7 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       return;
     case MsgType::kJoinNotice:
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
-      OnJoin(it->second.id, out);
+      OnJoin(it->second.id, std::strtoull(kv.Get("seen").c_str(), nullptr, 10), out);
       return;
     case MsgType::kHeartbeat:
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
@@ -424,8 +424,27 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
   MaybeDeclare(name, members, out);
 }
 
-void Scheduler::OnJoin(int rank, std::vector<Outgoing>* out) {
-  joined_.insert(rank);
+int LastToJoin(const std::vector<std::pair<int, uint64_t>>& order) {
+  if (order.empty()) return -1;
+  // Notices from different workers may be read in another order than they
+  // were sent (ZeroMQ serves its peers in turn), so arrival alone can name
+  // a worker that joined first. A worker whose join another worker's results
+  // had already counted came before that worker's join: the last is the
+  // latest arrival that nobody had seen join. Workers whose joins nothing
+  // ordered joined at the same time; the arrival order decides among them.
+  uint64_t seen_by_others = 0;
+  for (const auto& o : order) {
+    const uint64_t self = o.first <= kMaxMaskRank ? uint64_t{1} << o.first : 0;
+    seen_by_others |= o.second & ~self;
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    if (it->first > kMaxMaskRank || !(seen_by_others >> it->first & 1)) return it->first;
+  }
+  return order.back().first;
+}
+
+void Scheduler::OnJoin(int rank, uint64_t seen, std::vector<Outgoing>* out) {
+  if (joined_.insert(rank).second) join_order_.emplace_back(rank, seen);
   std::vector<std::pair<std::string, std::vector<int>>> sets;
   for (const auto& p : pending_) {
     for (const auto& w : p.second) {
@@ -435,10 +454,12 @@ void Scheduler::OnJoin(int rank, std::vector<Outgoing>* out) {
   }
   for (const auto& one : sets) MaybeDeclare(one.first, one.second, out);
   if (joined_.size() < static_cast<size_t>(num_workers_)) return;
+  const int last = LastToJoin(join_order_);
   joined_.clear();
+  join_order_.clear();
   for (const auto& n : nodes_) {
     if (n.second.role == Role::kWorker && !n.second.departed) {
-      out->push_back(Reply(n.first, MsgType::kJoinNotice, "last=" + std::to_string(rank)));
+      out->push_back(Reply(n.first, MsgType::kJoinNotice, "last=" + std::to_string(last)));
     }
   }
 }

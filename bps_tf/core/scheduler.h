@@ -26,6 +26,10 @@ struct Outgoing {
   std::string payload;
 };
 
+// Who joined last, from the JOIN_NOTICEs in arrival order, each with the
+// workers whose joins that worker's results had counted (bit r).
+int LastToJoin(const std::vector<std::pair<int, uint64_t>>& order);
+
 class Scheduler {
  public:
   explicit Scheduler(const Config& cfg);
@@ -80,7 +84,8 @@ class Scheduler {
   void MaybeWelcome(std::vector<Outgoing>* out);
   // A worker joined: declarations stop waiting for it; when every worker
   // has, each is told which joined last.
-  void OnJoin(int rank, std::vector<Outgoing>* out);
+  // `seen`: the workers whose joins `rank`'s results had counted (bit r).
+  void OnJoin(int rank, uint64_t seen, std::vector<Outgoing>* out);
   // Answers the declarations of `name` with process set `members` (empty:
   // every worker) once each member has made it or has joined.
   void MaybeDeclare(const std::string& name, const std::vector<int>& members,
@@ -111,6 +116,7 @@ class Scheduler {
   std::set<std::string> stall_reported_;
   std::map<std::string, SetConflict> set_conflicts_;            // name -> conflict
   std::set<int> joined_;  // workers in join(), until every worker is
+  std::vector<std::pair<int, uint64_t>> join_order_;  // (rank, seen) as notices arrived
   std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
   std::map<std::string, std::string> async_sig_;               // async name -> its sig
   std::set<uint64_t> used_keys_;

@@ -169,8 +169,10 @@ void ServerNode::SendReplies() {
     } else if (b->count() > 1) {
       uint64_t size = 0;
       char* data = b->Finish(&size);
-      SendReply(worker, MakeHeader(MsgType::kPullReplyFused, Role::kServer, membership_.id()),
-                Msg(data, size, &FreeBuffer, nullptr));
+      FrameHeader h = MakeHeader(MsgType::kPullReplyFused, Role::kServer, membership_.id());
+      for (const ServerReply& r : *held) h.members |= r.header.members;  // see MaybeComplete
+      h.contributors = static_cast<uint32_t>(__builtin_popcountll(h.members));
+      SendReply(worker, h, Msg(data, size, &FreeBuffer, nullptr));
       Stats::Get().fused_messages_sent++;
     }
     held->clear();

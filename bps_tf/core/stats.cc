@@ -33,6 +33,7 @@ std::string Stats::Json() {
     << ",\"fused_messages_received\":" << fused_messages_received
     << ",\"pushes_received\":" << pushes_received
     << ",\"local_reduce_ops\":" << local_reduce_ops
+    << ",\"join_seen_sent\":" << join_seen_sent
     << ",\"node_state\":" << node_state
     << ",\"send_log\":[";
   std::lock_guard<std::mutex> lock(mu_);

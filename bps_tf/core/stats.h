@@ -32,6 +32,9 @@ class Stats {
   std::atomic<uint64_t> fused_messages_received{0};
   std::atomic<uint64_t> pushes_received{0};     // a server's partitions in
   std::atomic<uint64_t> local_reduce_ops{0};    // ops summed with this host's peers
+  // A worker's last JOIN_NOTICE: the workers its results had counted as
+  // joined (bit r), which the scheduler uses to name the last to join.
+  std::atomic<uint64_t> join_seen_sent{0};
   std::atomic<bool> send_log_on{false};
   // A server or scheduler process: 0 starting, 1 the cluster has met,
   // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).

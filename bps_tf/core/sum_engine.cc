@@ -291,11 +291,13 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
                               std::vector<ServerReply>* replies) {
   if (st.async || st.count == 0) return;
   std::string joined;  // workers that joined without pushing this round
+  uint64_t joined_mask = 0;
   int absent = 0;
   for (int w = 0; w < num_workers_; ++w) {
     if (st.pushed[static_cast<size_t>(w)] || !lane->joined[static_cast<size_t>(w)]) continue;
     if (!IsMember(st, w)) continue;  // joined, but not in this key's process set
     joined += (joined.empty() ? "" : ", ") + std::to_string(w);
+    if (w <= kMaxMaskRank) joined_mask |= uint64_t{1} << w;
     ++absent;
   }
   std::string refused;
@@ -344,6 +346,10 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
     r.header.round = their_round;
     r.header.dtype = static_cast<uint16_t>(st.dtype);
     r.header.request_id = st.sum_ns / 1000;  // read by the worker's timeline
+    // Who was counted as joined: the worker learns that their joins came
+    // before its own, which the scheduler needs to name the last one.
+    r.header.members = joined_mask;
+    r.header.contributors = static_cast<uint32_t>(__builtin_popcountll(joined_mask));
     replies->push_back(std::move(r));
   }
   // Only its joined members sat this round out; other workers never push the key.

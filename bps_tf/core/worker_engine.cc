@@ -505,7 +505,11 @@ void WorkerEngine::SendJoin() {
     FrameHeader h = MakeHeader(MsgType::kJoin, Role::kWorker, rank_);
     channel_->Send(server, h, Msg());
   }
-  membership_->Send(MsgType::kJoinNotice, "");
+  // The joins this worker's results already counted came before its own:
+  // the scheduler must not name any of them as the last to join.
+  membership_->Send(MsgType::kJoinNotice, "seen=" + std::to_string(joins_seen_));
+  Stats::Get().join_seen_sent = joins_seen_;
+  joins_seen_ = 0;
 }
 
 }  // namespace bps

@@ -168,6 +168,8 @@ class WorkerEngine {
   bool join_send_ = false;   // the I/O thread has the join messages to send
   int join_acks_ = 0;        // servers that saw every worker join
   int join_last_ = -1;       // the scheduler's answer: who joined last
+  uint64_t joins_seen_ = 0;  // workers counted as joined in replies since our last join
+                             // (I/O thread only)
 
   // Credit: bytes handed to libzmq (I/O thread) minus bytes it released.
   uint64_t credit_handed_ = 0;

@@ -68,6 +68,8 @@ void WorkerEngine::HandleData(const Message& m) {
     state_cv_.notify_all();
     return;
   }
+  // Only the I/O thread touches joins_seen_ (here and in SendJoin).
+  joins_seen_ |= m.header.members;
   if (m.header.type != static_cast<uint16_t>(MsgType::kPullReplyFused)) {
     HandleReply(m.header, m.payload.data(), m.payload.size());
     return;

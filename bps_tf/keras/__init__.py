@@ -16,7 +16,8 @@ from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, 
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
 from bps_tf import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
-from bps_tf.keras.optimizer import DistributedOptimizer, make_distributed_in_place
+from bps_tf.keras.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
+                                    make_distributed_in_place)
 from bps_tf import keras_patches
 from bps_tf.naming import model_variables
 from bps_tf.process_sets import (ProcessSet, add_process_set, global_process_set,
@@ -28,7 +29,8 @@ keras_patches.install()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "Average", "Sum", "Compression", "DistributedOptimizer", "allreduce", "push_pull",
+    "Average", "Sum", "Compression", "DistributedOptimizer",
+    "PartialDistributedOptimizer", "allreduce", "push_pull",
     "allgather", "allgather_object", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
     "SyncBatchNormalization",

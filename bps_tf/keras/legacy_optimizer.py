@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from bps_tf import api
 from bps_tf.async_training import refuse_gradient_exchange
+from bps_tf.keras.pass_aggregation import PassAggregator
+from bps_tf.tape import _source_key, reduce_except_local
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:
@@ -42,33 +44,103 @@ def should_reduce(compression) -> bool:
     return False
 
 
-class LegacyDistributedMixin:
+class ReduceMixin:
+    """What the Keras 3 and tf_keras wrappers share: the reduction, and
+    Horovod's ``register_local_var``. Settings are class attributes set by
+    ``bps_tf.keras.optimizer.distributed_class``."""
+
+    _bps_scale_local = True
+
+    def register_local_var(self, var):
+        """Marks ``var`` as this worker's own (Horovod's name): its gradient
+        is not reduced across workers, only divided by the process set's
+        size when ``scale_local_gradients`` (the default)."""
+        self.__dict__.setdefault("_bps_local_keys", set()).add(_source_key(var))
+
+    def _bps_reduce(self, grads, variables, postscale_factor=1.0):
+        return reduce_except_local(
+            list(grads), list(variables), self._bps_prefix,
+            self.__dict__.get("_bps_local_keys", ()), self._bps_scale_local,
+            compression=self._bps_compression, sparse_as_dense=self._bps_sparse_as_dense,
+            op=self._bps_op, priority_fn=self._bps_priority_fn,
+            prescale_factor=self._bps_prescale,
+            postscale_factor=postscale_factor * self._bps_postscale,
+            process_set=self._bps_process_set, local_factor=postscale_factor)
+
+
+class LegacyDistributedMixin(ReduceMixin):
     """Put in front of a tf_keras optimizer's class by
     ``bps_tf.keras.optimizer.distributed_class``, which sets the ``_bps_*``
     settings as class attributes."""
 
+    _bps_passes = 1
+    _bps_average_passes = False
+
+    @property
+    def _agg_helper(self):
+        """The local sums of ``backward_passes_per_step > 1`` (None
+        otherwise), made on first use so that ``from_config`` copies
+        aggregate too."""
+        if self._bps_passes < 2:
+            return None
+        helper = self.__dict__.get("_bps_aggregator")
+        if helper is None:
+            helper = PassAggregator(self._bps_passes, self._bps_average_passes)
+            self.__dict__["_bps_aggregator"] = helper
+        return helper
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        # Horovod reduces here, and scripts read these gradients (e.g. to log
+        # them); apply_gradients recognises them and does not reduce twice.
+        grads_and_vars = super()._compute_gradients(loss, var_list, grad_loss=grad_loss,
+                                                    tape=tape)
+        return self._bps_reduce_pairs(grads_and_vars)
+
+    def get_gradients(self, loss, params):
+        grads = super().get_gradients(loss, params)
+        return [g for g, _ in self._bps_reduce_pairs(list(zip(grads, params)))]
+
+    def _bps_reduce_pairs(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if (self._bps_passes > 1 or not grads_and_vars
+                or not should_reduce(self._bps_compression)):
+            return grads_and_vars   # aggregation reduces in apply_gradients
+        grads, variables = zip(*grads_and_vars)
+        reduced = self._bps_reduce(grads, variables)
+        self.__dict__["_bps_reduced"] = [g for g in reduced if g is not None]
+        return list(zip(reduced, variables))
+
+    def _bps_already_reduced(self, grads_and_vars) -> bool:
+        done = self.__dict__.pop("_bps_reduced", None)
+        return done is not None and all(
+            any(g is d for d in done) for g, _ in grads_and_vars if g is not None)
+
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
-        if grads_and_vars and should_reduce(self._bps_compression):
+        reduce = should_reduce(self._bps_compression)
+        if self._bps_passes > 1:
+            if not reduce:
+                raise ValueError(
+                    "DistributedOptimizer(backward_passes_per_step > 1) with a tf_keras "
+                    "optimizer under a tf.distribute strategy: the strategy reduces every "
+                    "batch. Use the wrapper without a strategy, or a Keras 3 optimizer "
+                    "(gradient_accumulation_steps).")
+            base = super()
+            return self._agg_helper.apply(
+                grads_and_vars, self._bps_reduce,
+                lambda pairs: base.apply_gradients(pairs, *args, **kwargs),
+                lambda: self.iterations.assign_add(1))
+        if grads_and_vars and reduce and not self._bps_already_reduced(grads_and_vars):
             grads, variables = zip(*grads_and_vars)
-            reduced = api.reduce_gradients(
-                list(grads), list(variables), self._bps_prefix,
-                compression=self._bps_compression, sparse_as_dense=self._bps_sparse_as_dense,
-                op=self._bps_op, priority_fn=self._bps_priority_fn,
-                prescale_factor=self._bps_prescale, postscale_factor=self._bps_postscale,
-                process_set=self._bps_process_set)
-            grads_and_vars = list(zip(reduced, variables))
+            grads_and_vars = list(zip(self._bps_reduce(grads, variables), variables))
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
 
 def check_supported(backward_passes_per_step) -> None:
     """Raises for what the tf_keras wrapper cannot do."""
     refuse_gradient_exchange("DistributedOptimizer with a tf_keras optimizer")
-    if int(backward_passes_per_step) != 1:
-        raise NotImplementedError(
-            "backward_passes_per_step > 1 is not supported with a tf_keras (Keras 2) "
-            "optimizer; accumulate gradients in your own loop, or use a Keras 3 optimizer "
-            "(there it maps to gradient_accumulation_steps).")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError("backward_passes_per_step must be >= 1.")
 
 
 def rebuild(cls, optimizer):

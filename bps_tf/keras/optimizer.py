@@ -35,7 +35,7 @@ from bps_tf import api, async_training
 from bps_tf.keras import legacy_optimizer
 
 
-class _DistributedMixin:
+class _DistributedMixin(legacy_optimizer.ReduceMixin):
     """Methods put in front of the wrapped optimizer's class. The settings
     are class attributes of each generated class, so ``from_config`` on that
     class rebuilds an equally distributed optimizer."""
@@ -57,16 +57,6 @@ class _DistributedMixin:
     def _bps_accumulating(self) -> bool:
         steps = getattr(self, "gradient_accumulation_steps", None)
         return bool(steps) and steps > 1
-
-    def _bps_reduce(self, grads, variables, postscale_factor=1.0):
-        return api.reduce_gradients(
-            list(grads), list(variables), self._bps_prefix,
-            compression=self._bps_compression,
-            sparse_as_dense=self._bps_sparse_as_dense, op=self._bps_op,
-            priority_fn=self._bps_priority_fn,
-            prescale_factor=self._bps_prescale,
-            postscale_factor=postscale_factor * self._bps_postscale,
-            process_set=self._bps_process_set)
 
     def _bps_async(self) -> bool:
         # Under a strategy the strategy's mode decides (BytePSStrategy reads
@@ -104,7 +94,7 @@ class _DistributedMixin:
 def distributed_class(base, name=None, compression=api.Compression.none,
                       sparse_as_dense=False, op=api.Average, priority_fn=None,
                       accum_scale=1.0, prescale=1.0, postscale=1.0, mixin=None,
-                      process_set=None):
+                      process_set=None, passes=1, average_passes=False, scale_local=True):
     """A subclass of ``base`` that reduces gradients before applying them;
     ``mixin`` is the Keras 3 one unless given (tf_keras has its own)."""
     settings = dict(
@@ -117,6 +107,9 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         _bps_prescale=float(prescale),
         _bps_postscale=float(postscale),
         _bps_process_set=process_set,
+        _bps_passes=int(passes),             # tf_keras: local aggregation
+        _bps_average_passes=bool(average_passes),
+        _bps_scale_local=bool(scale_local),
         # Same name and module as the base: saved models name the plain class.
         __module__=base.__module__,
         __qualname__=base.__qualname__,
@@ -142,9 +135,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``average_aggregated_gradients=True``. ``gradient_predivide_factor``
     (with ``op=Average``) divides by the factor before the sum and by
     ``size / factor`` after it, as in Horovod. ``device_dense``,
-    ``device_sparse``, ``num_groups``, ``groups`` and
-    ``scale_local_gradients`` are accepted for compatibility (the engine
-    batches what is ready on its own). A tf_keras (Keras 2,
+    ``device_sparse``, ``num_groups`` and ``groups`` are accepted for
+    compatibility (the engine batches what is ready on its own).
+    ``register_local_var(var)`` keeps a variable's gradient on this worker
+    (divided by the size when ``scale_local_gradients``, as in Horovod). A tf_keras (Keras 2,
     ``TF_USE_LEGACY_KERAS=1``) optimizer gets the same wrapper for Keras 2
     (``bps_tf.keras.legacy_optimizer``).
 
@@ -155,7 +149,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     from bps_tf.compat import v1
     from bps_tf.process_sets import resolve
     resolve(process_set, "DistributedOptimizer")
-    del num_groups, groups, scale_local_gradients
+    del num_groups, groups
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
         if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:
             raise NotImplementedError("with a tf.compat.v1 optimizer, gradient_predivide_factor "
@@ -174,13 +168,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     op = api.resolve_op(None, op)
     prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
                                                "DistributedOptimizer")
-    if tf_keras:   # Keras 2: no gradient_accumulation_steps to map passes onto
+    if tf_keras:   # Keras 2: no gradient_accumulation_steps; pass_aggregation sums
         legacy_optimizer.check_supported(backward_passes_per_step)
         cls = distributed_class(type(optimizer), name=name, compression=compression,
                                 sparse_as_dense=sparse_as_dense, op=op, priority_fn=priority_fn,
                                 prescale=prescale, postscale=postscale,
                                 mixin=legacy_optimizer.LegacyDistributedMixin,
-                                process_set=process_set)
+                                process_set=process_set, passes=backward_passes_per_step,
+                                average_passes=average_aggregated_gradients,
+                                scale_local=scale_local_gradients)
         return legacy_optimizer.rebuild(cls, optimizer)
     passes = int(backward_passes_per_step)
     if passes < 1:
@@ -197,8 +193,35 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     cls = distributed_class(type(optimizer), name=name, compression=compression,
                             sparse_as_dense=sparse_as_dense, op=op,
                             priority_fn=priority_fn, accum_scale=accum_scale,
-                            prescale=prescale, postscale=postscale, process_set=process_set)
+                            prescale=prescale, postscale=postscale, process_set=process_set,
+                            scale_local=scale_local_gradients)
     return cls.from_config(config)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=api.Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=api.Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=None, local_layers=None,
+                                scale_local_gradients=True):
+    """A ``DistributedOptimizer`` that keeps the gradients of
+    ``local_layers`` (a layer or a list of them) on this worker, as
+    Horovod's: their trainable variables are ``register_local_var``-ed."""
+    if local_layers is None:
+        local_layers = []
+    elif not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    opt = DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 def make_distributed_in_place(optimizer, **kwargs):

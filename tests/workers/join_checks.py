@@ -15,6 +15,7 @@ import tensorflow as tf
 import keras
 
 import bps_tf
+import bps_tf.basics  # noqa: F401  (stats)
 from bps_tf import api
 from bps_tf.tape import DistributedGradientTape
 
@@ -29,9 +30,10 @@ def _value(rank, step):
     return np.asarray([rank + 1, 2 * (rank + 1) + step, -3 - rank], np.int64)
 
 
-def _uneven_epoch(rank, size, steps_of, tag):
+def _uneven_epoch(rank, size, steps_of, tag, join_in_function=False):
     """Every rank runs steps_of(rank) steps of Sum, Average, Min and Max
-    (eager and inside a tf.function), then joins; returns join's value."""
+    (eager and inside a tf.function), then joins (eagerly, or inside a
+    tf.function); returns join's value."""
     @tf.function
     def in_function(x):
         return (api.allreduce(x, op=api.Sum, name=f"join/{tag}/fn_sum"),
@@ -56,7 +58,16 @@ def _uneven_epoch(rank, size, steps_of, tag):
         expect_equal(f"{tag} step {step} function sum", fn_sum, every.sum(0))
         if not np.allclose(fn_avg.numpy(), every.sum(0) / size, rtol=1e-6, atol=0):
             raise AssertionError(f"{tag} step {step} function average: {fn_avg.numpy()}")
+    if join_in_function:
+        return int(tf.function(lambda: bps_tf.join())().numpy())
     return bps_tf.join()
+
+
+def _expect_join_seen(what, ranks):
+    seen = bps_tf.basics.stats()["join_seen_sent"]
+    if seen != sum(1 << k for k in ranks):
+        raise AssertionError(f"{what}: this worker's notice said it saw the joins of "
+                             f"{bin(seen)}, want ranks {ranks}")
 
 
 def check_join_uneven_steps_and_again(rank, size):
@@ -66,12 +77,17 @@ def check_join_uneven_steps_and_again(rank, size):
     last = _uneven_epoch(rank, size, lambda r: r + 1, "epoch1")
     if last != size - 1:
         raise AssertionError(f"first join returned {last}, want {size - 1}")
+    # The scheduler names the last from what each worker's results counted:
+    # rank r's last step completed with every rank that ran fewer steps
+    # counted as joined, and with none that ran more.
+    _expect_join_seen("first join", [k for k in range(size) if k < rank])
     full = api.allreduce(tf.constant([rank + 1]), op=api.Sum, name="join/between")
     expect_equal("sum between joins", full, [size * (size + 1) // 2])
     # The same names again: each rank's own round numbers still match.
-    last = _uneven_epoch(rank, size, lambda r: size - r, "epoch1")
+    last = _uneven_epoch(rank, size, lambda r: size - r, "epoch1", join_in_function=True)
     if last != 0:
         raise AssertionError(f"second join returned {last}, want 0")
+    _expect_join_seen("second join", [k for k in range(size) if k > rank])
     got = api.allgather(tf.constant([[rank]]), name="join/after")
     expect_equal("allgather after the joins", got, [[r] for r in range(size)])
     return f"{last}"

@@ -42,8 +42,9 @@ def same_on_every_rank(what, values):
             raise AssertionError(f"{what}: rank {r} differs from rank 0 by up to {diff}")
 
 
-def reference_weights(size, optimizer, epochs=1):
-    """One process on the batches of every rank, side by side."""
+def reference_weights(size, optimizer, epochs=1, passes=1):
+    """One process on the batches of every rank, side by side (``passes``
+    consecutive steps of every rank in one batch)."""
     data = [rank_data(r) for r in range(size)]
     x = np.concatenate([np.concatenate([d[0][s * BATCH:(s + 1) * BATCH] for d in data])
                         for s in range(STEPS)])
@@ -51,7 +52,7 @@ def reference_weights(size, optimizer, epochs=1):
                         for s in range(STEPS)])
     model = make_model()
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=BATCH * size, epochs=epochs, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH * size * passes, epochs=epochs, shuffle=False, verbose=0)
     return model.get_weights()
 
 
@@ -79,6 +80,57 @@ def check_fit_equals_one_process(rank, size, make_optimizer, **wrap):
     if "bps_tf" not in type(opt).__mro__[1].__module__:
         raise AssertionError(f"not wrapped: {type(opt).__mro__}")
     return f"{type(opt).__name__} from {type(opt).__module__}: loss {history.history['loss']}"
+
+
+def check_aggregated_fit(rank, size, average):
+    """backward_passes_per_step=2: the wrapper sums two batches locally and
+    exchanges once. The passes run on the same weights, so an update is the
+    one-process update on all 2 x size batches, with the learning rate
+    doubled when the passes are summed (Horovod's default), not averaged."""
+    x, y = rank_data(rank)
+    model = make_model()
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.05),
+                                   backward_passes_per_step=2,
+                                   average_aggregated_gradients=average)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    weights = model.get_weights()
+    same_on_every_rank("aggregated weights", weights)
+    want = reference_weights(size, tf.keras.optimizers.SGD(0.05 if average else 0.1),
+                             epochs=2, passes=2)
+    for got, ref in zip(weights, want):
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+    counted = (int(opt.iterations.numpy()), int(opt._agg_helper.counter.numpy()))
+    if counted != (2 * STEPS, 0):
+        raise AssertionError(f"(iterations, batches pending) = {counted}, "
+                             f"want ({2 * STEPS}, 0)")
+    return counted
+
+
+def check_local_var_and_compute_gradients(rank, size):
+    """register_local_var keeps a gradient on its worker (divided by the
+    size, Horovod's scale_local_gradients); _compute_gradients returns the
+    reduced gradients, and apply_gradients does not reduce them again (with
+    op=Sum a second reduction would multiply by the size)."""
+    shared = tf.Variable([0.0, 0.0])
+    own = tf.Variable([0.0])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(1.0), op=hvd.Sum)
+    opt.register_local_var(own)
+    weight = float(rank + 1)
+
+    def loss():
+        return weight * tf.reduce_sum(shared) + 3.0 * weight * own[0]
+
+    grads_and_vars = opt._compute_gradients(loss, var_list=[shared, own])
+    grads = {id(v): g.numpy() for g, v in grads_and_vars}
+    total = size * (size + 1) / 2.0
+    np.testing.assert_allclose(grads[id(shared)], [total, total])
+    np.testing.assert_allclose(grads[id(own)], [3.0 * weight / size])
+    opt.apply_gradients(grads_and_vars)
+    np.testing.assert_allclose(shared.numpy(), [-total, -total])
+    np.testing.assert_allclose(own.numpy(), [-3.0 * weight / size])
+    return float(shared.numpy()[0]), float(own.numpy()[0])
 
 
 def check_warmup_reaches_initial_lr(rank, size):
@@ -128,6 +180,9 @@ def main():
     checks.run("adam_predivide_fit", lambda: check_fit_equals_one_process(
         rank, size, lambda: tf.keras.optimizers.Adam(0.01), gradient_predivide_factor=2.0))
     checks.run("warmup", lambda: check_warmup_reaches_initial_lr(rank, size))
+    checks.run("aggregated_fit_summed", lambda: check_aggregated_fit(rank, size, False))
+    checks.run("aggregated_fit_averaged", lambda: check_aggregated_fit(rank, size, True))
+    checks.run("local_var", lambda: check_local_var_and_compute_gradients(rank, size))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("finished", lambda: None)
 
