@@ -1,4 +1,4 @@
-"""``SyncBatchNormalization``: Keras 3 batch normalization over the global batch.
+"""``SyncBatchNormalization``: batch normalization over the global batch.
 
 In training, the batch mean and variance are those of the batch of all
 workers together: each worker sums, per channel, its element count, its
@@ -8,15 +8,22 @@ in one push_pull at the blocking priority (``bps_tf.collectives``), and
     mean = sum / count,    variance = sum_of_squares / count - mean ** 2.
 
 Everything else (moving statistics, inference, masks, renorm, the
-configuration) is Keras' ``BatchNormalization``. Gradients flow through the
-push_pull (its gradient is the sum of the workers' gradients), so each
-worker's inputs get the gradient of the global statistics.
+configuration) is the framework's ``BatchNormalization``. Gradients flow
+through the push_pull (its gradient is the sum of the workers' gradients),
+so each worker's inputs get the gradient of the global statistics.
+
+Under Keras 3 the layer is a ``keras.layers.BatchNormalization``; with
+``TF_USE_LEGACY_KERAS=1`` (``tf.keras`` is tf_keras, as for Horovod's
+Keras-2 scripts) it is a tf_keras one, so it fits in tf_keras models; it
+then refuses ``fused=True`` (the fused kernel computes its own moments).
 
 Key: ``SyncBatchNormalization/<layer path>`` (made unique within a traced
 function); workers must build the same layers under the same names. Before
 ``bps_tf.init()`` the layer behaves like ``BatchNormalization``.
 """
 from __future__ import annotations
+
+import os
 
 import keras
 import tensorflow as tf
@@ -27,6 +34,25 @@ from bps_tf.collectives import BLOCKING_PRIORITY
 __all__ = ["SyncBatchNormalization"]
 
 
+def global_moments(inputs, axes, weights, layer_name, keepdims=False):
+    """Mean and variance over ``axes`` of every worker's ``inputs``
+    (``weights``: per-element weights broadcastable to ``inputs``, or None)."""
+    x = tf.cast(inputs, tf.float64)
+    weights = tf.ones_like(x) if weights is None else tf.broadcast_to(
+        tf.cast(weights, tf.float64), tf.shape(x))
+    count = tf.reduce_sum(weights, axes, keepdims=keepdims)
+    total = tf.reduce_sum(x * weights, axes, keepdims=keepdims)
+    squares = tf.reduce_sum(x * x * weights, axes, keepdims=keepdims)
+    key = naming.op_key("SyncBatchNormalization", layer_name)
+    summed = collectives.push_pull_sum(tf.stack([count, total, squares]), key,
+                                       BLOCKING_PRIORITY)
+    count, total, squares = tf.unstack(summed)
+    count = tf.maximum(count, 1.0)
+    mean = total / count
+    variance = tf.maximum(squares / count - mean * mean, 0.0)
+    return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+
 @keras.saving.register_keras_serializable(package="bps_tf")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` whose training statistics are
@@ -35,21 +61,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _moments(self, inputs, mask):
         if not basics.is_initialized():
             return super()._moments(inputs, mask)
-        axes = list(self._reduction_axes)
-        x = tf.cast(inputs, tf.float64)
-        if mask is None:
-            weights = tf.ones_like(x)
-        else:
-            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.float64),
-                                      tf.shape(x))
-        count = tf.reduce_sum(weights, axes)
-        total = tf.reduce_sum(x * weights, axes)
-        squares = tf.reduce_sum(x * x * weights, axes)
-        key = naming.op_key("SyncBatchNormalization", self.path or self.name)
-        packed = tf.stack([count, total, squares])
-        summed = collectives.push_pull_sum(packed, key, BLOCKING_PRIORITY)
-        count, total, squares = tf.unstack(summed)
-        count = tf.maximum(count, 1.0)
-        mean = total / count
-        variance = tf.maximum(squares / count - mean * mean, 0.0)
-        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+        weights = None if mask is None else tf.expand_dims(mask, -1)
+        return global_moments(inputs, list(self._reduction_axes), weights,
+                              self.path or self.name)
+
+
+def _legacy_keras() -> bool:
+    # The values TensorFlow itself reads to make tf.keras tf_keras.
+    return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
+
+
+if _legacy_keras():
+    from bps_tf.sync_batch_norm_legacy import SyncBatchNormalization  # noqa: F811

@@ -14,7 +14,7 @@ from bps_tf.process_sets import global_process_set, resolve
 from bps_tf.collectives import require_init
 
 
-def _source_key(source):
+def source_key(source):
     """A hashable identity of a source (Keras 3 variables have no ``ref()``)."""
     return source.ref() if hasattr(source, "ref") else id(source)
 
@@ -32,14 +32,14 @@ def _scale(grad, divisor, factor):
 
 def reduce_except_local(grads, sources, prefix, local_keys, scale_local,
                         process_set=global_process_set, local_factor=1.0, **reduce_options):
-    """``reduce_gradients`` for the sources whose ``_source_key`` is not in
+    """``reduce_gradients`` for the sources whose ``source_key`` is not in
     ``local_keys``; a local source's gradient stays this worker's, divided
     by the process set's size when ``scale_local`` (Horovod's
     ``scale_local_gradients``) and multiplied by ``local_factor``. Shared
     by the tape and the optimizers' ``register_local_var``."""
     if process_set is None:
         process_set = global_process_set
-    shared = [i for i, s in enumerate(sources) if _source_key(s) not in local_keys]
+    shared = [i for i, s in enumerate(sources) if source_key(s) not in local_keys]
     reduced = reduce_gradients([grads[i] for i in shared], [sources[i] for i in shared],
                                prefix, process_set=process_set, **reduce_options)
     out = list(grads)
@@ -104,16 +104,16 @@ class DistributedGradientTape(tf.GradientTape):
         """Marks a variable as this worker's own (Horovod's name): its gradient
         is not reduced across workers, only divided by the set's size when
         ``scale_local_gradients`` (the default)."""
-        self._bps["local"].add(_source_key(source))
+        self._bps["local"].add(source_key(source))
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
         """``(local, global)``: lists of ``(variable, gradient)`` for the
         registered local sources and for the reduced others."""
         flat = tf.nest.flatten(sources, expand_composites=False)
         grads = self.gradient(target, flat, output_gradients=output_gradients)
-        local = [(v, g) for v, g in zip(flat, grads) if _source_key(v) in self._bps["local"]]
+        local = [(v, g) for v, g in zip(flat, grads) if source_key(v) in self._bps["local"]]
         shared = [(v, g) for v, g in zip(flat, grads)
-                  if _source_key(v) not in self._bps["local"]]
+                  if source_key(v) not in self._bps["local"]]
         return local, shared
 
     def gradient(self, target, sources, output_gradients=None,

@@ -20,7 +20,7 @@ import tensorflow as tf
 from bps_tf import api
 from bps_tf.async_training import refuse_gradient_exchange
 from bps_tf.keras.pass_aggregation import PassAggregator
-from bps_tf.tape import _source_key, reduce_except_local
+from bps_tf.tape import source_key, reduce_except_local
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:
@@ -55,7 +55,7 @@ class ReduceMixin:
         """Marks ``var`` as this worker's own (Horovod's name): its gradient
         is not reduced across workers, only divided by the process set's
         size when ``scale_local_gradients`` (the default)."""
-        self.__dict__.setdefault("_bps_local_keys", set()).add(_source_key(var))
+        self.__dict__.setdefault("_bps_local_keys", set()).add(source_key(var))
 
     def _bps_reduce(self, grads, variables, postscale_factor=1.0):
         return reduce_except_local(

@@ -133,6 +133,31 @@ def check_local_var_and_compute_gradients(rank, size):
     return float(shared.numpy()[0]), float(own.numpy()[0])
 
 
+def check_sync_batch_norm(rank, size):
+    """bps_tf.keras.SyncBatchNormalization is a tf_keras layer here (it goes
+    into a tf_keras Sequential) and normalizes with the statistics of every
+    worker's batch: a training step gives each worker its rows of what one
+    BatchNormalization gives on all rows, and the same moving statistics."""
+    every = np.stack([np.arange(12, dtype=np.float32).reshape(4, 3) * (r + 1) + r
+                      for r in range(size)])          # [size, 4 rows, 3 channels]
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    if not isinstance(sync, tf.keras.layers.BatchNormalization) or sync.fused:
+        raise AssertionError(f"{type(sync).__mro__} is not an unfused tf_keras layer")
+    model = tf.keras.Sequential([tf.keras.Input((3,)), sync])
+    plain = tf.keras.layers.BatchNormalization(momentum=0.5)
+    got = model(every[rank], training=True).numpy()
+    want = plain(every.reshape(-1, 3), training=True).numpy().reshape(size, 4, 3)[rank]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(getattr(sync, name).numpy(), getattr(plain, name).numpy(),
+                                   rtol=1e-5)
+    try:
+        hvd.SyncBatchNormalization(fused=True)
+    except ValueError:
+        return float(np.max(np.abs(got - want)))
+    raise AssertionError("SyncBatchNormalization(fused=True) was accepted")
+
+
 def check_warmup_reaches_initial_lr(rank, size):
     x, y = rank_data(rank)
     model = make_model()
@@ -183,6 +208,7 @@ def main():
     checks.run("aggregated_fit_summed", lambda: check_aggregated_fit(rank, size, False))
     checks.run("aggregated_fit_averaged", lambda: check_aggregated_fit(rank, size, True))
     checks.run("local_var", lambda: check_local_var_and_compute_gradients(rank, size))
+    checks.run("sync_batch_norm", lambda: check_sync_batch_norm(rank, size))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("finished", lambda: None)
 
