@@ -23,13 +23,12 @@ function); workers must build the same layers under the same names. Before
 """
 from __future__ import annotations
 
-import os
-
 import keras
 import tensorflow as tf
 
 from bps_tf import basics, collectives, naming
 from bps_tf.collectives import BLOCKING_PRIORITY
+from bps_tf.util import tf_keras_enabled
 
 __all__ = ["SyncBatchNormalization"]
 
@@ -66,10 +65,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                               self.path or self.name)
 
 
-def _legacy_keras() -> bool:
-    # The values TensorFlow itself reads to make tf.keras tf_keras.
-    return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
-
-
-if _legacy_keras():
+if tf_keras_enabled():
     from bps_tf.sync_batch_norm_legacy import SyncBatchNormalization  # noqa: F811

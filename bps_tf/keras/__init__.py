@@ -81,8 +81,14 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
                compression=Compression.none, **kwargs):
     """``keras.models.load_model`` whose compiled optimizer comes back as a
     DistributedOptimizer, with its saved state. ``custom_optimizers`` (a list
-    of classes) are added to ``custom_objects``."""
-    import keras
+    of classes) are added to ``custom_objects``. With ``TF_USE_LEGACY_KERAS=1``
+    it is tf_keras' ``load_model`` (a Keras 2 model and optimizer)."""
+    from bps_tf.util import tf_keras_enabled
+    if tf_keras_enabled():
+        import tensorflow as tf
+        keras = tf.keras
+    else:
+        import keras
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects[cls.__name__] = cls

@@ -227,8 +227,10 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 def make_distributed_in_place(optimizer, **kwargs):
     """Turns an existing optimizer (with its state, e.g. just loaded) into a
     distributed one by switching its class; used by ``load_model``."""
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, (_DistributedMixin, legacy_optimizer.LegacyDistributedMixin)):
         return optimizer
+    if legacy_optimizer.is_tf_keras_optimizer(optimizer):
+        kwargs["mixin"] = legacy_optimizer.LegacyDistributedMixin
     optimizer.__class__ = distributed_class(type(optimizer), **kwargs)
     return optimizer
 

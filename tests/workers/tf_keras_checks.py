@@ -158,6 +158,36 @@ def check_sync_batch_norm(rank, size):
     raise AssertionError("SyncBatchNormalization(fused=True) was accepted")
 
 
+def check_load_model(rank, size, out_dir):
+    """bps_tf.keras.load_model on a tf_keras model (.keras and .h5) returns
+    it with its optimizer distributed again and the state tf_keras restores
+    (.h5 restores a legacy optimizer's slots, tf_keras' .keras does not);
+    training on goes on the same on every worker."""
+    from bps_tf.keras.legacy_optimizer import LegacyDistributedMixin
+    x, y = rank_data(rank)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.RMSprop(0.01)),
+                  loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    done = []
+    for suffix in ("keras", "h5"):
+        path = os.path.join(out_dir, f"model.rank{rank}.{suffix}")
+        model.save(path)
+        loaded = hvd.load_model(path)
+        if not isinstance(loaded.optimizer, LegacyDistributedMixin):
+            raise AssertionError(f"{suffix}: optimizer {type(loaded.optimizer).__mro__} "
+                                 "is not distributed")
+        plain = tf.keras.models.load_model(path).optimizer
+        got, want = (int(o.iterations.numpy()) for o in (loaded.optimizer, plain))
+        if got != want or (suffix == "h5" and got != STEPS):
+            raise AssertionError(f"{suffix}: iterations {got}, plain tf_keras restores {want}")
+        loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        same_on_every_rank(f"weights after training the loaded {suffix} model",
+                           loaded.get_weights())
+        done.append(suffix)
+    return " ".join(done)
+
+
 def check_warmup_reaches_initial_lr(rank, size):
     x, y = rank_data(rank)
     model = make_model()
@@ -209,6 +239,7 @@ def main():
     checks.run("aggregated_fit_averaged", lambda: check_aggregated_fit(rank, size, True))
     checks.run("local_var", lambda: check_local_var_and_compute_gradients(rank, size))
     checks.run("sync_batch_norm", lambda: check_sync_batch_norm(rank, size))
+    checks.run("load_model", lambda: check_load_model(rank, size, out_dir))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("finished", lambda: None)
 
