@@ -48,7 +48,7 @@ def ranks(tmp_path_factory, legacy_env):
 @pytest.mark.parametrize("name", ["is_tf_keras", "sgd_fit", "legacy_momentum_fit",
                                   "adam_predivide_fit", "warmup", "aggregated_fit_summed",
                                   "aggregated_fit_averaged", "local_var", "sync_batch_norm",
-                                  "load_model",
+                                  "load_model", "momentum_correction",
                                   "compression_under_strategy",
                                   "finished"])
 def test_tf_keras_check(ranks, name):

@@ -10,7 +10,9 @@ Keras 3 differences that shape them:
   settable rate, so the learning-rate callbacks refuse it with a clear error;
 * ``momentum`` is a Python float captured when the train step is traced, so
   Horovod's momentum correction cannot work: ``momentum_correction`` is
-  accepted and ignored.
+  accepted and ignored. A tf_keras legacy optimizer
+  (``tf.keras.optimizers.legacy.*``) keeps momentum in a variable it reads
+  at every step, and there the correction works as in Horovod.
 """
 from __future__ import annotations
 
@@ -127,7 +129,11 @@ class LearningRateScheduleCallback(_KerasCallback):
     ``staircase=True`` the rate changes at epoch starts (integer epochs);
     otherwise at every batch, with a fractional epoch
     ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` defaults to the
-    one ``fit`` reports). ``momentum_correction`` is ignored (Keras 3).
+    one ``fit`` reports). With ``momentum_correction`` (and a tf_keras
+    legacy optimizer with momentum) the batch where the rate changes runs
+    with momentum scaled by new rate / old rate, as in Horovod; Keras 3
+    optimizers and tf_keras' current ones trace momentum as a constant, so
+    there it has no effect.
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None,
@@ -138,9 +144,10 @@ class LearningRateScheduleCallback(_KerasCallback):
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
-        self.momentum_correction = momentum_correction   # no effect in Keras 3
+        self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
+        self._restore_momentum = None
 
     def _lr_variable(self):
         optimizer = self.model.optimizer
@@ -158,7 +165,26 @@ class LearningRateScheduleCallback(_KerasCallback):
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
 
     def _set_lr(self, epoch) -> None:
-        self._lr_variable().assign(self.initial_lr * self.multiplier(epoch))
+        rate = self._lr_variable()
+        old, new = float(np.asarray(rate)), self.initial_lr * self.multiplier(epoch)
+        rate.assign(new)
+        momentum = self._momentum_variable()
+        if momentum is not None and old != 0.0 and new != old and self._restore_momentum is None:
+            self._restore_momentum = float(np.asarray(momentum))
+            momentum.assign(self._restore_momentum * new / old)
+
+    def _momentum_variable(self):
+        """The momentum a tf_keras legacy optimizer reads at every step (a
+        variable once the optimizer is built), else None."""
+        if not self.momentum_correction:
+            return None
+        hyper = getattr(self.model.optimizer, "_hyper", {}).get("momentum")
+        return hyper if isinstance(hyper, tf.Variable) else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self._momentum_variable().assign(self._restore_momentum)
+            self._restore_momentum = None
 
     def _steps(self) -> int:
         steps = self.steps_per_epoch or (self.params or {}).get("steps")

@@ -188,6 +188,30 @@ def check_load_model(rank, size, out_dir):
     return " ".join(done)
 
 
+def check_momentum_correction(rank):
+    """LearningRateScheduleCallback with a tf_keras legacy SGD: the first
+    batch at the new rate runs with momentum * new / old (Horovod's momentum
+    correction), the next batches with the momentum again; off with
+    momentum_correction=False."""
+    x, y = rank_data(rank)
+    seen = {}
+    for correction in (True, False):
+        model = make_model()
+        opt = tf.keras.optimizers.legacy.SGD(0.01, momentum=0.9)
+        model.compile(optimizer=hvd.DistributedOptimizer(opt), loss="mse")
+        schedule = hvd.callbacks.LearningRateScheduleCallback(
+            0.01, lambda epoch: 1.0 if epoch < 1 else 0.1, momentum_correction=correction)
+        momenta = []
+        record = tf.keras.callbacks.LambdaCallback(on_batch_begin=lambda b, logs: momenta.append(
+            round(float(model.optimizer.momentum.numpy()), 6)))
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[schedule, record])
+        seen[correction] = momenta[STEPS:STEPS + 2] + [momenta[-1]]
+    if seen != {True: [0.09, 0.9, 0.9], False: [0.9, 0.9, 0.9]}:
+        raise AssertionError(f"momentum at epoch 2's first, second and last batch: {seen}")
+    return str(seen[True])
+
+
 def check_warmup_reaches_initial_lr(rank, size):
     x, y = rank_data(rank)
     model = make_model()
@@ -240,6 +264,7 @@ def main():
     checks.run("local_var", lambda: check_local_var_and_compute_gradients(rank, size))
     checks.run("sync_batch_norm", lambda: check_sync_batch_norm(rank, size))
     checks.run("load_model", lambda: check_load_model(rank, size, out_dir))
+    checks.run("momentum_correction", lambda: check_momentum_correction(rank))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("finished", lambda: None)
 
