@@ -61,6 +61,13 @@ SETTINGS = (
             "for others to share its message (the wait ends early once a full "
             "message is ready). 0: send what is ready at once. "
             "HOROVOD_CYCLE_TIME is read when this is not set."),
+    Setting("BYTEPS_MALLOC_KEEP_BUFFERS", "malloc_keep_buffers", "1", _bool,
+            "Workers and servers ask glibc to keep freed buffers of up to 32 MiB "
+            "in the heap (mallopt M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD "
+            "512 MiB) so that each message reuses pages instead of mapping "
+            "fresh ones and faulting them in (64 MiB push_pull on loopback: "
+            "about 25 % faster). Freed memory up to the process's peak stays "
+            "mapped. 0: leave glibc's settings (and your GLIBC_TUNABLES) alone."),
     Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
             "Threads a server uses to sum the partitions it owns."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,

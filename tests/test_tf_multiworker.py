@@ -43,6 +43,11 @@ def test_partition_size_reached_the_workers(ranks):
     assert _check(ranks, "partition_bytes") == [str(PARTITION_BYTES)] * WORKERS
 
 
+def test_workers_keep_freed_message_buffers_in_the_heap(ranks):
+    # BYTEPS_MALLOC_KEEP_BUFFERS defaults to on, and glibc took the settings.
+    assert _check(ranks, "heap_keeps_buffers") == ["True"] * WORKERS
+
+
 def test_push_pull_every_dtype_and_size(ranks):
     details = _check(ranks, "push_pull_dtypes")
     # Every dtype ran every size, including one element past 3 partitions.

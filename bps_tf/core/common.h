@@ -59,6 +59,10 @@ std::string ShapeString(int dtype, const std::vector<int64_t>& shape);
 uint64_t Fnv1a64(const std::string& text);
 std::string JsonString(const std::string& text);  // quoted and escaped
 
+// BYTEPS_MALLOC_KEEP_BUFFERS: once per process, keeps freed buffers of up
+// to 32 MiB in glibc's heap. Returns whether glibc took both settings.
+bool KeepFreedBuffersInHeap();
+
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();

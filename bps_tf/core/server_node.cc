@@ -311,6 +311,9 @@ void ServerNode::HandleControl(const Message& m) {
 }
 
 int ServerNode::Run(std::string* error) {
+  if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
+    Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
+  }
   std::string bind_host = cfg_.Get("bind_host", "0.0.0.0");
   int64_t port = cfg_.GetInt("port", 0);
   if (cfg_.Get("role") == "scheduler") port = cfg_.GetInt("scheduler_port", 0);

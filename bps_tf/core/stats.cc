@@ -34,6 +34,7 @@ std::string Stats::Json() {
     << ",\"pushes_received\":" << pushes_received
     << ",\"local_reduce_ops\":" << local_reduce_ops
     << ",\"join_seen_sent\":" << join_seen_sent
+    << ",\"heap_keeps_buffers\":" << (heap_keeps_buffers ? "true" : "false")
     << ",\"node_state\":" << node_state
     << ",\"send_log\":[";
   std::lock_guard<std::mutex> lock(mu_);

@@ -35,6 +35,7 @@ class Stats {
   // A worker's last JOIN_NOTICE: the workers its results had counted as
   // joined (bit r), which the scheduler uses to name the last to join.
   std::atomic<uint64_t> join_seen_sent{0};
+  std::atomic<bool> heap_keeps_buffers{false};  // BYTEPS_MALLOC_KEEP_BUFFERS took effect
   std::atomic<bool> send_log_on{false};
   // A server or scheduler process: 0 starting, 1 the cluster has met,
   // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).

@@ -20,7 +20,7 @@ import tensorflow as tf
 import keras
 
 import bps_tf
-from bps_tf import api, config
+from bps_tf import api, basics, config
 from bps_tf.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
 import join_checks
@@ -334,6 +334,8 @@ def main(out_dir):
     partition_bytes = config.value("BYTEPS_PARTITION_BYTES")
     checks = Checks(out_dir, rank, size)
     checks.results["partition_bytes"] = {"ok": True, "detail": str(partition_bytes)}
+    checks.results["heap_keeps_buffers"] = {
+        "ok": True, "detail": str(basics.stats()["heap_keeps_buffers"])}
     checks.run("push_pull_dtypes", lambda: check_push_pull_dtypes(rank, size, partition_bytes))
     checks.run("fifty_in_flight", lambda: check_fifty_in_flight(rank, size))
     checks.run("fp16_and_unnamed", lambda: check_fp16_compression_and_unnamed_calls(rank, size))
