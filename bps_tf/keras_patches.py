@@ -83,6 +83,20 @@ def _patch_jit_compile(trainer_cls):
                                        original.__doc__)
 
 
+def _patch_compile(trainer_cls):
+    """Horovod's Keras examples and docs pass ``experimental_run_tf_function=
+    False`` to ``compile``; Keras 2 ignored it under TF2, Keras 3 raises on
+    it. Dropped, so those scripts run with one import changed."""
+    original = trainer_cls.compile
+
+    @functools.wraps(original)
+    def compile(self, *args, experimental_run_tf_function=None, **kwargs):  # noqa: A001
+        del experimental_run_tf_function
+        return original(self, *args, **kwargs)
+
+    trainer_cls.compile = compile
+
+
 # --------------------------------------------------------------------------
 # predict
 # --------------------------------------------------------------------------
@@ -360,6 +374,7 @@ def install(is_ours=None) -> None:
         import keras
         from keras.src.trainers import trainer as trainer_module
         _patch_jit_compile(trainer_module.Trainer)
+        _patch_compile(trainer_module.Trainer)
         from keras.src.backend.tensorflow import trainer as tf_trainer_module
         _patch_predict(tf_trainer_module.TensorFlowTrainer)
         _patch_async_fit(tf_trainer_module.TensorFlowTrainer)

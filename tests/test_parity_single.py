@@ -349,3 +349,14 @@ def test_partial_distributed_optimizer_keeps_local_layers_local(op_names, passes
     total = sum(range(1, passes + 1))
     assert local.kernel.numpy().tolist() == [[-float(total)]]
     assert shared.kernel.numpy().tolist() == [[-10.0 * total]]
+
+
+def test_compile_takes_horovods_experimental_run_tf_function():
+    """Horovod's Keras examples pass experimental_run_tf_function=False;
+    Keras 3 alone refuses it. Other unknown arguments are still refused."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=bps_keras.DistributedOptimizer(keras.optimizers.SGD()),
+                  experimental_run_tf_function=False)
+    assert model.compiled
+    with pytest.raises(TypeError, match="no_such_argument"):
+        model.compile(loss="mse", no_such_argument=1)
