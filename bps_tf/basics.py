@@ -5,6 +5,7 @@ Servers and tools import this module; it must never import TensorFlow.
 from __future__ import annotations
 
 import atexit
+import sys
 import json
 import logging
 
@@ -42,6 +43,9 @@ def init(environ=None, process_sets=None, lazy=True) -> None:
     _join(c, environ)
     from bps_tf import process_sets as sets  # imports this module: loaded late
     sets.register_at_init(process_sets)
+    if "keras.src.optimizers.base_optimizer" in sys.modules:   # TensorFlow loaded Keras 3
+        from bps_tf import keras_patches
+        keras_patches.install_optimizer_variables()
 
 
 def _join(c, environ) -> None:

@@ -192,6 +192,35 @@ def _patch_async_fit(trainer_cls):
     trainer_cls.fit = fit
 
 
+class _CallableVariables(list):
+    """Keras 3's ``optimizer.variables`` (a list) that also answers Keras 2's
+    ``optimizer.variables()``, which Horovod's TF2 examples call to
+    broadcast the optimizer's state."""
+
+    def __call__(self):
+        return self
+
+
+def install_optimizer_variables() -> None:
+    """Makes ``optimizer.variables()`` work on Keras 3 optimizers (once; a
+    no-op without Keras). ``bps_tf.init()`` calls it: scripts written for
+    ``horovod.tensorflow`` use it without importing the Keras API."""
+    try:
+        from keras.src.optimizers import base_optimizer
+    except ImportError:
+        return
+    cls = base_optimizer.BaseOptimizer
+    original = cls.__dict__.get("variables")
+    if not isinstance(original, property) or getattr(original.fget, "_bps_callable", False):
+        return
+
+    def variables(self):
+        return _CallableVariables(original.fget(self))
+
+    variables._bps_callable = True
+    cls.variables = property(variables, doc=original.__doc__)
+
+
 def _patch_optimizer_apply(optimizer_cls):
     original = optimizer_cls.apply
 
@@ -381,6 +410,7 @@ def install(is_ours=None) -> None:
         _patch_async_evaluate(tf_trainer_module.TensorFlowTrainer)
         from keras.src.optimizers import base_optimizer
         _patch_optimizer_apply(base_optimizer.BaseOptimizer)
+        install_optimizer_variables()
         from keras.src.backend.tensorflow import core as tf_core_module
         _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)

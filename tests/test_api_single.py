@@ -602,3 +602,26 @@ def test_keras_distributed_optimizer_takes_gradient_predivide_factor():
     assert (opt._bps_prescale, opt._bps_postscale) == (0.5, 2.0)
     with pytest.raises(ValueError, match="op=Average"):
         DistributedOptimizer(keras.optimizers.SGD(0.1), op=api.Sum, gradient_predivide_factor=2.0)
+
+
+def test_horovod_tf2_scripts_call_optimizer_variables():
+    """Horovod's TF2 examples broadcast ``opt.variables()`` (Keras 2 made it a
+    method; Keras 3 a list). After ``bps_tf.init()``, in a script that never
+    imports bps_tf.keras, it is both."""
+    script = (
+        "import tensorflow as tf, bps_tf\n"
+        "bps_tf.init()\n"
+        "opt = tf.optimizers.Adam(0.1)\n"
+        "v = tf.Variable([1.0, 2.0])\n"
+        "opt.apply_gradients([(tf.constant([0.5, 0.5]), v)])\n"
+        "called = opt.variables()\n"
+        "assert [id(x) for x in called] == [id(x) for x in opt.variables], called\n"
+        "bps_tf.broadcast_variables(opt.variables(), root_rank=0)\n"
+        "print('variables', len(called))\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("DMLC_ROLE", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tempfile.gettempdir(), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The step count, the learning rate and Adam's two slots.
+    assert "variables 4" in proc.stdout, proc.stdout
