@@ -90,8 +90,10 @@ class LegacyDistributedMixin(ReduceMixin):
         return helper
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-        # Horovod reduces here, and scripts read these gradients (e.g. to log
-        # them); apply_gradients recognises them and does not reduce twice.
+        # Horovod reduces here (minimize and tf_keras' fit come this way), and
+        # scripts read these gradients, e.g. to clip or log them: the next
+        # apply_gradients takes them as reduced, as Horovod's does. Called
+        # alone, apply_gradients reduces itself.
         grads_and_vars = super()._compute_gradients(loss, var_list, grad_loss=grad_loss,
                                                     tape=tape)
         return self._bps_reduce_pairs(grads_and_vars)
@@ -107,13 +109,11 @@ class LegacyDistributedMixin(ReduceMixin):
             return grads_and_vars   # aggregation reduces in apply_gradients
         grads, variables = zip(*grads_and_vars)
         reduced = self._bps_reduce(grads, variables)
-        self.__dict__["_bps_reduced"] = [g for g in reduced if g is not None]
+        self.__dict__["_bps_reduced_pending"] = True
         return list(zip(reduced, variables))
 
-    def _bps_already_reduced(self, grads_and_vars) -> bool:
-        done = self.__dict__.pop("_bps_reduced", None)
-        return done is not None and all(
-            any(g is d for d in done) for g, _ in grads_and_vars if g is not None)
+    def _bps_already_reduced(self) -> bool:
+        return bool(self.__dict__.pop("_bps_reduced_pending", False))
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -130,7 +130,7 @@ class LegacyDistributedMixin(ReduceMixin):
                 grads_and_vars, self._bps_reduce,
                 lambda pairs: base.apply_gradients(pairs, *args, **kwargs),
                 lambda: self.iterations.assign_add(1))
-        if grads_and_vars and reduce and not self._bps_already_reduced(grads_and_vars):
+        if not self._bps_already_reduced() and grads_and_vars and reduce:
             grads, variables = zip(*grads_and_vars)
             grads_and_vars = list(zip(self._bps_reduce(grads, variables), variables))
         return super().apply_gradients(grads_and_vars, *args, **kwargs)

@@ -111,8 +111,9 @@ def check_aggregated_fit(rank, size, average):
 def check_local_var_and_compute_gradients(rank, size):
     """register_local_var keeps a gradient on its worker (divided by the
     size, Horovod's scale_local_gradients); _compute_gradients returns the
-    reduced gradients, and apply_gradients does not reduce them again (with
-    op=Sum a second reduction would multiply by the size)."""
+    reduced gradients, and the apply_gradients after it does not reduce them
+    again, also when the script changed them in between (with op=Sum a second
+    reduction would multiply by the size)."""
     shared = tf.Variable([0.0, 0.0])
     own = tf.Variable([0.0])
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(1.0), op=hvd.Sum)
@@ -127,7 +128,7 @@ def check_local_var_and_compute_gradients(rank, size):
     total = size * (size + 1) / 2.0
     np.testing.assert_allclose(grads[id(shared)], [total, total])
     np.testing.assert_allclose(grads[id(own)], [3.0 * weight / size])
-    opt.apply_gradients(grads_and_vars)
+    opt.apply_gradients([(tf.identity(g), v) for g, v in grads_and_vars])   # e.g. clipped
     np.testing.assert_allclose(shared.numpy(), [-total, -total])
     np.testing.assert_allclose(own.numpy(), [-3.0 * weight / size])
     return float(shared.numpy()[0]), float(own.numpy()[0])
