@@ -13,7 +13,7 @@ Keras 3 train step that the strategy runs:
   ``evaluate``, ``predict``, ``save``, ``save_weights``, ``get_weights``,
   the checkpoint callbacks, the process's exit) :meth:`FitOverlap.flush`
   applies whatever is still pending; reads elsewhere (in the traced step,
-  eager reads, ``tf.function``\ s run between steps) are caught by
+  eager reads, tf.functions run between steps) are caught by
   :mod:`bps_tf.overlap_guard`;
 * each start's priority comes from the traced step: the variable the
   forward pass reads first leaves first.
