@@ -5,9 +5,9 @@ Servers and tools import this module; it must never import TensorFlow.
 from __future__ import annotations
 
 import atexit
-import sys
 import json
 import logging
+import sys
 
 from bps_tf import cluster, config
 from bps_tf._loader import load_core

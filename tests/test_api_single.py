@@ -186,6 +186,16 @@ def test_graph_names_come_from_op_names_and_repeats_are_numbered(op_calls):
                         ("push_pull", "PushPull/mine", 7)]
 
 
+def _run_alone(code):
+    """Runs ``code`` in a fresh single-process interpreter (no cluster) from a
+    neutral directory: ``-c`` puts the current one on sys.path, and the source
+    tree must not shadow the installed package."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("DMLC_ROLE", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_calls_before_init_fail_clearly():
     code = ("import tensorflow as tf\n"
             "from bps_tf import api\n"
@@ -193,12 +203,7 @@ def test_calls_before_init_fail_clearly():
             "    api.push_pull(tf.ones([2]))\n"
             "except RuntimeError as e:\n"
             "    print('ERR', e)\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("DMLC_ROLE", None)
-    # A neutral directory: `-c` puts it on sys.path, and the source tree must
-    # not shadow the installed package.
-    out = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = _run_alone(code)
     assert "ERR" in out.stdout, out.stdout + out.stderr
     assert "bps_tf.init()" in out.stdout
 
@@ -618,10 +623,7 @@ def test_horovod_tf2_scripts_call_optimizer_variables():
         "assert [id(x) for x in called] == [id(x) for x in opt.variables], called\n"
         "bps_tf.broadcast_variables(opt.variables(), root_rank=0)\n"
         "print('variables', len(called))\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("DMLC_ROLE", None)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tempfile.gettempdir(), env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = _run_alone(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The step count, the learning rate and Adam's two slots.
     assert "variables 4" in proc.stdout, proc.stdout

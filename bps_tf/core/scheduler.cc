@@ -20,7 +20,7 @@ Scheduler::Scheduler(const Config& cfg)
     : cfg_(cfg),
       num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
       num_servers_(static_cast<int>(cfg.GetInt("num_servers", 1))),
-      partition_bytes_(cfg.GetInt("partition_bytes", 2048000)),
+      partition_bytes_(cfg.GetInt("partition_bytes", kDefaultPartitionBytes)),
       timeout_s_(cfg.GetDouble("timeout_s", 30)),
       stall_check_s_(cfg.GetDouble("stall_check_s", 60)),
       stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),

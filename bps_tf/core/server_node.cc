@@ -85,7 +85,7 @@ class ServerNode {
         // The workers' cap (worker_engine.cc), so both directions agree.
         fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
             std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
-            std::max<int64_t>(cfg.GetInt("partition_bytes", 2048000), 1 << 20)))),
+            std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
@@ -321,7 +321,8 @@ int ServerNode::Run(std::string* error) {
   std::string bound;
   Peer listener = channel_->Listen(
       Endpoint(bind_host, port),
-      std::max<int64_t>(cfg_.GetInt("partition_bytes", 2048000), 1 << 20) + 4096, &bound);
+      std::max<int64_t>(cfg_.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20) + 4096,
+      &bound);
   int actual_port = PortOf(bound);
   SetLogIdentity(Who());
 

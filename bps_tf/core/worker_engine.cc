@@ -104,7 +104,7 @@ void WorkerEngine::Init(const Config& cfg) {
   if (num_servers_ < 1) throw Error("a cluster of several workers needs at least one server");
 
   if (cfg.GetInt("malloc_keep_buffers", 1)) Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
-  partition_bytes_ = static_cast<uint64_t>(cfg.GetInt("partition_bytes", 2048000));
+  partition_bytes_ = static_cast<uint64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes));
   if (partition_bytes_ < 8) throw Error("BYTEPS_PARTITION_BYTES must be at least 8");
   min_compress_bytes_ =
       static_cast<uint64_t>(std::max<int64_t>(0, cfg.GetInt("min_compress_bytes", 4096)));

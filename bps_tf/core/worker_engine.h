@@ -32,6 +32,7 @@
 #include "common.h"
 #include "compressor.h"
 #include "membership.h"
+#include "protocol.h"
 #include "transport.h"
 
 namespace bps {
@@ -123,7 +124,7 @@ class WorkerEngine {
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
   HostGroup host_group_;
   int num_servers_ = 0;
-  uint64_t partition_bytes_ = 2048000;
+  uint64_t partition_bytes_ = kDefaultPartitionBytes;
   uint64_t min_compress_bytes_ = 4096;
   uint64_t credit_bytes_ = 0;
   uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
