@@ -360,3 +360,11 @@ def test_compile_takes_horovods_experimental_run_tf_function():
     assert model.compiled
     with pytest.raises(TypeError, match="no_such_argument"):
         model.compile(loss="mse", no_such_argument=1)
+
+
+def test_partial_distributed_optimizer_refuses_a_tf1_optimizer():
+    layer = keras.layers.Dense(1)
+    layer.build((None, 2))
+    with pytest.raises(NotImplementedError, match="tf.compat.v1 optimizer"):
+        bps_keras.PartialDistributedOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), local_layers=[layer])

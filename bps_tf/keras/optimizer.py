@@ -211,6 +211,12 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         local_layers = []
     elif not isinstance(local_layers, (list, tuple)):
         local_layers = [local_layers]
+    from bps_tf.compat import v1
+    if v1.is_v1_optimizer(optimizer):
+        raise NotImplementedError(
+            "PartialDistributedOptimizer wraps a Keras 3 or tf_keras optimizer; a "
+            "tf.compat.v1 optimizer cannot keep gradients local. Use "
+            "bps_tf.PartialDistributedGradientTape with it, or a Keras optimizer.")
     opt = DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,
