@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 
 #define BPS_HD __host__ __device__ __forceinline__
 
@@ -234,7 +235,7 @@ int CastToF32(const L& launch, int dtype, float* dst, const void* src, size_t co
     using E = decltype(tag);
     if (count == 0) return 0;
     if (!dst || !src) return Fail(cudaErrorInvalidValue, "bps_gpu_cast_to_f32: NULL buffer");
-    Ptr ptrs[2] = {{dst, sizeof(float)}, {src, sizeof(uint16_t)}};
+    Ptr ptrs[2] = {{dst, sizeof(float)}, {src, sizeof(uint16_t), sizeof(uint2)}};
     return launch.Run(ToF32Op<E>{dst, src}, PlanSpan(ptrs, 2, count, ToF32Op<E>::kVec));
   });
 }
