@@ -78,7 +78,8 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
 
 
 def __getattr__(name):
-    if name in ("util", "elastic"):  # hvd.util, hvd.elastic, as in Horovod
+    # hvd.util, hvd.elastic as in Horovod; bps.distribute as in BytePS
+    if name in ("util", "elastic", "distribute"):
         return importlib.import_module(f"bps_tf.{name}")
     module = _LAZY.get(name)
     if module is None:

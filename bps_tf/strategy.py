@@ -7,14 +7,14 @@
         model.compile(optimizer=keras.optimizers.Adam(), loss=...)
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=...)
 
-Each worker runs the same script (``bpslaunch -np N ...``, or one process
-per ``TF_CONFIG`` task under a Kubeflow TFJob). ``batch_size`` is the global
-batch: the data is sharded by worker, then split over each worker's devices.
+Each worker runs the same script (``bpslaunch -np N ...``, or one process per
+``TF_CONFIG`` task under a Kubeflow TFJob). ``batch_size`` is the global batch:
+sharded by worker, then split over each worker's devices (bps_tf.distribute's
+MirroredStrategy: a per-worker batch, as in BytePS).
 
-How it fits tf.distribute: a ``MirroredStrategy`` whose ``MirroredExtended``
-knows about the other workers (between-graph replication, like
-MultiWorkerMirroredStrategy, which Keras 3 cannot drive: see docs/strategy.md)
-and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
+How it fits tf.distribute: a ``MirroredStrategy`` whose ``MirroredExtended`` knows
+the other workers (between-graph, like MultiWorkerMirroredStrategy, which Keras 3
+cannot drive: docs/strategy.md) and whose cross-device ops sum through push_pull:
 
 * ``num_replicas_in_sync`` is global (Keras scales the loss by it);
 * datasets are sharded with ``InputContext(num_workers, rank)``, and every
@@ -29,16 +29,15 @@ and whose cross-device ops sum through push_pull (bps_tf.cross_device_ops):
   the forward pass reads first leaves first (with the barrier, the C++
   priority pass, bps_tf/ops/priority_pass.cc, sets that order);
 * rank 0 alone is ``should_checkpoint`` / ``should_save_summary``; Keras'
-  ``ModelCheckpoint`` and ``BackupAndRestore`` write on rank 0 only
-  (bps_tf.keras_patches);
+  ``ModelCheckpoint`` and ``BackupAndRestore`` write on rank 0 only;
 * XLA is kept off for models under the strategy (the op has no XLA kernel).
 
 Rules: create the model *and* the optimizer under ``scope()``; every worker
 creates the same variables in the same order; shuffle with the same seed on
 every worker (``keras.utils.set_random_seed``). ``model.predict(x)`` returns
 the predictions of all of ``x`` on every worker (``predict="shard"``: this
-worker's shard). BatchNormalization's moving statistics are averaged over
-every replica of every worker, so every weight is identical everywhere.
+worker's shard). Moving statistics are averaged over every replica of every
+worker, so every weight is identical everywhere.
 """
 from __future__ import annotations
 
@@ -180,10 +179,11 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
                 distribute_lib.InputReplicationMode.PER_REPLICA):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA works with "
                                       "distribute_datasets_from_function only.")
+        context = self._input_context()
         return input_util.get_distributed_dataset(
             dataset, self._input_workers_with_options(options), self._container_strategy(),
-            num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._input_context(), options=options)
+            num_replicas_in_sync=context.num_replicas_in_sync, input_context=context,
+            options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if (options and options.experimental_replication_mode ==
@@ -409,14 +409,12 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     """Synchronous (or, with ``mode="async"``, asynchronous parameter-server)
     data parallelism over bps_tf workers and their local devices.
 
-    ``devices``: this worker's devices (default: its GPUs, else its CPU).
-    The cluster comes from ``bps_tf.init()`` (bpslaunch's ``DMLC_*`` or
-    ``TF_CONFIG``), called here if the script has not called it.
+    ``devices``: this worker's devices (default: its GPUs, else its CPU). The cluster
+    comes from ``bps_tf.init()`` (``DMLC_*`` or ``TF_CONFIG``), called here if need be.
 
-    ``predict``: ``"all"`` (default) -- ``model.predict(x)`` returns the
-    predictions of every row of ``x``, in order, on every worker;
-    ``"shard"`` -- Keras' own behaviour under a distribution strategy: each
-    worker gets the predictions of its shard of every batch.
+    ``predict``: ``"all"`` (default) -- ``model.predict(x)`` returns the predictions
+    of every row of ``x``, in order, on every worker; ``"shard"`` -- Keras' own
+    behaviour under a strategy: each worker gets those of its shard of every batch.
 
     ``sync_state``: True (default) averages the replica-context updates of
     non-trainable floating variables created without an aggregation
@@ -437,10 +435,12 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
 
     ``overlap``: True -- ``model.fit`` overlaps each step's push_pulls with
     the next step's forward pass, layer by layer, bit-identical to the
-    barrier (docs/overlap.md); models it cannot serve exactly keep the
-    barrier, with one log line. None: ``BYTEPS_OVERLAP`` (default 1; off
-    in async mode). Every worker must choose the same.
+    barrier (docs/overlap.md); models it cannot serve exactly keep the barrier
+    (one log line). None: ``BYTEPS_OVERLAP`` (default 1; off in async mode).
+    Every worker must choose the same.
     """
+
+    _sync_extended = BytePSExtended  # bps_tf.distribute.MirroredStrategy feeds workers apart
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
                  mode=None, overlap=None):
@@ -465,7 +465,7 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
         if overlap and mode == "async":
             raise ValueError("BytePSStrategy(overlap=True, mode='async'): asynchronous training "
                              "has no step barrier to overlap; choose one of them.")
-        cls = AsyncBytePSExtended if mode == "async" else BytePSExtended
+        cls = AsyncBytePSExtended if mode == "async" else self._sync_extended
         extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None

@@ -226,6 +226,29 @@ def test_fit_matches_one_process_on_the_global_batches(cluster, name):
     assert len(_weights(arrays[0])) == len(_weights(reference))
 
 
+def test_byteps_mirrored_strategy_trains_on_every_workers_own_batches(cluster):
+    """bps_tf.distribute.MirroredStrategy, BytePS's name: each worker feeds
+    its own half of every global batch; the step averages over both halves,
+    so the weights match one process on the whole batches."""
+    proc, out, reports = cluster
+    entries, arrays = _scenario(cluster, "bps_mirrored")
+    assert [e["replicas"] for e in entries] == [4, 4]
+    # unsharded input, predict="shard": each worker predicts all of its rows
+    assert [e["predict_rows"] for e in entries] == [10, 10]
+    reference = np.load(out / "sgd.reference.npz")
+    for rank in range(2):
+        got = _weights(arrays[rank])
+        assert len(got) == len(_weights(reference))
+        for i, (g, want) in enumerate(zip(got, _weights(reference))):
+            np.testing.assert_allclose(g, want, rtol=0, atol=1e-5, err_msg=f"rank {rank} w{i}")
+
+
+def test_byteps_mirrored_strategy_refuses_other_cross_device_ops():
+    import bps_tf.distribute
+    with pytest.raises(ValueError, match="push_pull"):
+        bps_tf.distribute.MirroredStrategy(cross_device_ops=object())
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_metrics_and_evaluate_are_global(cluster, name):
     _, out, _ = cluster

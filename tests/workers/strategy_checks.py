@@ -179,6 +179,34 @@ def new_strategy(**options):
     return BytePSStrategy(devices=["/cpu:0", "/cpu:1"], **options)
 
 
+def bps_mirrored(out_dir, rank, x, y, report):
+    """bps_tf.distribute.MirroredStrategy (BytePS's): each worker feeds its own
+    batches. Worker r trains on rows [16k + 8r, 16k + 8r + 8) as its batch k
+    (batch_size 8), from the sgd scenario's initial weights: the two workers'
+    batches k together are the sgd reference's global batch k."""
+    entry = report["scenarios"].setdefault("bps_mirrored", {})
+    started = time.time()
+    try:
+        strategy = bps_tf.distribute.MirroredStrategy(devices=["/cpu:0", "/cpu:1"])
+        entry["replicas"] = strategy.num_replicas_in_sync
+        with strategy.scope():
+            model = make_model(0.0)
+            compile_model(model, "sgd")
+        start = np.load(os.path.join(out_dir, f"sgd.rank{rank}.npz"))
+        model.set_weights([start[f"init_w{i}"] for i in range(len(model.weights))])
+        rows = np.array([i for i in range(N_TRAIN) if (i // 8) % 2 == rank])
+        model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=8, epochs=EPOCHS,
+                  shuffle=False, verbose=0)
+        x10 = {k: v[:PREDICT_ROWS] for k, v in x.items()}
+        entry["predict_rows"] = int(model.predict(x10, batch_size=4, verbose=0).shape[0])
+        np.savez(os.path.join(out_dir, f"bps_mirrored.rank{rank}.npz"), **weights_of(model))
+        entry["ok"] = True
+    except Exception as exc:  # recorded, asserted by the test
+        entry["ok"] = False
+        entry["error"] = f"{exc}\n{traceback.format_exc()[-4000:]}"
+    entry["seconds"] = time.time() - started
+
+
 def main(out_dir):
     keras.utils.set_random_seed(0)
     strategy = new_strategy()
@@ -240,6 +268,9 @@ def main(out_dir):
             entry["error"] = f"{exc}\n{traceback.format_exc()[-4000:]}"
         entry["seconds"] = time.time() - started
         write()
+
+    bps_mirrored(out_dir, rank, x, y, report)
+    write()
 
     # References, spread over the workers (they run side by side).
     references = [s for s in SCENARIOS if s[3] and report["scenarios"][s[0]].get("ok")]
