@@ -57,6 +57,7 @@ _LAZY = {
     "rank_op": "bps_tf.synchronization",
     "local_size_op": "bps_tf.synchronization",
     "local_rank_op": "bps_tf.synchronization",
+    "process_set_included_op": "bps_tf.synchronization",
     "join": "bps_tf.synchronization",
     "SyncBatchNormalization": "bps_tf.sync_batch_norm",
     "broadcast_global_variables": "bps_tf.tf1_session",
@@ -64,7 +65,7 @@ _LAZY = {
     "BroadcastGlobalVariablesHook": "bps_tf.tf1_session",
     **{query: "bps_tf.build_info" for query in (
         "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-        "rocm_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported")},
+        "rocm_built", "sycl_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported")},
     **{name: "bps_tf.process_sets" for name in (
         "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
         "process_set_by_id")},

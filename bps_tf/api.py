@@ -442,9 +442,13 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
     in the next forward pass; inside a graph the C++ priority pass replaces
     it with the order the graph reads the variables in. ``priority_fn(index,
     source)`` chooses instead, and the pass keeps its choice.
-    ``None`` gradients pass through.
+    ``None`` gradients pass through, and so does every gradient of a worker
+    outside ``process_set`` or alone in it (Horovod's rule).
     """
     async_training.refuse_gradient_exchange(prefix)
+    if not process_sets.reduces_over(process_sets.resolve(process_set, prefix,
+                                                          members_only=False)):
+        return list(grads)
     names = naming.unique_names([f"{prefix}/{naming.source_name(s, i)}"
                                  for i, s in enumerate(sources)])
     out = []

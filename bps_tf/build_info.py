@@ -1,6 +1,6 @@
 """Horovod's build queries, answered for bps_tf.
 
-bps_tf has no MPI, Gloo, NCCL, DDL, oneCCL or ROCm: workers talk to
+bps_tf has no MPI, Gloo, NCCL, DDL, oneCCL, ROCm or SYCL: workers talk to
 parameter servers over ZeroMQ. ``cuda_built()`` says whether the loaded op
 library has a GPU kernel for the push_pull op (it loads the op library to
 find out); everything else is a constant. Importing this module does not
@@ -9,7 +9,7 @@ import TensorFlow.
 from __future__ import annotations
 
 __all__ = ["mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-           "rocm_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported"]
+           "rocm_built", "sycl_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported"]
 
 
 def mpi_built(verbose=False):
@@ -44,6 +44,12 @@ def ccl_built(verbose=False):
 
 def rocm_built(verbose=False):
     """False: no ROCm kernels."""
+    del verbose
+    return False
+
+
+def sycl_built(verbose=False):
+    """False: no SYCL (Intel GPU) kernels."""
     del verbose
     return False
 

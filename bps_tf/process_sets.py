@@ -16,6 +16,7 @@ No TensorFlow here.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from typing import Dict, List, Optional, Sequence
 
@@ -24,7 +25,7 @@ import numpy as np
 from bps_tf import basics
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "check_process_set", "resolve", "process_set_by_id", "set_agreement",
+           "check_process_set", "resolve", "reduces_over", "process_set_by_id", "set_agreement",
            "reset_registry", "register_at_init"]
 
 # How long add_process_set waits for every worker to register the set.
@@ -177,9 +178,11 @@ def process_set_by_id(process_set_id: int) -> ProcessSet:
     return ps
 
 
-def resolve(process_set, what: str) -> ProcessSet:
+def resolve(process_set, what: str, members_only: bool = True) -> ProcessSet:
     """The registered set a collective runs over (the global one for None).
-    Raises unless it is registered and this worker belongs to it."""
+    Raises unless it is registered and (``members_only``) this worker
+    belongs to it: a TypeError, a ValueError, or for a non-member the
+    error of :func:`_not_member`."""
     if process_set is None or process_set is global_process_set:
         return global_process_set
     if not isinstance(process_set, ProcessSet):
@@ -189,10 +192,40 @@ def resolve(process_set, what: str) -> ProcessSet:
             _registered.get(process_set.process_set_id) is not process_set:
         raise ValueError(f"{what}: {process_set!r} is not registered; call "
                          "add_process_set on every worker first.")
-    if basics.is_initialized() and not process_set.included():
-        raise ValueError(f"{what}: this worker (rank {basics.rank()}) is not in "
-                         f"{process_set!r}; only its members may call collectives with it.")
+    if members_only and basics.is_initialized() and not process_set.included():
+        raise _not_member(f"{what}: this worker (rank {basics.rank()}) is not in "
+                          f"{process_set!r}; only its members may call collectives with it.")
     return process_set
+
+
+def reduces_over(process_set: ProcessSet) -> bool:
+    """Whether the gradient wrappers (tape, optimizers) reduce over the set.
+    As in Horovod, a worker outside a set, or alone in it, keeps its own
+    gradients unchanged (no exchange, no scaling); the global set always
+    reduces."""
+    if process_set.ranks is None:
+        return True
+    return bool(process_set.included()) and len(process_set.ranks) > 1
+
+
+_not_member_class = None
+
+
+def _not_member(message: str) -> Exception:
+    """Horovod raises tf.errors.InvalidArgumentError for a collective over a
+    set the rank is not in; earlier bps_tf raised ValueError. The error is
+    both when TensorFlow is loaded (always, for a collective), else a
+    ValueError: this module imports no TensorFlow."""
+    global _not_member_class
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return ValueError(message)
+    if _not_member_class is None:
+        class NotInProcessSetError(tf.errors.InvalidArgumentError, ValueError):
+            def __init__(self, text):
+                tf.errors.InvalidArgumentError.__init__(self, None, None, text)
+        _not_member_class = NotInProcessSetError
+    return _not_member_class(message)
 
 
 def set_agreement(process_set: ProcessSet) -> str:

@@ -5,7 +5,8 @@
   barriers are numbered like the other unnamed eager calls).
 * ``broadcast_(variables, root_rank)`` assigns ``root_rank``'s values to the
   variables in place (keys ``Broadcast_/<name or variable path>``).
-* ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``: int32
+* ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``,
+  ``process_set_included_op``: int32
   scalar tensors (the values are fixed once ``init`` has run).
 * ``join()``: a worker out of data joins; the others' reductions go on
   without it until every worker has joined (docs/engine.md, "Join").
@@ -21,7 +22,7 @@ from bps_tf import process_sets
 from bps_tf.process_sets import global_process_set
 
 __all__ = ["barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
-           "join"]
+           "process_set_included_op", "join"]
 
 
 def join(device=""):
@@ -113,6 +114,13 @@ def size_op(process_set_id=0, name=None):
     ``process_set_id``), as an int32 scalar tensor."""
     ps = process_sets.process_set_by_id(process_set_id)
     return _query_op(ps.size, name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 if this worker belongs to the registered process set
+    ``process_set_id``, else 0, as an int32 scalar tensor (Horovod's)."""
+    ps = process_sets.process_set_by_id(process_set_id)
+    return _query_op(lambda: int(bool(ps.included())), name)
 
 
 def rank_op(name=None):

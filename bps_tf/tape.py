@@ -87,7 +87,7 @@ class DistributedGradientTape(tf.GradientTape):
             raise TypeError("DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(gradtape).__name__}.")
         # No super().__init__: this object *is* the wrapped tape, state shared.
-        resolve(process_set, "DistributedGradientTape")
+        resolve(process_set, "DistributedGradientTape", members_only=False)
         del num_groups, groups
         op = resolve_op(None, op)
         prescale, postscale = predivide_scales(op, gradient_predivide_factor,

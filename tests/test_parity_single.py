@@ -220,7 +220,7 @@ def test_build_queries_are_honest():
               for k in kernels.get_registered_kernels_for_op("BytepsPushPull").kernel)
     assert bps_tf.cuda_built() is gpu
     for query in (bps_tf.mpi_built, bps_tf.gloo_built, bps_tf.nccl_built, bps_tf.ddl_built,
-                  bps_tf.ccl_built, bps_tf.rocm_built, bps_tf.mpi_enabled,
+                  bps_tf.ccl_built, bps_tf.rocm_built, bps_tf.sycl_built, bps_tf.mpi_enabled,
                   bps_tf.gloo_enabled, bps_tf.mpi_threads_supported):
         assert query() is False
 

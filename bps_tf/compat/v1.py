@@ -47,7 +47,7 @@ class DistributedOptimizer(_V1Optimizer):
         super().__init__(use_locking=use_locking,
                          name=f"Distributed{type(optimizer).__name__}")
         del device_dense, device_sparse
-        process_sets.resolve(process_set, "DistributedOptimizer")
+        process_sets.resolve(process_set, "DistributedOptimizer", members_only=False)
         self._optimizer = optimizer
         self._bps = dict(prefix=name or "DistributedOptimizer", compression=compression,
                          sparse_as_dense=bool(sparse_as_dense), op=api.resolve_op(None, op),

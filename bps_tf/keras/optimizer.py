@@ -148,7 +148,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """
     from bps_tf.compat import v1
     from bps_tf.process_sets import resolve
-    resolve(process_set, "DistributedOptimizer")
+    resolve(process_set, "DistributedOptimizer", members_only=False)
     del num_groups, groups
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
         if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:

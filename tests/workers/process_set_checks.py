@@ -31,10 +31,11 @@ def value(rank, n=4):
 
 
 def expect_refused(what, fn):
+    """Horovod raises InvalidArgumentError; bps_tf's error is also a ValueError."""
     try:
         fn()
-    except ValueError as exc:
-        if "is not in" not in str(exc):
+    except tf.errors.InvalidArgumentError as exc:
+        if "is not in" not in str(exc) or not isinstance(exc, ValueError):
             raise
         return
     raise AssertionError(f"{what}: a rank outside the set was not refused")
@@ -47,6 +48,8 @@ def check_registry(rank, sets):
         assert ps.size() == len(ranks) and ps.included() == (rank in ranks), ps
         assert ps.rank() == (ranks.index(rank) if rank in ranks else -1), ps
         assert int(synchronization.size_op(process_set_id=ps.process_set_id)) == len(ranks)
+        included = synchronization.process_set_included_op(process_set_id=ps.process_set_id)
+        assert included.dtype == tf.int32 and int(included) == int(rank in ranks), ps
     assert bps_tf.global_process_set.size() == 3
     return " ".join(f"{ps.process_set_id}:{ps.size()}:{ps.rank()}" for ps in sets)
 
@@ -166,6 +169,22 @@ def check_tf_function_and_gradients(rank, sets):
         # d loss_total / d x: the sum over A of each member's output gradient
         expect_equal("gradient of a set allreduce", tape.gradient(loss, x),
                      np.full([4], sum(r + 1 for r in A_RANKS), np.float32))
+    else:
+        # Outside the set, as in Horovod: the tape keeps this worker's gradient.
+        w = tf.Variable(value(rank))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w * float(rank + 1))
+        tape = bps_tf.DistributedGradientTape(tape, process_set=a)
+        expect_equal("tape outside the set", tape.gradient(loss, [w])[0],
+                     2 * value(rank) * (rank + 1))
+    if rank in D_RANKS:
+        # Alone in a set: no exchange, no scaling (Horovod's rule).
+        w = tf.Variable(value(rank))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * 3.0)
+        tape = bps_tf.DistributedGradientTape(tape, process_set=sets[2],
+                                              gradient_predivide_factor=2.0)
+        expect_equal("tape alone in a set", tape.gradient(loss, [w])[0], np.full([4], 3.0))
     return "ok"
 
 
@@ -197,11 +216,12 @@ def check_keras_optimizer(rank, sets):
     import keras
     import bps_tf.keras as bps_keras
     a = sets[0]
-    if rank not in A_RANKS:
-        return "outside"
     w = keras.Variable(np.ones(4, np.float32), name="ps_w")
     opt = bps_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=a)
     opt.apply([tf.constant(value(rank))], [w])
+    if rank not in A_RANKS:   # Horovod's rule: outside the set, its own gradient
+        expect_equal("SGD step outside the set", w.numpy(), 1.0 - value(rank))
+        return "outside"
     expect_equal("SGD step with A's average", w.numpy(),
                  1.0 - sum(value(r) for r in A_RANKS) / 2)
     return "ok"
