@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib
 
 from bps_tf.basics import (  # noqa: F401  (no TensorFlow)
+    cross_rank,
+    cross_size,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
@@ -20,6 +23,8 @@ from bps_tf.basics import (  # noqa: F401  (no TensorFlow)
     resume,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     suspend,
 )
 
@@ -75,12 +80,13 @@ _LAZY = {
 # The documented API: `from bps_tf import *` gives all of it (the lazy names
 # import TensorFlow then; a plain `import bps_tf` still does not).
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
-           "local_rank", "suspend", "resume", *(n for n in _LAZY if not n.startswith("_"))]
+           "local_rank", "cross_size", "cross_rank", "is_homogeneous", "start_timeline",
+           "stop_timeline", "suspend", "resume", *(n for n in _LAZY if not n.startswith("_"))]
 
 
 def __getattr__(name):
-    # hvd.util, hvd.elastic as in Horovod; bps.distribute as in BytePS
-    if name in ("util", "elastic", "distribute"):
+    # hvd.util, hvd.elastic, hvd.mpi_ops as in Horovod; bps.distribute as in BytePS
+    if name in ("util", "elastic", "mpi_ops", "distribute"):
         return importlib.import_module(f"bps_tf.{name}")
     module = _LAZY.get(name)
     if module is None:

@@ -163,9 +163,9 @@ def _push_pull(tensor, name, compression, op, priority, device_dense, device_spa
                     f"training (BYTEPS_ENABLE_ASYNC=1: the servers keep running sums, not "
                     f"rounds); use op=Sum or Average, or synchronous training.")
             result = collectives.reduce_on_servers(
-                sent, naming.op_key("PushPull", name, tensor, ps.process_set_id), kind, priority)
+                sent, naming.op_key("PushPull", name, tensor, ps.key_id), kind, priority)
             return collectives.scale(result, postscale_factor, "postscale_factor")
-        key = naming.op_key("PushPull", name, tensor, ps.process_set_id)
+        key = naming.op_key("PushPull", name, tensor, ps.key_id)
         if compression is FP16Compressor and sent.dtype in (tf.float32, tf.float64):
             # Scaled so that no sum overflows float16 (a plain cast would).
             result = collectives.push_pull_sum_fp16(sent, key, priority)
@@ -202,7 +202,7 @@ def sum_exact(tensor, key, op, priority=0, compression="", size=None):
 
 
 def _push_pull_sparse(slices, name, op, prescale_factor, postscale_factor, ps):
-    base = naming.sparse_base(name, slices, ps.process_set_id)
+    base = naming.sparse_base(name, slices, ps.key_id)
     values = collectives.scale(slices.values, prescale_factor, "prescale_factor")
     values = allgather(values, name=naming.part_key(base, "values"), process_set=ps)
     indices = allgather(slices.indices, name=naming.part_key(base, "indices"), process_set=ps)
@@ -261,7 +261,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     del ignore_name_scope, same_shape, scope
     require_init()
     tensor = collectives.row_tensor(tensor, "allgather", collectives.GATHER_DTYPES)
-    key = naming.op_key("Allgather", name, tensor, ps.process_set_id)
+    key = naming.op_key("Allgather", name, tensor, ps.key_id)
     # Horovod's gradient: this rank's rows of the *average* of the gradients.
     tensor = collectives.scale_gradient(tensor, 1.0 / ps.size())
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
@@ -284,7 +284,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     require_init()
     root_rank = check_set_root(root_rank, ps)
     tensor = tf.convert_to_tensor(tensor)
-    key = naming.op_key("Broadcast", name, tensor, ps.process_set_id)
+    key = naming.op_key("Broadcast", name, tensor, ps.key_id)
     # Horovod's gradient: the root gets the average of the gradients.
     tensor = collectives.scale_gradient(tensor, 1.0 / ps.size())
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
@@ -371,7 +371,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
     root_rank = check_set_root(root_rank, ps)
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         return _broadcast_object(obj, root_rank, naming.op_key("BroadcastObject", name, None,
-                                                               ps.process_set_id), session)
+                                                               ps.key_id), session)
 
 
 def _broadcast_object(obj, root_rank, base, session=None):
@@ -399,7 +399,7 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     """
     ps = process_sets.resolve(process_set, "allgather_object")
     require_init()
-    base = naming.op_key("AllgatherObject", name, None, ps.process_set_id)
+    base = naming.op_key("AllgatherObject", name, None, ps.key_id)
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     lengths = _object_value(allgather(tf.constant([payload.size], tf.int64),
                                       name=naming.part_key(base, "lengths"), process_set=ps),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import sys
 
 from bps_tf import cluster, config
@@ -128,6 +129,52 @@ def local_size() -> int:
 def local_rank() -> int:
     _require_init()
     return _core.local_rank()
+
+
+def cross_rank() -> int:
+    """Horovod's: this worker's host among the hosts that have a worker of
+    this local rank (hosts in the scheduler's order)."""
+    _require_init()
+    return _core.cross_rank()
+
+
+def cross_size() -> int:
+    """Horovod's: the number of hosts that have a worker of this local rank
+    (the number of hosts when each runs as many workers)."""
+    _require_init()
+    return _core.cross_size()
+
+
+def is_homogeneous() -> bool:
+    """Horovod's: whether every host runs the same number of workers."""
+    _require_init()
+    return bool(_core.is_homogeneous())
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    """Horovod's: records this worker's timeline (Chrome trace JSON, see
+    docs/timeline.md) from now until :func:`stop_timeline` or shutdown,
+    into ``file_path``. ``mark_cycles`` is accepted for Horovod's scripts:
+    bps_tf has no negotiation cycles to mark. A ValueError if bps_tf is not
+    initialized or a timeline records already (``BYTEPS_TRACE_ON=1`` or an
+    earlier call)."""
+    del mark_cycles
+    if not is_initialized():
+        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
+    code = _core.start_timeline(os.fspath(file_path))
+    if code == -2:
+        raise ValueError("a timeline is being recorded already (BYTEPS_TRACE_ON=1 or an earlier "
+                         "start_timeline()); call stop_timeline() first.")
+    if code != 0:
+        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
+
+
+def stop_timeline():
+    """Horovod's: writes the timeline and stops recording; returns the file's
+    path, or None if no timeline was recording."""
+    if not is_initialized():
+        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
+    return _core.stop_timeline()
 
 
 def stats() -> dict:

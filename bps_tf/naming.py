@@ -28,7 +28,8 @@ How a name is formed
   ``<key>/data``; ``broadcast_object`` two broadcasts ``<key>/length`` and
   ``<key>/data``.
 * **Process sets** (``process_set=``): the same names as above, except
-  that unnamed eager calls are numbered per set: ``<Family>/set<id>.eager.<i>``.
+  that unnamed eager calls are numbered per set: ``<Family>/set<k>.eager.<i>``,
+  ``k`` the set's ``key_id`` (never reused, unlike its ``process_set_id``).
   The set's ranks travel in the op's agreement (``set=0,2``), so the
   servers' key (from name and signature) differs from a global call's of
   the same name, while workers that pass different sets under one name
@@ -108,13 +109,13 @@ _UID_SUFFIX = re.compile(r"_\d+$")
 _set_counters: dict = {}
 
 
-def next_eager_index(process_set_id: int = 0) -> int:
+def next_eager_index(set_key: int = 0) -> int:
     """The next number of the per-process counter of unnamed eager calls
     (one counter per process set: only its members make those calls)."""
     with _eager_lock:
-        if not process_set_id:
+        if not set_key:
             return next(_eager_counter)
-        counter = _set_counters.setdefault(process_set_id, itertools.count())
+        counter = _set_counters.setdefault(set_key, itertools.count())
         return next(counter)
 
 
@@ -138,13 +139,13 @@ def tensor_op_name(tensor) -> Optional[str]:
         return None
 
 
-def op_key(family: str, name: Optional[str], tensor=None, process_set_id: int = 0) -> str:
+def op_key(family: str, name: Optional[str], tensor=None, set_key: int = 0) -> str:
     """The key of one Horovod-face op: family prefix + explicit or derived name.
     Unnamed eager calls of a process set are numbered within the set."""
     if tf.executing_eagerly():
         if name is None:
-            index = next_eager_index(process_set_id)
-            name = f"set{process_set_id}.eager.{index}" if process_set_id else f"eager.{index}"
+            index = next_eager_index(set_key)
+            name = f"set{set_key}.eager.{index}" if set_key else f"eager.{index}"
         return f"{family}/{name}"
     if name is None:
         name = tensor_op_name(tensor) or "tensor"
@@ -152,13 +153,13 @@ def op_key(family: str, name: Optional[str], tensor=None, process_set_id: int = 
     return unique_name(f"{family}/{name}", _graph_names.setdefault(graph, set()))
 
 
-def sparse_base(name: Optional[str], slices, process_set_id: int = 0) -> str:
+def sparse_base(name: Optional[str], slices, set_key: int = 0) -> str:
     """Base name of an IndexedSlices push_pull (its values and indices are
     gathered under ``<base>/values`` and ``<base>/indices``)."""
     base = name if name is not None else tensor_op_name(slices)
     if base is None:   # eager, unnamed: one counter value for both parts
-        index = next_eager_index(process_set_id)
-        base = f"set{process_set_id}.eager.{index}" if process_set_id else f"eager.{index}"
+        index = next_eager_index(set_key)
+        base = f"set{set_key}.eager.{index}" if set_key else f"eager.{index}"
     return base
 
 

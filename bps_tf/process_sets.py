@@ -25,7 +25,8 @@ import numpy as np
 from bps_tf import basics
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "check_process_set", "resolve", "reduces_over", "process_set_by_id", "set_agreement",
+           "check_process_set", "resolve", "reduces_over", "process_set_by_id", "ids_and_ranks",
+           "set_agreement",
            "reset_registry", "register_at_init"]
 
 # How long add_process_set waits for every worker to register the set.
@@ -44,6 +45,9 @@ class ProcessSet:
         if self.ranks is not None and len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"ProcessSet ranks {list(ranks_or_comm)} repeat a rank.")
         self.process_set_id = 0 if ranks_or_comm is None else None
+        # Names this registration's tensors: never reused, unlike
+        # process_set_id (Horovod hands a removed set's id to the next one).
+        self.key_id = 0 if ranks_or_comm is None else None
 
     def _ranks(self) -> List[int]:
         return list(range(basics.size())) if self.ranks is None else self.ranks
@@ -74,29 +78,31 @@ class ProcessSet:
         return hash(None if self.ranks is None else tuple(self.ranks))
 
     def __repr__(self):
-        if self.ranks is None:
-            return "ProcessSet(process_set_id=0, global)"
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        # Horovod's format; the global set lists every rank once initialized.
+        ranks = self.ranks
+        if ranks is None and basics.is_initialized():
+            ranks = self._ranks()
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, mpi_comm=None)"
 
 
 global_process_set = ProcessSet()
 
 _lock = threading.Lock()
 _registered: Dict[int, ProcessSet] = {0: global_process_set}
-_next_id = itertools.count(1)
+_next_key = itertools.count(1)
 _add_calls = itertools.count()
 
 
 def reset_registry() -> None:
     """Forgets every registered set but the global one (a new job after shutdown)."""
-    global _next_id, _add_calls
+    global _next_key, _add_calls
     with _lock:
         for ps in list(_registered.values()):
             if ps is not global_process_set:
-                ps.process_set_id = None
+                ps.process_set_id = ps.key_id = None
         _registered.clear()
         _registered[0] = global_process_set
-        _next_id = itertools.count(1)
+        _next_key = itertools.count(1)
         _add_calls = itertools.count()
 
 
@@ -140,7 +146,10 @@ def add_process_set(process_set) -> ProcessSet:
         except Exception as e:  # the core's message names both lists
             raise ValueError(f"add_process_set({ps.ranks}) failed: {e}") from e
     with _lock:
-        ps.process_set_id = next(_next_id)
+        # The lowest free id, as in Horovod: the same on every worker as
+        # long as every worker adds and removes sets in the same order.
+        ps.process_set_id = next(i for i in itertools.count(1) if i not in _registered)
+        ps.key_id = next(_next_key)
         _registered[ps.process_set_id] = ps
     return ps
 
@@ -164,8 +173,14 @@ def remove_process_set(process_set) -> bool:
         if _registered.get(process_set.process_set_id) is not process_set:
             return False
         del _registered[process_set.process_set_id]
-        process_set.process_set_id = None
+        process_set.process_set_id = process_set.key_id = None
     return True
+
+
+def ids_and_ranks() -> Dict[int, List[int]]:
+    """{process_set_id: ranks} of every registered set, the global one included."""
+    with _lock:
+        return {pid: ps._ranks() for pid, ps in sorted(_registered.items())}  # pylint: disable=protected-access
 
 
 def process_set_by_id(process_set_id: int) -> ProcessSet:

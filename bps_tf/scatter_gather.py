@@ -74,7 +74,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     collectives.check_dtype(tensor, "reducescatter", collectives.REDUCE_DTYPES)
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension.")
-    key = naming.op_key("Reducescatter", name, tensor, ps.process_set_id)
+    key = naming.op_key("Reducescatter", name, tensor, ps.key_id)
     rank, size = ps.rank(), ps.size()
     # Horovod's gradient: the gathered gradients, times size() for a Sum
     # (the sum's own gradient is the gathered ones, the average's 1/size).
@@ -152,7 +152,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     require_init()
     tensor = collectives.row_tensor(tensor, "alltoall", collectives.GATHER_DTYPES)
     rank, size = ps.rank(), ps.size()
-    key = naming.op_key("Alltoall", name, tensor, ps.process_set_id)
+    key = naming.op_key("Alltoall", name, tensor, ps.key_id)
     with_splits = splits is not None
     splits = _checked_splits(tensor, splits, size)
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):

@@ -61,7 +61,7 @@ def barrier(name=None, process_set=global_process_set):
     require_init()
     if name is None and not tf.executing_eagerly():
         name = "barrier"
-    key = naming.op_key("Barrier", name, None, ps.process_set_id)
+    key = naming.op_key("Barrier", name, None, ps.key_id)
     with collectives.agreement_scope(set=process_sets.set_agreement(ps)):
         arrived = collectives.push_pull_sum(tf.ones([1], tf.int32), key, BLOCKING_PRIORITY)
     if tf.executing_eagerly():

@@ -31,6 +31,7 @@ def test_sums_exact_for_every_dtype_and_size(tmp_path):
     for rank, r in res.items():
         assert r["size"] == 3 and r["rank"] == rank
         assert r["local_size"] == 3 and r["local_rank"] == rank
+        assert r["cross_size"] == 1 and r["cross_rank"] == 0   # one host
         assert r["checked"] == 6 * 5 + 50
         assert r["bad"] == []
         assert r["stats"]["frames_dropped"] == 0

@@ -43,6 +43,9 @@ def test_two_hosts_of_two_workers_sum_exactly_with_one_push_per_host(tmp_path):
     assert [pushed[r]["pushed"] for r in range(4)] == [PARTITIONS, 0, PARTITIONS, 0], pushed
     init = passed_details(found, log, "init")
     assert [init[r]["local_rank"] for r in range(4)] == [0, 1, 0, 1]
+    # Horovod's cross rank/size: the two hosts, for either local rank
+    assert [init[r]["cross_rank"] for r in range(4)] == [0, 0, 1, 1], init
+    assert all(init[r]["cross_size"] == 2 and init[r]["homogeneous"] for r in range(4)), init
     maps = passed_details(found, log, "memory_follows_bytes_in_flight")
     # Members map their own memfds, roots their members'; 40 new names add none.
     assert all(maps[r]["before"] > 0 and maps[r]["after"] == maps[r]["before"]

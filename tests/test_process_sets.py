@@ -62,6 +62,10 @@ def test_keras_distributed_optimizer_within_a_set(ranks):
     assert _check(ranks, "keras_optimizer") == {0: "ok", 1: "ok", 2: "outside"}
 
 
+def test_removed_ids_are_reused_and_sets_print_as_in_horovod(ranks):
+    assert set(_check(ranks, "id_reuse").values()) == {"ok"}
+
+
 def test_tf1_session_within_a_set(ranks):
     assert _check(ranks, "tf1_session") == {0: "outside", 1: "ok", 2: "ok"}
 

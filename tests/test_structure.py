@@ -30,7 +30,8 @@ DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size"
               "barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
               "SyncBatchNormalization", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
               "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled",
-              "mpi_threads_supported", "join", "sycl_built", "process_set_included_op"}
+              "mpi_threads_supported", "join", "sycl_built", "process_set_included_op",
+              "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline"}
 
 
 def _module_files():

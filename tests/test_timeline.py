@@ -12,6 +12,23 @@ CHECKS = os.path.join(ROOT, "tests", "workers", "engine_checks.py")
 STAGES = ["queue", "push", "server", "copy out"]
 
 
+def test_start_and_stop_timeline_record_only_what_ran_in_between(tmp_path):
+    """Horovod's hvd.start_timeline(path) / hvd.stop_timeline() at run time."""
+    proc = launch(2, 1, [CHECKS, "timeline", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            result = json.load(f)
+        assert result["written"] == result["path"], result
+        assert "being recorded already" in result["second_start"], result
+        assert result["stop_again"] is None
+        with open(result["path"]) as f:
+            trace = json.load(f)
+        ops = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "push_pull"]
+        assert sorted((e["name"], e["args"]["step"]) for e in ops) == \
+            [("during", 0), ("during", 1), ("during", 2)], ops
+
+
 def test_timeline_events_are_well_formed_and_nested(tmp_path):
     trace_dir = tmp_path / "trace"
     env = {"BYTEPS_PARTITION_BYTES": str(64 * 1024), "BYTEPS_TRACE_ON": "1",

@@ -48,6 +48,21 @@ int bps_rank(void) { return bps::WorkerEngine::Get().rank(); }
 int bps_size(void) { return bps::WorkerEngine::Get().size(); }
 int bps_local_rank(void) { return bps::WorkerEngine::Get().local_rank(); }
 int bps_local_size(void) { return bps::WorkerEngine::Get().local_size(); }
+int bps_cross_rank(void) { return bps::WorkerEngine::Get().cross_rank(); }
+int bps_cross_size(void) { return bps::WorkerEngine::Get().cross_size(); }
+int bps_is_homogeneous(void) { return bps::WorkerEngine::Get().homogeneous() ? 1 : 0; }
+
+int bps_start_timeline(const char* path) {
+  if (!bps_is_initialized()) return -1;
+  return bps::Trace::Get().Start(path ? path : "") ? 0 : -2;
+}
+
+int bps_stop_timeline(char* path_out, size_t len) {
+  std::string path = bps::Trace::Get().Stop();
+  if (path.empty()) return -1;
+  if (path_out && len) std::snprintf(path_out, len, "%s", path.c_str());
+  return static_cast<int>(path.size());
+}
 
 void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, int ndim,
                            const void* in, void* out, int64_t priority, bps_done_fn done,

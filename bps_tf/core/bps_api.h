@@ -55,6 +55,15 @@ int bps_rank(void);
 int bps_size(void);
 int bps_local_rank(void);
 int bps_local_size(void);
+int bps_cross_rank(void);
+int bps_cross_size(void);
+int bps_is_homogeneous(void);
+/* Horovod's start_timeline: records a timeline into `path` from now on.
+ * 0, or -1 when not initialised, -2 when a timeline records already. */
+int bps_start_timeline(const char* path);
+/* Writes the timeline and stops recording: the length of its path, copied
+ * into `path_out` (NUL-terminated, cut to `len`), or -1 if none recorded. */
+int bps_stop_timeline(char* path_out, size_t len);
 
 // Sums `in` across all workers into `out` (which may alias `in`); both must
 // stay valid until `done` runs. Tensors are matched across workers by name;

@@ -168,6 +168,15 @@ PYBIND11_MODULE(_core, m) {
   m.def("size", &bps_size);
   m.def("local_rank", &bps_local_rank);
   m.def("local_size", &bps_local_size);
+  m.def("cross_rank", &bps_cross_rank);
+  m.def("cross_size", &bps_cross_size);
+  m.def("is_homogeneous", [] { return bps_is_homogeneous() != 0; });
+  m.def("start_timeline", [](const std::string& path) { return bps_start_timeline(path.c_str()); });
+  m.def("stop_timeline", []() -> py::object {
+    char path[4096];
+    if (bps_stop_timeline(path, sizeof(path)) < 0) return py::none();
+    return py::str(path);
+  });
   m.def("server_run", [](const std::string& config) {
     int code = 0;
     std::string err = CallWithError(&bps_server_run, config, &code);

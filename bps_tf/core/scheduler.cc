@@ -233,6 +233,20 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     ++host_index;
   }
 
+  // Horovod's cross rank and size: the hosts that hold a worker of this
+  // worker's local rank, in host order, and this worker's host among them.
+  std::map<int, std::vector<int>> hosts_of_local_rank;
+  for (auto& kv : nodes_) {
+    if (kv.second.role != Role::kWorker) continue;
+    hosts_of_local_rank[std::max(kv.second.local_rank, 0)].push_back(
+        host_index_of_rank[kv.second.id]);
+  }
+  for (auto& kv : hosts_of_local_rank) std::sort(kv.second.begin(), kv.second.end());
+  bool homogeneous = true;
+  for (auto& host : by_host) {
+    homogeneous = homogeneous && host.second.size() == by_host.begin()->second.size();
+  }
+
   for (auto& kv : nodes_) {
     Config w;
     w.Set("id", std::to_string(kv.second.id));
@@ -244,6 +258,12 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       w.Set("num_hosts", std::to_string(by_host.size()));
       w.Set("host_index", std::to_string(host_index_of_rank[kv.second.id]));
       w.Set("host_ranks", host_of_rank[kv.second.id]);
+      const std::vector<int>& peers = hosts_of_local_rank[std::max(kv.second.local_rank, 0)];
+      int host = host_index_of_rank[kv.second.id];
+      w.Set("cross_size", std::to_string(peers.size()));
+      w.Set("cross_rank", std::to_string(
+          std::lower_bound(peers.begin(), peers.end(), host) - peers.begin()));
+      w.Set("homogeneous", homogeneous ? "1" : "0");
       w.Set("job_nonce", job_nonce);
     }
     for (size_t i = 0; i < addrs.size(); ++i) w.Set("server." + std::to_string(i), addrs[i]);

@@ -17,6 +17,7 @@ void Trace::Configure(bool on, const std::string& dir, int rank, int64_t start_s
   std::lock_guard<std::mutex> lock(mu_);
   on_ = on;
   dir_ = dir.empty() ? "." : dir;
+  file_.clear();
   rank_ = rank;
   start_ = start_step;
   end_ = end_step < 0 ? INT64_MAX : end_step;
@@ -99,17 +100,54 @@ void Trace::RecordOperation(const std::string& name, int64_t priority, uint64_t 
   }
 }
 
+// Like `mkdir -p`: a trace folder below one that does not exist yet is what
+// a user names most often (a run's own output folder).
+static void MakeParents(const std::string& dir) {
+  for (size_t slash = dir.find('/', 1); slash != std::string::npos;
+       slash = dir.find('/', slash + 1)) {
+    mkdir(dir.substr(0, slash).c_str(), 0755);
+  }
+  mkdir(dir.c_str(), 0755);
+}
+
 std::string Trace::Flush() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!on_) return "";
-  // Like `mkdir -p`: a trace folder below one that does not exist yet is
-  // what a user names most often (a run's own output folder).
-  for (size_t slash = dir_.find('/', 1); slash != std::string::npos;
-       slash = dir_.find('/', slash + 1)) {
-    mkdir(dir_.substr(0, slash).c_str(), 0755);
+  return WriteLocked();
+}
+
+bool Trace::Start(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (on_) return false;
+  file_ = path;
+  start_ = 0;
+  end_ = INT64_MAX;
+  origin_ = Clock::now();
+  events_.clear();
+  rows_.clear();
+  waits_.clear();
+  on_ = true;
+  return true;
+}
+
+std::string Trace::Stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!on_) return "";
+  std::string path = WriteLocked();
+  on_ = false;
+  file_.clear();
+  rows_.clear();
+  return path;
+}
+
+std::string Trace::WriteLocked() {
+  std::string path = file_;
+  if (path.empty()) {
+    MakeParents(dir_);
+    path = dir_ + "/bps_trace_rank" + std::to_string(rank_) + ".json";
+  } else if (path.find('/') != std::string::npos) {
+    MakeParents(path.substr(0, path.rfind('/')));
   }
-  mkdir(dir_.c_str(), 0755);
-  std::string path = dir_ + "/bps_trace_rank" + std::to_string(rank_) + ".json";
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
     BPS_LOG(kWarning, "cannot write the timeline to " << path);

@@ -9,6 +9,7 @@
 #ifndef BPS_TF_CORE_TRACE_H_
 #define BPS_TF_CORE_TRACE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -41,8 +42,14 @@ class Trace {
   // tensor's row. The k-th delivered wait of a tensor is its step k (it
   // takes step k's sum), so the same step range selects it.
   void RecordWait(const std::string& name, Clock::time_point begin, Clock::time_point end);
-  // Writes <dir>/bps_trace_rank<r>.json; returns the path ("" if off).
+  // Writes <dir>/bps_trace_rank<r>.json (or Start's file); returns the path
+  // ("" if off).
   std::string Flush();
+  // Horovod's start_timeline: records every step from now on into `path`,
+  // written by Stop (or at shutdown). False if a timeline records already.
+  bool Start(const std::string& path);
+  // Writes the timeline and stops recording; the path, "" if none recorded.
+  std::string Stop();
 
  private:
   struct Event {
@@ -54,9 +61,11 @@ class Trace {
   };
   int64_t Us(Clock::time_point t) const;
   int Row(const std::string& label);
+  std::string WriteLocked();
 
-  bool on_ = false;
+  std::atomic<bool> on_{false};  // read without the lock by Wants()
   std::string dir_;
+  std::string file_;  // Start's path; empty: <dir_>/bps_trace_rank<r>.json
   int rank_ = 0;
   int64_t start_ = 0, end_ = -1;
   Clock::time_point origin_ = Clock::now();

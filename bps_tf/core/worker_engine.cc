@@ -72,6 +72,9 @@ void WorkerEngine::Init(const Config& cfg) {
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
   local_size_ = 1;
+  cross_rank_ = rank_;  // until the welcome says otherwise: one worker per host
+  cross_size_ = size_;
+  homogeneous_ = true;
   host_group_ = HostGroup();
   host_group_.ranks = {rank_};
   SetLogIdentity("worker " + std::to_string(rank_));

@@ -48,6 +48,11 @@ class WorkerEngine {
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
+  // Horovod's: this host's index among the hosts that have a worker of this
+  // local rank, their number, and whether every host has as many workers.
+  int cross_rank() const { return cross_rank_; }
+  int cross_size() const { return cross_size_; }
+  bool homogeneous() const { return homogeneous_; }
   // The workers sharing this process's host, as the scheduler grouped them
   // (set once joined; local_reduce.h uses them).
   struct HostGroup {
@@ -121,7 +126,8 @@ class WorkerEngine {
   Config cfg_;
   std::atomic<bool> initialized_{false};
   bool local_mode_ = false;
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
+  bool homogeneous_ = true;
   HostGroup host_group_;
   int num_servers_ = 0;
   uint64_t partition_bytes_ = kDefaultPartitionBytes;

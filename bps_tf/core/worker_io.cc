@@ -143,6 +143,9 @@ void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
   local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
   local_size_ = static_cast<int>(w.GetInt("local_size", 1));
+  cross_rank_ = static_cast<int>(w.GetInt("cross_rank", rank_));
+  cross_size_ = static_cast<int>(w.GetInt("cross_size", size_));
+  homogeneous_ = w.GetInt("homogeneous", 1) != 0;
   host_group_.num_hosts = static_cast<int>(w.GetInt("num_hosts", size_));
   host_group_.host_index = static_cast<int>(w.GetInt("host_index", rank_));
   host_group_.job_nonce = w.Get("job_nonce");

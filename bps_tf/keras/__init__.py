@@ -9,8 +9,8 @@
 """
 from __future__ import annotations
 
-from bps_tf.basics import (init, is_initialized, local_rank, local_size, rank,
-                           shutdown, size)
+from bps_tf.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized,
+                           local_rank, local_size, rank, shutdown, size)
 from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, broadcast,
                         broadcast_object, broadcast_variables, push_pull)
 from bps_tf.api import allreduce as _tensor_allreduce
@@ -29,7 +29,7 @@ keras_patches.install()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "Average", "Sum", "Compression", "DistributedOptimizer",
+    "cross_size", "cross_rank", "is_homogeneous", "Average", "Sum", "Compression", "DistributedOptimizer",
     "PartialDistributedOptimizer", "allreduce", "push_pull",
     "allgather", "allgather_object", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",

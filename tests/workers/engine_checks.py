@@ -34,7 +34,8 @@ except Exception as exc:  # the test asserts on the message
 
 core = basics.core()
 rank, size = basics.rank(), basics.size()
-result.update(rank=rank, size=size, local_rank=basics.local_rank(), local_size=basics.local_size())
+result.update(rank=rank, size=size, local_rank=basics.local_rank(), local_size=basics.local_size(),
+              cross_rank=basics.cross_rank(), cross_size=basics.cross_size())
 
 
 def dtype_of(name):
@@ -121,6 +122,31 @@ def check_mismatch():
     except RuntimeError as exc:
         result["twice_error"] = str(exc)
     h1.wait(60)
+
+
+def check_timeline():
+    """Horovod's start_timeline/stop_timeline: only what ran in between is
+    recorded; a second start is refused; a stop with nothing recording is None."""
+    path = os.path.join(OUT, f"dynamic{rank}", "timeline.json")   # folder made on write
+    a = np.ones(1000, np.float32)
+
+    def one(name):
+        h, _ = start(name, a)
+        h.wait(60)
+
+    one("before")
+    basics.start_timeline(path, mark_cycles=True)
+    try:
+        basics.start_timeline(path)
+        result["second_start"] = "accepted"
+    except ValueError as exc:
+        result["second_start"] = str(exc)
+    for _ in range(3):
+        one("during")
+    result["written"] = basics.stop_timeline()
+    one("after")
+    result["stop_again"] = basics.stop_timeline()
+    result["path"] = path
 
 
 def check_rounds():
@@ -265,7 +291,7 @@ def check_join_lost():
 
 
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
- "rounds": check_rounds, "async": check_async, "reduce": check_reduce_ops,
+ "rounds": check_rounds, "timeline": check_timeline, "async": check_async, "reduce": check_reduce_ops,
  "join": check_join, "join_lost": check_join_lost}[MODE]()
 result["stats"] = {k: v for k, v in basics.stats().items() if k != "send_log"}
 with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

@@ -203,7 +203,9 @@ def tf_sums():
     return f"{len(tensors)} tensors, {len(set(t.dtype for t in tensors))} dtypes"
 
 
-checks.run("init", lambda: {"local_rank": basics.local_rank(), "local_size": basics.local_size()})
+checks.run("init", lambda: {"local_rank": basics.local_rank(), "local_size": basics.local_size(),
+                            "cross_rank": basics.cross_rank(), "cross_size": basics.cross_size(),
+                            "homogeneous": basics.is_homogeneous()})
 before = stats()
 checks.run("numpy_sums", numpy_sums)
 if MODE == "on":

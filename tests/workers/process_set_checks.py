@@ -241,6 +241,28 @@ def check_tf1_session(rank, sets):
     return "ok"
 
 
+def check_id_reuse(rank, sets):
+    """Horovod's registry: a removed set's id goes to the next set added,
+    sets print as in Horovod, hvd.mpi_ops._basics lists them. The new set's
+    unnamed eager calls must not meet the removed set's (same id, new keys)."""
+    a, b, d = sets
+    listed = bps_tf.mpi_ops._basics._get_process_set_ids_and_ranks()
+    assert listed == {0: [0, 1, 2], 1: A_RANKS, 2: B_RANKS, 3: D_RANKS}, listed
+    assert repr(bps_tf.global_process_set) == \
+        "ProcessSet(process_set_id=0, ranks=[0, 1, 2], mpi_comm=None)", repr(bps_tf.global_process_set)
+    assert bps_tf.remove_process_set(b) and b.process_set_id is None
+    e = bps_tf.add_process_set([0, 2])
+    assert e.process_set_id == 2, e      # B's id, reused
+    assert repr(e) == "ProcessSet(process_set_id=2, ranks=[0, 2], mpi_comm=None)", repr(e)
+    if rank in (0, 2):
+        got = api.allreduce(tf.constant(value(rank)), op=api.Sum, process_set=e)
+        expect_equal("E sum", got, value(0) + value(2))
+    assert bps_tf.remove_process_set(e)
+    b2 = bps_tf.add_process_set(B_RANKS)
+    assert b2.process_set_id == 2, b2
+    return "ok"
+
+
 def expect_error_on_every_rank(what, fn, *needles):
     start = time.monotonic()
     try:
@@ -306,6 +328,7 @@ def main(out_dir):
     checks.run("reduce_ops", lambda: check_reduce_ops_in_sets(rank, sets))
     checks.run("keras_optimizer", lambda: check_keras_optimizer(rank, sets))
     checks.run("tf1_session", lambda: check_tf1_session(rank, sets))
+    checks.run("id_reuse", lambda: check_id_reuse(rank, sets))
     checks.run("op_mismatch", lambda: check_op_mismatch(rank))
     checks.run("min_max_mismatch", lambda: check_min_max_mismatch(rank))
     checks.run("set_mismatch", lambda: check_set_mismatch(rank, sets))
