@@ -78,7 +78,17 @@ def resolve_op(average, op):
                          "`average`, not both.")
     if op is None:
         op = Sum if average is False else Average
-    op = ReduceOp(op)
+    if isinstance(op, str):   # BytePS's ops are the strings "Average", "Sum", "Adasum"
+        try:
+            op = ReduceOp[op.upper()]
+        except KeyError:
+            raise ValueError(f"unknown reduce op {op!r}: expected Average, Sum, Min, Max or "
+                             "Product.") from None
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}: expected Average, Sum, Min, Max or "
+                         "Product.") from None
     if op == Adasum:
         raise NotImplementedError(
             "reduce op ADASUM is not available in bps_tf (a parameter server "

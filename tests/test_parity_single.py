@@ -214,6 +214,18 @@ def test_broadcast_in_place_returns_the_variables(op_names):
         bps_tf.broadcast_(v, root_rank=1)
 
 
+def test_byteps_string_ops_and_unknown_ops():
+    """BytePS names its ops with strings ("Average", "Sum")."""
+    x = tf.constant([2.0, 4.0])
+    assert api.resolve_op(None, "Sum") is api.Sum and api.resolve_op(None, "average") is api.Average
+    np.testing.assert_array_equal(bps_tf.push_pull(x, op="Sum"), [2.0, 4.0])
+    with pytest.raises(NotImplementedError, match="ADASUM"):
+        bps_tf.push_pull(x, op="Adasum")
+    for bad in ("Median", 17):
+        with pytest.raises(ValueError, match="unknown reduce op"):
+            api.resolve_op(None, bad)
+
+
 def test_build_queries_are_honest():
     from tensorflow.python.framework import kernels
     gpu = any(k.device_type == "GPU"
