@@ -26,9 +26,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1234, help="weights and shuffles")
     args = parser.parse_args()
 
     hvd.init()
+    tf.keras.utils.set_random_seed(args.seed)
 
     digits = load_digits()
     x = (digits.data / 16.0).astype("float32")

@@ -103,7 +103,13 @@ def memory_follows_bytes_in_flight():
         h, out = start(f"np/seq/{i}", values(1000, np.float32, rank))
         h.wait(60)
         assert out.tobytes() == expected(1000, np.float32).tobytes(), i
-    return {"before": before, "after": shared_maps()}
+    after = shared_maps()
+    # Counted before this barrier: a member that went on to the next check
+    # (64 in flight: new memfds) would otherwise grow its root's count
+    # before the root has read it.
+    h, _ = start("np/seq/counted", values(1000, np.float32, rank))
+    h.wait(60)
+    return {"before": before, "after": after}
 
 
 def fused_host_sums():
