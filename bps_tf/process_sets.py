@@ -9,7 +9,10 @@ for those ranks' declarations only, and the servers complete a round when
 those ranks have pushed (the push header's ``contributors``). Within a set,
 size and rank are the set's (allgather order, the average's divisor);
 a broadcast's ``root_rank`` is a global rank, as in Horovod. A worker
-outside the set that calls a collective with it fails at once.
+outside the set that calls a collective with it fails at once; the
+gradient wrappers instead leave its gradients unchanged (``reduces_over``).
+Ids are Horovod's (a removed set's id goes to the next set added); tensor
+keys use ``key_id``, which is never reused.
 
 No TensorFlow here.
 """
