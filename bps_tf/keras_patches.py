@@ -391,6 +391,21 @@ def _patch_variable_path(variable_cls):
     variable_cls._initialize = _initialize  # pylint: disable=protected-access
 
 
+def give_tf_keras_a_version() -> None:
+    """Under ``TF_USE_LEGACY_KERAS=1``, TensorFlow 2.16+'s ``tf.keras`` (a lazy
+    loader for tf_keras) has no ``__version__``, which Keras-2-era scripts
+    read to choose their optimizer API (Horovod's Keras tests do, e.g.
+    ``version.parse(tf.keras.__version__) < "2.11"``). It gets tf_keras'
+    version; nothing else of TensorFlow's namespace changes."""
+    from bps_tf import util
+    if not util.tf_keras_enabled():
+        return
+    import tensorflow as tf
+    if getattr(tf.keras, "__version__", None) is None:
+        import tf_keras
+        tf.keras.__version__ = tf_keras.__version__
+
+
 def install(is_ours=None) -> None:
     """Wraps the Keras methods above (once per process); ``is_ours(strategy)``,
     if given, is added to the predicates telling a BytePSStrategy."""

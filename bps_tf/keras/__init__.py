@@ -26,6 +26,7 @@ from bps_tf.sync_batch_norm import SyncBatchNormalization
 
 # Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
 keras_patches.install()
+keras_patches.give_tf_keras_a_version()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",

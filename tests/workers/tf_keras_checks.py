@@ -60,6 +60,11 @@ def check_is_tf_keras():
     name = type(tf.keras.optimizers.SGD(0.1)).__module__
     if not name.startswith("tf_keras."):
         raise AssertionError(f"tf.keras is not tf_keras here: {name}")
+    # Keras-2-era scripts read it (Horovod's Keras tests): importing bps_tf.keras gives it
+    import tf_keras
+    from tensorflow import keras as tf_dot_keras
+    if tf_dot_keras.__version__ != tf_keras.__version__:
+        raise AssertionError(f"tf.keras.__version__ = {tf_dot_keras.__version__!r}")
     return name
 
 
