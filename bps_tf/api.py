@@ -78,15 +78,9 @@ def resolve_op(average, op):
                          "`average`, not both.")
     if op is None:
         op = Sum if average is False else Average
-    if isinstance(op, str):   # BytePS's ops are the strings "Average", "Sum", "Adasum"
-        try:
-            op = ReduceOp[op.upper()]
-        except KeyError:
-            raise ValueError(f"unknown reduce op {op!r}: expected Average, Sum, Min, Max or "
-                             "Product.") from None
-    try:
-        op = ReduceOp(op)
-    except ValueError:
+    try:   # BytePS names its ops with strings: "Average", "Sum", "Adasum"
+        op = ReduceOp[op.upper()] if isinstance(op, str) else ReduceOp(op)
+    except (KeyError, ValueError):
         raise ValueError(f"unknown reduce op {op!r}: expected Average, Sum, Min, Max or "
                          "Product.") from None
     if op == Adasum:

@@ -151,6 +151,9 @@ def is_homogeneous() -> bool:
     return bool(_core.is_homogeneous())
 
 
+_TIMELINE_NOT_INITIALIZED = "bps_tf has not been initialized; use bps_tf.init()."
+
+
 def start_timeline(file_path, mark_cycles=False) -> None:
     """Horovod's: records this worker's timeline (Chrome trace JSON, see
     docs/timeline.md) from now until :func:`stop_timeline` or shutdown,
@@ -159,21 +162,20 @@ def start_timeline(file_path, mark_cycles=False) -> None:
     initialized or a timeline records already (``BYTEPS_TRACE_ON=1`` or an
     earlier call)."""
     del mark_cycles
-    if not is_initialized():
-        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
-    code = _core.start_timeline(os.fspath(file_path))
+    # Horovod raises ValueError (not NotInitializedError) before init().
+    code = _core.start_timeline(os.fspath(file_path)) if is_initialized() else -1
+    if code == -1:
+        raise ValueError(_TIMELINE_NOT_INITIALIZED)
     if code == -2:
         raise ValueError("a timeline is being recorded already (BYTEPS_TRACE_ON=1 or an earlier "
                          "start_timeline()); call stop_timeline() first.")
-    if code != 0:
-        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
 
 
 def stop_timeline():
     """Horovod's: writes the timeline and stops recording; returns the file's
     path, or None if no timeline was recording."""
     if not is_initialized():
-        raise ValueError("bps_tf has not been initialized; use bps_tf.init().")
+        raise ValueError(_TIMELINE_NOT_INITIALIZED)
     return _core.stop_timeline()
 
 

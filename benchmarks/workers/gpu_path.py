@@ -17,7 +17,7 @@ TensorFlow's host allocator reuses them.
 With "emulate" in the spec, device buffers are host memory and the kernels run
 through their CPU emulation build, so the script can be tried without a GPU.
 """
-import importlib.util
+import ctypes
 import json
 import os
 import statistics
@@ -29,17 +29,9 @@ import numpy as np
 from bps_tf import basics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+import harness  # noqa: E402  (the kernels' ctypes wrapper and device buffers)
 
-
-def _harness():
-    spec = importlib.util.spec_from_file_location(
-        "bps_gpu_harness", os.path.join(REPO, "tests", "gpu", "harness.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-harness = _harness()
 HOST_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
@@ -88,7 +80,6 @@ class Device:
         if nbytes == 0:
             return
         if self.emulate:
-            import ctypes
             ctypes.memmove(dst_ptr, src_ptr, nbytes)
         else:
             self.cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, kind, self.bufs.stream)

@@ -136,7 +136,6 @@ std::string Trace::Stop() {
   std::string path = WriteLocked();
   on_ = false;
   file_.clear();
-  rows_.clear();
   return path;
 }
 

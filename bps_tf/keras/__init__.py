@@ -30,7 +30,8 @@ keras_patches.give_tf_keras_a_version()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "is_homogeneous", "Average", "Sum", "Compression", "DistributedOptimizer",
+    "cross_size", "cross_rank", "is_homogeneous",
+    "Average", "Sum", "Compression", "DistributedOptimizer",
     "PartialDistributedOptimizer", "allreduce", "push_pull",
     "allgather", "allgather_object", "broadcast", "broadcast_object", "broadcast_variables",
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
