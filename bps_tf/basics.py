@@ -173,10 +173,14 @@ def start_timeline(file_path, mark_cycles=False) -> None:
 
 def stop_timeline():
     """Horovod's: writes the timeline and stops recording; returns the file's
-    path, or None if no timeline was recording."""
+    path, or None if no timeline was recording. An OSError if the file could
+    not be written (recording stops all the same)."""
     if not is_initialized():
         raise ValueError(_TIMELINE_NOT_INITIALIZED)
-    return _core.stop_timeline()
+    try:
+        return _core.stop_timeline()
+    except RuntimeError as exc:
+        raise OSError(str(exc)) from None
 
 
 def stats() -> dict:

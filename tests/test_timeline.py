@@ -22,6 +22,8 @@ def test_start_and_stop_timeline_record_only_what_ran_in_between(tmp_path):
         assert result["written"] == result["path"], result
         assert "being recorded already" in result["second_start"], result
         assert result["stop_again"] is None
+        assert result["unwritable"].startswith("cannot write the timeline to "), result
+        assert result["stop_after_failure"] is None   # recording stopped all the same
         with open(result["path"]) as f:
             trace = json.load(f)
         ops = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "push_pull"]

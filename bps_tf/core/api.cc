@@ -58,10 +58,10 @@ int bps_start_timeline(const char* path) {
 }
 
 int bps_stop_timeline(char* path_out, size_t len) {
-  std::string path = bps::Trace::Get().Stop();
-  if (path.empty()) return -1;
-  if (path_out && len) std::snprintf(path_out, len, "%s", path.c_str());
-  return static_cast<int>(path.size());
+  std::string path;
+  int code = bps::Trace::Get().Stop(&path);
+  if (code != -1 && path_out && len) std::snprintf(path_out, len, "%s", path.c_str());
+  return code;
 }
 
 void bps_enqueue_push_pull(const char* name, int dtype, const int64_t* shape, int ndim,

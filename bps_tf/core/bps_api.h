@@ -61,8 +61,9 @@ int bps_is_homogeneous(void);
 /* Horovod's start_timeline: records a timeline into `path` from now on.
  * 0, or -1 when not initialised, -2 when a timeline records already. */
 int bps_start_timeline(const char* path);
-/* Writes the timeline and stops recording: the length of its path, copied
- * into `path_out` (NUL-terminated, cut to `len`), or -1 if none recorded. */
+/* Writes the timeline and stops recording: 0, -1 if none was recording, -2
+ * if the file could not be written. Its path goes to `path_out`
+ * (NUL-terminated, cut to `len`) for 0 and -2. */
 int bps_stop_timeline(char* path_out, size_t len);
 
 // Sums `in` across all workers into `out` (which may alias `in`); both must

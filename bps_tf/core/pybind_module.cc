@@ -174,7 +174,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("start_timeline", [](const std::string& path) { return bps_start_timeline(path.c_str()); });
   m.def("stop_timeline", []() -> py::object {
     char path[4096];
-    if (bps_stop_timeline(path, sizeof(path)) < 0) return py::none();
+    int code = bps_stop_timeline(path, sizeof(path));
+    if (code == -1) return py::none();
+    if (code == -2) throw std::runtime_error(std::string("cannot write the timeline to ") + path);
     return py::str(path);
   });
   m.def("server_run", [](const std::string& config) {

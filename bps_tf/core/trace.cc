@@ -113,7 +113,8 @@ static void MakeParents(const std::string& dir) {
 std::string Trace::Flush() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!on_) return "";
-  return WriteLocked();
+  std::string path;
+  return WriteLocked(&path) ? path : "";
 }
 
 bool Trace::Start(const std::string& path) {
@@ -125,22 +126,23 @@ bool Trace::Start(const std::string& path) {
   origin_ = Clock::now();
   events_.clear();
   rows_.clear();
-  waits_.clear();
+  // waits_ keeps counting: a wait's step must stay its push_pull's round.
   on_ = true;
   return true;
 }
 
-std::string Trace::Stop() {
+int Trace::Stop(std::string* path) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!on_) return "";
-  std::string path = WriteLocked();
+  if (!on_) return -1;
+  bool written = WriteLocked(path);
   on_ = false;
   file_.clear();
-  return path;
+  return written ? 0 : -2;
 }
 
-std::string Trace::WriteLocked() {
-  std::string path = file_;
+bool Trace::WriteLocked(std::string* out) {
+  std::string& path = *out;
+  path = file_;
   if (path.empty()) {
     MakeParents(dir_);
     path = dir_ + "/bps_trace_rank" + std::to_string(rank_) + ".json";
@@ -150,7 +152,7 @@ std::string Trace::WriteLocked() {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
     BPS_LOG(kWarning, "cannot write the timeline to " << path);
-    return "";
+    return false;
   }
   std::fprintf(f, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
   std::fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"worker %d\"}}",
@@ -169,7 +171,7 @@ std::string Trace::WriteLocked() {
   std::fprintf(f, "\n]}\n");
   std::fclose(f);
   events_.clear();
-  return path;
+  return true;
 }
 
 }  // namespace bps

@@ -48,8 +48,9 @@ class Trace {
   // Horovod's start_timeline: records every step from now on into `path`,
   // written by Stop (or at shutdown). False if a timeline records already.
   bool Start(const std::string& path);
-  // Writes the timeline and stops recording; the path, "" if none recorded.
-  std::string Stop();
+  // Writes the timeline into *path and stops recording: 0, -1 if none was
+  // recording, -2 if the file could not be written (*path names it).
+  int Stop(std::string* path);
 
  private:
   struct Event {
@@ -61,7 +62,7 @@ class Trace {
   };
   int64_t Us(Clock::time_point t) const;
   int Row(const std::string& label);
-  std::string WriteLocked();
+  bool WriteLocked(std::string* path);  // false: *path could not be opened
 
   std::atomic<bool> on_{false};  // read without the lock by Wants()
   std::string dir_;

@@ -147,6 +147,17 @@ def check_timeline():
     one("after")
     result["stop_again"] = basics.stop_timeline()
     result["path"] = path
+    # A file that cannot be written is an error, not a quiet None.
+    blocker = os.path.join(OUT, f"plain_file{rank}")
+    open(blocker, "w").close()
+    basics.start_timeline(os.path.join(blocker, "timeline.json"))
+    one("during")
+    try:
+        basics.stop_timeline()
+        result["unwritable"] = "no error"
+    except OSError as exc:
+        result["unwritable"] = str(exc)
+    result["stop_after_failure"] = basics.stop_timeline()
 
 
 def check_rounds():
