@@ -45,6 +45,7 @@ class MirroredStrategy(BytePSStrategy):
     batches, gradients averaged over every worker through the servers.
 
     ``devices``: this worker's devices (default: its GPUs, else its CPU).
+    ``predict``: only "shard" (each worker's own predictions; "all" is refused).
     ``cross_device_ops``: BytePS's argument; the reduction here is always
     bps_tf's push_pull, so any value other than None is refused. Other
     keywords are BytePSStrategy's (``compression``, ``sync_state``, ``mode``:
@@ -59,7 +60,13 @@ class MirroredStrategy(BytePSStrategy):
                 "bps_tf.distribute.MirroredStrategy(cross_device_ops=...): the reduction "
                 "across devices and workers is always bps_tf's push_pull through the "
                 "servers; leave cross_device_ops unset.")
-        options.setdefault("predict", "shard")
+        if options.setdefault("predict", "shard") != "shard":
+            # "all" gathers the workers' shards of one x; here each worker's
+            # x is whole, so the gather would repeat every row size() times.
+            raise ValueError(
+                f"bps_tf.distribute.MirroredStrategy(predict={options['predict']!r}): each "
+                "worker feeds its own data, so predict returns each worker's own predictions "
+                "(predict='shard'); use BytePSStrategy for predictions of one shared x.")
         super().__init__(devices=devices, **options)
 
     def __repr__(self):

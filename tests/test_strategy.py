@@ -247,6 +247,8 @@ def test_byteps_mirrored_strategy_refuses_other_cross_device_ops():
     import bps_tf.distribute
     with pytest.raises(ValueError, match="push_pull"):
         bps_tf.distribute.MirroredStrategy(cross_device_ops=object())
+    with pytest.raises(ValueError, match="own predictions"):
+        bps_tf.distribute.MirroredStrategy(predict="all")
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
