@@ -117,6 +117,7 @@ class OverlappedApply:
         self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         # graph -> {variable index: token of its start in that graph}
         self._tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._flush_fn = None
         self._install_hooks()
         # Reads between steps (an eager numpy(), a tf.function reading the
         # weights directly) apply the pending updates first.
@@ -256,7 +257,7 @@ class OverlappedApply:
         if tf.executing_eagerly():
             self.dirty = False
             with overlap_guard.flushing.scope():
-                return self._apply(range(len(self.variables)))
+                return int(self._traced_flush()())
         # In a graph each key is applied once per graph; a flush must wait
         # again even for keys a hook already applied in this graph.
         graph = self._graph()
@@ -265,6 +266,20 @@ class OverlappedApply:
             self._applied[graph].pop(i, None)
         self._apply(range(len(self.variables)))
         return 0
+
+    def _traced_flush(self):
+        """The eager flush runs traced: Grappler rewrites a graph's update
+        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), so an eager
+        update would differ from the train step's by an ulp."""
+        if self._flush_fn is None:
+            def flush_graph():
+                graph = self._graph()
+                self._apply(range(len(self.variables)))
+                done = self._applied.pop(graph, {})
+                self._tokens.pop(graph, None)
+                return tf.add_n([tf.cast(done[i], tf.int32) for i in range(len(self.variables))])
+            self._flush_fn = tf.function(flush_graph, autograph=False)
+        return self._flush_fn
 
     def pending(self) -> List[str]:
         """This instance's keys still pending (eager)."""

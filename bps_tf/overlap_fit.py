@@ -27,8 +27,8 @@ variable's update in Keras 3 reads only that variable, its slots, the
 learning rate and ``iterations``; clipping (``clipnorm``, ``clipvalue``,
 ``global_clipnorm``) acts on the local gradients before the reduction in
 both modes. Falls back to the barrier, with one log line, for optimizers
-not verified bit for bit (anything but SGD, Adam, AdamW: RMSprop differs by
-an ulp) and for what needs every update at once or reads the weights inside
+not verified bit for bit (Nadam, subclasses, other optimizers) and for
+what needs every update at once or reads the weights inside
 the step: EMA, loss scaling, gradient accumulation, variable constraints,
 ``overwrite_with_gradient`` variables, compression, several local devices,
 ``run_eagerly``. Sparse gradients (``IndexedSlices``,
@@ -105,6 +105,7 @@ class FitOverlap:
         self.dirty = False        # a step ran since the last flush
         self.priorities: Dict[str, int] = {}   # key -> priority of its start (last trace)
         self._sparse_logged = set()
+        self._flush_fns: Dict[tuple, object] = {}   # pending indices -> traced flush
         if not self.optimizer.built:
             self.optimizer.build(self.variables)
         # The iteration count of the pending gradients, read by their
@@ -380,8 +381,25 @@ class FitOverlap:
         pending = set(self.pending())
         if not pending:
             return 0
+        indices = tuple(i for i, k in enumerate(self.keys) if k in pending)
         with self.strategy.scope(), overlap_guard.flushing.scope():
-            return self._apply([i for i, k in enumerate(self.keys) if k in pending])
+            return int(self._flush_fn(indices)())
+
+    def _flush_fn(self, indices):
+        """A traced flush of ``indices``. Traced, not eager, so the update
+        is the train step's arithmetic: Grappler rewrites a graph's update
+        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), and an eager
+        update would differ from the barrier's by an ulp."""
+        fn = self._flush_fns.get(indices)
+        if fn is None:
+            def flush_graph():
+                graph = tf.compat.v1.get_default_graph()
+                self._apply(list(indices))
+                applied = self._applied.pop(graph, {})
+                self._windows.pop(graph, None)
+                return tf.add_n([tf.cast(applied[i], tf.int32) for i in indices])
+            fn = self._flush_fns[indices] = tf.function(flush_graph, autograph=False)
+        return fn
 
 
 # --------------------------------------------------------------------------

@@ -82,6 +82,11 @@ def needs_the_whole_step(optimizer) -> Optional[str]:
         return "EMA (use_ema) averages all weights after the whole update"
     if getattr(optimizer, "gradient_accumulation_steps", None):
         return "gradient accumulation applies on a step count shared by all variables"
+    import keras
+    if isinstance(optimizer, keras.optimizers.Nadam) or hasattr(optimizer, "_u_product"):
+        # Nadam advances one product for all variables once per apply():
+        # a per-variable apply would advance it once per variable.
+        return "Nadam's momentum schedule product is advanced once per step for all variables"
     return None
 
 
@@ -126,11 +131,14 @@ def fallback_reason(model, strategy) -> Optional[str]:
 
 
 def _verified_optimizers() -> tuple:
-    """Optimizer classes tested bit for bit (tests/test_overlap_fit.py).
-    RMSprop is not: its deferred update differs by an ulp, through
-    Grappler's arithmetic rewrites (equal with arithmetic_optimization off)."""
+    """Optimizer classes whose deferred update is bit-identical to the
+    barrier's (tests/test_overlap_fit.py; docs/overlap.md): each update
+    reads only its own variable, its slots, the learning rate and the
+    iteration count. An exact type: a subclass may read more."""
     import keras
-    return (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW)
+    o = keras.optimizers
+    return (o.SGD, o.Adam, o.AdamW, o.RMSprop, o.Adagrad, o.Adadelta, o.Adamax, o.Ftrl,
+            o.Lion, o.Adafactor)
 
 
 def _size() -> int:

@@ -627,3 +627,24 @@ def test_horovod_tf2_scripts_call_optimizer_variables():
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The step count, the learning rate and Adam's two slots.
     assert "variables 4" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda: keras.optimizers.Nadam(0.01), "Nadam"),
+    (lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0), "global_clipnorm"),
+    (lambda: keras.optimizers.Adam(0.01, use_ema=True), "EMA"),
+    (lambda: keras.optimizers.RMSprop(0.01), None),
+    (lambda: keras.optimizers.Adafactor(0.01), None)], ids=["nadam", "global_clipnorm", "ema",
+                                                            "rmsprop", "adafactor"])
+def test_overlapped_apply_refuses_optimizers_it_cannot_defer_per_variable(make, reason):
+    # Nadam advances one product per apply(): applying variable by variable
+    # would advance it once per variable, a silently wrong schedule.
+    from bps_tf.overlap import OverlappedApply, unsupported_reason
+    found = unsupported_reason(make())
+    if reason is None:
+        assert found is None
+        return
+    assert reason in found
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="cannot defer"):
+        OverlappedApply(model, make())

@@ -38,7 +38,8 @@ def test_a_pending_key_cannot_be_started_twice_and_wait_takes_it_once(ranks):
 
 @pytest.mark.parametrize("name", ["exact_sgd", "exact_momentum", "exact_adam",
                                   "exact_adam_2_steps_per_call",
-                                  "exact_adamw_schedule_clipnorm"])
+                                  "exact_adamw_schedule_clipnorm",
+                                  "exact_rmsprop_centered"])
 def test_overlapped_weights_are_bit_identical_and_flush_is_idempotent(ranks, name):
     # Inside the worker: weights, optimizer slots and iterations after 6 steps
     # + flush equal the DistributedGradientTape + optimizer.apply loop bit for

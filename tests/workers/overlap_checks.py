@@ -58,6 +58,7 @@ OPTIMIZERS = {
     "adamw_schedule": lambda: keras.optimizers.AdamW(
         keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5), weight_decay=0.01,
         clipnorm=1.0),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
 }
 
 
@@ -255,6 +256,7 @@ def main():
     checks.run("exact_adam", check_exact("adam", rank))
     checks.run("exact_adam_2_steps_per_call", check_exact("adam", rank, steps_per_call=2))
     checks.run("exact_adamw_schedule_clipnorm", check_exact("adamw_schedule", rank))
+    checks.run("exact_rmsprop_centered", check_exact("rmsprop_centered", rank))
     checks.run("reads_between_steps", check_reads_between_steps(rank))
     checks.run("engine_failure", check_engine_failure(rank))
     bps_tf.shutdown()
