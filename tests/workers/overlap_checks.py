@@ -7,7 +7,6 @@ OUT_DIR/rank<r>.json ({"checks": {name: {"ok", "detail"}}}) after each one.
 A failed check ends the worker at once (exit 3). The engine-failure check
 runs last: it leaves a failed tensor behind in the cluster.
 """
-import os
 import sys
 
 import numpy as np
