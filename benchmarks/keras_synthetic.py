@@ -103,7 +103,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--rate", default="1gbit", help="tc rate of every host link ('none': no cap)")
-    ap.add_argument("--model", default="small_cnn", choices=("small_cnn", "resnet50"))
+    ap.add_argument("--model", default="small_cnn", choices=("small_cnn", "resnet50", "mlp",
+                                                                "vgg_small"))
+    ap.add_argument("--mlp-width", type=int, default=512, help="--model mlp, vgg_small: units per dense layer")
+    ap.add_argument("--mlp-depth", type=int, default=8, help="--model mlp: Dense layers")
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--batch-per-worker", type=int, default=32)
     ap.add_argument("--warmup-steps", type=int, default=3)
@@ -128,7 +131,8 @@ def main(argv=None) -> int:
 
     spec = {"model": args.model, "image_size": args.image_size,
             "batch_per_worker": args.batch_per_worker, "warmup_steps": args.warmup_steps,
-            "steps": args.steps, "threads": args.threads, "priority": "on"}
+            "steps": args.steps, "threads": args.threads, "priority": "on",
+            "mlp_width": args.mlp_width, "mlp_depth": args.mlp_depth}
     n, batch = args.workers, args.batch_per_worker
     measured = {}   # run name -> [(step seconds, images/s, first step s, raw steps)] per round
     info = {}

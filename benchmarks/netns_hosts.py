@@ -79,7 +79,13 @@ def remove_stale_namespaces() -> List[str]:
 
 class NetnsHosts:
     def __init__(self, count: int, rate: Optional[str] = None, mtu: int = 1500,
-                 latency: str = "5ms"):
+                 latency: str = "5ms", host_latency: Optional[str] = None):
+        """``latency``: the queue of each switch port (tbf ``latency``);
+        ``host_latency``: the queue of each host's own egress, default the
+        same. A host's kernel queues far more than a switch port (txqueuelen
+        1000 packets, and TCP Small Queues push back instead of dropping);
+        a short tbf queue there drops the host's own packets, which no NIC
+        does, so a larger value is the closer model of a real host."""
         if not 1 <= count <= 200:
             raise ValueError("between 1 and 200 hosts")
         self.count = count
@@ -88,6 +94,7 @@ class NetnsHosts:
         self.names = [f"{self.tag}-h{i}" for i in range(count)]
         self.mtu = mtu
         self.latency = latency
+        self.host_latency = host_latency or latency
         self.rate: Optional[str] = None
         self._initial_rate = rate
         self._created: List[str] = []
@@ -149,12 +156,13 @@ class NetnsHosts:
     def set_rate(self, rate: Optional[str]) -> None:
         """Caps every host's upload and download at ``rate`` (None: no cap)."""
         for i, name in enumerate(self.names):
-            for ns, dev in ((name, "eth0"), (self.switch, f"p{i}")):
+            for ns, dev, latency in ((name, "eth0", self.host_latency),
+                                     (self.switch, f"p{i}", self.latency)):
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
                      check=False)
                 if rate:
                     self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                             "burst", str(self._burst_bytes(rate)), "latency", self.latency)
+                             "burst", str(self._burst_bytes(rate)), "latency", latency)
         self.rate = rate
 
     def _burst_bytes(self, rate: str) -> int:
@@ -165,4 +173,4 @@ class NetnsHosts:
     def describe(self) -> str:
         return (f"{self.count} namespaces on a bridge, veth mtu {self.mtu}, "
                 f"tbf rate {self.rate or 'unlimited'} each way per host "
-                f"(latency {self.latency})")
+                f"(queue: switch ports {self.latency}, hosts {self.host_latency})")

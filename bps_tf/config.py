@@ -51,6 +51,12 @@ SETTINGS = (
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),
+    Setting("BYTEPS_SERVER_CREDIT", "server_credit_bytes", "0", _int,
+            "Bytes of sums a server may have handed to ZeroMQ for one worker "
+            "and not yet written; the rest waits in a queue ordered by the "
+            "pushes' priority, so an urgent sum overtakes bulk ones on the "
+            "way back. 0 means 2 partitions; -1 no limit (every sum leaves "
+            "at once, in the order it is ready)."),
     Setting("BYTEPS_FUSION_THRESHOLD", "fusion_threshold", "262144", _int,
             "Tensor fusion: partitions bound for one server that are ready at "
             "the same time travel in one message of at most this many bytes "
@@ -122,6 +128,12 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
+    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _int,
+            "Bytes each TCP connection may hold in the kernel not yet sent "
+            "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "
+            "where an urgent partition can overtake it; the kernel's default "
+            "takes megabytes, all of which an urgent partition would wait "
+            "behind. 0 leaves the kernel's default."),
     Setting("BYTEPS_JOB_TOKEN", "", "", str,
             "Per-job secret. Every ZeroMQ connection is authenticated with keys "
             "derived from it, so a process without it cannot connect; with "

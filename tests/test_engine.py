@@ -142,6 +142,7 @@ def test_zmq_constants_match_pyzmq():
              "PlainPassword": zmq.PLAIN_PASSWORD, "CurveServer": zmq.CURVE_SERVER,
              "CurvePublicKey": zmq.CURVE_PUBLICKEY, "CurveSecretKey": zmq.CURVE_SECRETKEY,
              "CurveServerKey": zmq.CURVE_SERVERKEY, "ZapDomain": zmq.ZAP_DOMAIN,
+             "EventConnected": zmq.EVENT_CONNECTED, "EventAccepted": zmq.EVENT_ACCEPTED,
              "EventHandshakeFailedNoDetail": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
              "EventHandshakeSucceeded": zmq.EVENT_HANDSHAKE_SUCCEEDED,
              "EventHandshakeFailedProtocol": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

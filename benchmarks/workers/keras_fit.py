@@ -6,7 +6,8 @@ without, it trains alone (BytePSStrategy of one worker, no servers), which
 is also how the single-worker and the independent baselines run. Writes
 OUT_DIR/worker<rank>.json (rank from BENCH_RANK when alone).
 
-spec: model ("resnet50" | "small_cnn"), image_size, batch_per_worker,
+spec: model ("resnet50" | "small_cnn" | "mlp" | "vgg_small"; mlp_width, mlp_depth:
+the units and layers of the mlp, mlp_width the vgg_small's dense units), image_size, batch_per_worker,
 warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off"),
 overlap (BytePSStrategy(overlap=...), default false), comm_only (no
 training: the same gradient set pushed and pulled every step, in the
@@ -33,7 +34,33 @@ def turn_priorities_off() -> None:
     os.environ["BYTEPS_PRIORITY_SCHEDULING"] = "0"
 
 
-def build_model(keras, name: str, size: int):
+def build_model(keras, name: str, size: int, width: int = 512, depth: int = 8):
+    if name == "mlp":
+        # Equal layers: every layer holds the same share of the bytes and of
+        # the compute, so after the backward pass most of the gradients are
+        # still on the wire -- the case cross-step overlap is for (the
+        # CNN's bytes sit in its last layers, which the barrier already
+        # hides behind the earlier layers' backward pass).
+        inputs = keras.Input((size, size, 3))
+        x = keras.layers.Flatten()(inputs)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        for _ in range(depth - 2):
+            x = keras.layers.Dense(width, activation="relu")(x)
+        return keras.Model(inputs, keras.layers.Dense(1000)(x))
+    if name == "vgg_small":
+        # VGG's shape: convolutions that hold the compute and few bytes,
+        # then fully connected layers that hold the bytes and little
+        # compute. The big gradients come first in the backward pass; the
+        # convolutions' small ones come last and are needed first.
+        inputs = keras.Input((size, size, 3))
+        x = inputs
+        for filters in (32, 64, 128, 128):
+            x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+            x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Flatten()(x)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        return keras.Model(inputs, keras.layers.Dense(1000)(x))
     if name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
                                            classes=1000, classifier_activation=None)
@@ -110,7 +137,8 @@ def main():
     y = rng.integers(0, 1000, size=(global_batch * steps,)).astype(np.int64)
 
     with strategy.scope():
-        model = build_model(keras, spec["model"], size)
+        model = build_model(keras, spec["model"], size, spec.get("mlp_width", 512),
+                            spec.get("mlp_depth", 8))
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)

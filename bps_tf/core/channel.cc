@@ -7,6 +7,10 @@
 #include <cstring>
 #include <vector>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include "common.h"
 #include "security.h"
 #include "stats.h"
@@ -20,6 +24,23 @@ namespace {
 // means the two ends cannot agree.
 constexpr int kFailuresBeforeRefusal = 3;
 
+#ifndef TCP_NOTSENT_LOWAT
+#define TCP_NOTSENT_LOWAT 25
+#endif
+
+// Caps the bytes a connection keeps in the kernel not yet sent. Without a
+// cap the kernel takes megabytes from libzmq (autotuned send buffers), and
+// an urgent partition queued behind them waits for all of them to leave:
+// the priority queue can only reorder what the kernel has not taken. An fd
+// closed (and even reused) since libzmq reported it only makes the call
+// fail or touch another TCP socket of this process, both harmless.
+void CapUnsentBytes(int fd, int bytes) {
+  if (bytes <= 0) return;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
+    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
+  }
+}
+
 struct Link {
   std::unique_ptr<Socket> socket;         // null once closed
   std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
@@ -30,8 +51,8 @@ struct Link {
 
 class ZmqChannel : public Channel {
  public:
-  ZmqChannel(int io_threads, Wakeup* wake, const LinkSecurity& security)
-      : ctx_(io_threads), wake_(wake), security_(security) {}
+  ZmqChannel(int io_threads, Wakeup* wake, const LinkSecurity& security, int unsent_cap)
+      : ctx_(io_threads), wake_(wake), security_(security), unsent_cap_(unsent_cap) {}
   ~ZmqChannel() override {  // sockets before the context
     links_.clear();
     zap_.reset();
@@ -128,7 +149,9 @@ class ZmqChannel : public Channel {
     for (Link& l : links_) {
       HandshakeEvent e;
       while (l.watch && l.watch->Next(&e)) {
-        if (!e.failed()) {
+        if (e.connection()) {
+          CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+        } else if (!e.failed()) {
           l.failures_in_a_row = 0;
         } else if (l.routed) {
           uint64_t n = ++Stats::Get().connections_refused;
@@ -169,6 +192,7 @@ class ZmqChannel : public Channel {
   Context ctx_;
   Wakeup* wake_;
   LinkSecurity security_;
+  int unsent_cap_;  // TCP_NOTSENT_LOWAT of every connection (0: the kernel's)
   std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
   std::vector<Link> links_;
   std::vector<zmq_pollitem_t> items_;
@@ -180,8 +204,8 @@ class ZmqChannel : public Channel {
 }  // namespace
 
 std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
-                                        const LinkSecurity& security) {
-  return std::unique_ptr<Channel>(new ZmqChannel(io_threads, wake, security));
+                                        const LinkSecurity& security, int unsent_cap) {
+  return std::unique_ptr<Channel>(new ZmqChannel(io_threads, wake, security, unsent_cap));
 }
 
 }  // namespace bps

@@ -74,8 +74,10 @@ class Channel {
   virtual void Close(const Peer& link, int linger_ms = 0) = 0;
 };
 
+// unsent_cap: TCP_NOTSENT_LOWAT for every TCP connection of the channel,
+// bytes (0 leaves the kernel's default).
 std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
-                                        const LinkSecurity& security);
+                                        const LinkSecurity& security, int unsent_cap = 0);
 
 }  // namespace bps
 

@@ -18,7 +18,7 @@ constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
 // 3: a push says how many workers contribute to its key (and which ones) and how
 //    to reduce it; fused pushes and replies.
-constexpr uint16_t kProtocolVersion = 3;
+constexpr uint16_t kProtocolVersion = 4;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -131,6 +131,17 @@ constexpr uint64_t kPushAsync = 1;
 // worker's contribution missing (broadcasts and allgathers, which Horovod
 // refuses under join): its round fails instead, naming the joined workers.
 constexpr uint64_t kPushRefuseJoined = 2;
+// A push's request_id carries, in its high 32 bits, the partition's
+// priority (int32, clamped): the server returns sums to each worker in
+// this order when replies queue up, so an urgent sum overtakes bulk ones
+// on the way back too.
+inline uint64_t PushPriorityBits(int64_t priority) {
+  int64_t p = priority < INT32_MIN ? INT32_MIN : priority > INT32_MAX ? INT32_MAX : priority;
+  return static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(p))) << 32;
+}
+inline int32_t PushPriorityOf(uint64_t request_id) {
+  return static_cast<int32_t>(static_cast<uint32_t>(request_id >> 32));
+}
 inline bool IsAsyncName(const std::string& name) {
   return name.compare(0, sizeof(kAsyncNamePrefix) - 1, kAsyncNamePrefix) == 0;
 }

@@ -153,7 +153,13 @@ std::string LinkSecurity::Describe() const {
   return "?";
 }
 
-bool HandshakeEvent::failed() const { return event != zmqc::kEventHandshakeSucceeded; }
+bool HandshakeEvent::connection() const {
+  return event == zmqc::kEventConnected || event == zmqc::kEventAccepted;
+}
+
+bool HandshakeEvent::failed() const {
+  return !connection() && event != zmqc::kEventHandshakeSucceeded;
+}
 
 bool HandshakeEvent::definitive() const {
   return event == zmqc::kEventHandshakeFailedAuth ||
@@ -204,7 +210,8 @@ HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched)
   static std::atomic<uint64_t> next{0};
   std::string name = "inproc://bps-handshake-" + std::to_string(next++);
   int events = zmqc::kEventHandshakeFailedNoDetail | zmqc::kEventHandshakeSucceeded |
-               zmqc::kEventHandshakeFailedProtocol | zmqc::kEventHandshakeFailedAuth;
+               zmqc::kEventHandshakeFailedProtocol | zmqc::kEventHandshakeFailedAuth |
+               zmqc::kEventConnected | zmqc::kEventAccepted;
   if (zmq_socket_monitor(watched_->get(), name.c_str(), events) != 0) {
     throw Error(ZmqError("watching a socket's handshakes"));
   }

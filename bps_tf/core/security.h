@@ -46,8 +46,10 @@ struct LinkSecurity {
 
 // One handshake outcome on a socket, as its monitor reports it.
 struct HandshakeEvent {
-  int event = 0;       // zmqc::kEventHandshake*
-  uint32_t value = 0;  // errno, protocol error or ZAP status code
+  int event = 0;       // zmqc::kEventHandshake*, kEventConnected, kEventAccepted
+  uint32_t value = 0;  // errno, protocol error, ZAP status code or the new connection's fd
+  // A new TCP connection (before its handshake), not a handshake outcome.
+  bool connection() const;
   bool failed() const;
   // A failure retrying cannot cure: a mechanism mismatch or a refusal.
   bool definitive() const;

@@ -12,6 +12,7 @@
 #include "channel.h"
 #include "fusion.h"
 #include "membership.h"
+#include "reply_scheduler.h"
 #include "scheduler.h"
 #include "stats.h"
 #include "sum_engine.h"
@@ -31,6 +32,7 @@ PushJob JobOf(int sender, uint64_t key, uint64_t round, uint16_t dtype, uint64_t
   job.members = members;
   job.reduce_op = reduce_op;
   job.refuse_joined = (request_id & kPushRefuseJoined) != 0;
+  job.priority = PushPriorityOf(request_id);
   return job;
 }
 
@@ -69,6 +71,16 @@ void WriteReadyFile(const std::string& path, int port) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("cannot rename " + tmp);
 }
 
+// Reply bytes per worker that may wait in libzmq; default two partitions
+// (enough to keep a link busy while the next is handed over), -1 none.
+uint64_t ReplyCredit(const Config& cfg) {
+  int64_t credit = cfg.GetInt("server_credit_bytes", 0);
+  if (credit < 0) return 0;
+  if (credit > 0) return static_cast<uint64_t>(credit);
+  return 2 * static_cast<uint64_t>(
+                 std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1));
+}
+
 int PortOf(const std::string& endpoint) {
   size_t colon = endpoint.rfind(':');
   return colon == std::string::npos ? 0 : std::atoi(endpoint.c_str() + colon + 1);
@@ -88,8 +100,10 @@ class ServerNode {
             std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
+        schedule_(num_workers_, ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
-                                &replies_.wake(), LinkSecurity::FromConfig(cfg))),
+                                &replies_.wake(), LinkSecurity::FromConfig(cfg),
+                                static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
         membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
                     static_cast<int>(cfg.GetInt("server_id", -1)),
                     cfg.GetDouble("heartbeat_s", 1)) {}
@@ -102,8 +116,8 @@ class ServerNode {
   void HandleControl(const Message& m);
   void OnWelcome();
   void SendOutgoing(std::vector<Outgoing>* out);
-  void SendReplies();
-  void SendReply(int worker, const FrameHeader& header, Msg&& payload);
+  void SendReplies(bool ignore_credit = false);
+  void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved);
   void SubmitFused(Message& m);
   void Stop(const std::string& error);
   std::string Who() const {
@@ -118,6 +132,9 @@ class ServerNode {
   double timeout_s_;
   double rendezvous_timeout_s_;
   ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
+  // Before channel_ too: libzmq hands the replies' credit back to it until
+  // the channel is gone.
+  ReplyScheduler schedule_;
   std::unique_ptr<Channel> channel_;
   Membership membership_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -143,21 +160,28 @@ void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
   out->clear();
 }
 
-void ServerNode::SendReply(int worker, const FrameHeader& header, Msg&& payload) {
+void ServerNode::SendReply(int worker, const FrameHeader& header, Msg&& payload,
+                           uint64_t reserved) {
+  // Tracked even when it cannot be sent: dropping it gives the credit back.
+  Msg tracked = schedule_.Track(worker, std::move(payload), reserved);
   auto it = worker_peer_.find(worker);
   if (it == worker_peer_.end()) return;
-  const size_t bytes = payload.size();  // the Msg is handed to libzmq below
-  if (channel_->Send(it->second, header, std::move(payload))) {
+  const size_t bytes = tracked.size();  // the Msg is handed to libzmq below
+  if (channel_->Send(it->second, header, std::move(tracked))) {
     Stats::Get().bytes_sent += bytes;
   } else {
     BPS_LOG(kWarning, "reply to worker " << worker << " failed: " << zmq_strerror(zmq_errno()));
   }
 }
 
-void ServerNode::SendReplies() {
-  std::vector<ServerReply> replies = replies_.Take();
+void ServerNode::SendReplies(bool ignore_credit) {
+  schedule_.Add(replies_.Take());
+  std::vector<ServerReply> replies = schedule_.Ready(ignore_credit);
   if (fusion_bytes_ == 0) {
-    for (auto& r : replies) SendReply(r.worker, r.header, std::move(r.payload));
+    for (auto& r : replies) {
+      const uint64_t n = r.payload.size();
+      SendReply(r.worker, r.header, std::move(r.payload), n);
+    }
     return;
   }
   // Small sums for one worker that are ready together go back in one
@@ -165,14 +189,18 @@ void ServerNode::SendReplies() {
   std::map<int, FusedBuilder> fused;
   auto flush = [this](int worker, FusedBuilder* b, std::deque<ServerReply>* held) {
     if (b->count() == 1) {
-      SendReply(worker, held->front().header, std::move(held->front().payload));
+      const uint64_t n = held->front().payload.size();
+      SendReply(worker, held->front().header, std::move(held->front().payload), n);
     } else if (b->count() > 1) {
-      uint64_t size = 0;
+      uint64_t size = 0, reserved = 0;
       char* data = b->Finish(&size);
       FrameHeader h = MakeHeader(MsgType::kPullReplyFused, Role::kServer, membership_.id());
-      for (const ServerReply& r : *held) h.members |= r.header.members;  // see MaybeComplete
+      for (const ServerReply& r : *held) {
+        h.members |= r.header.members;  // see MaybeComplete
+        reserved += r.payload.size();
+      }
       h.contributors = static_cast<uint32_t>(__builtin_popcountll(h.members));
-      SendReply(worker, h, Msg(data, size, &FreeBuffer, nullptr));
+      SendReply(worker, h, Msg(data, size, &FreeBuffer, nullptr), reserved);
       Stats::Get().fused_messages_sent++;
     }
     held->clear();
@@ -186,7 +214,7 @@ void ServerNode::SendReplies() {
     bool small = r.header.type == static_cast<uint16_t>(MsgType::kPullReply) &&
                  kFusedPrefixBytes + 2 * FusedCost(n) <= fusion_bytes_;
     if (!small) {
-      SendReply(r.worker, r.header, std::move(r.payload));
+      SendReply(r.worker, r.header, std::move(r.payload), n);
       continue;
     }
     FusedBuilder& b = fused[r.worker];
@@ -385,7 +413,7 @@ int ServerNode::Run(std::string* error) {
   }
   Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
   // Flush the last replies (e.g. the shutdown notices) before closing.
-  SendReplies();
+  SendReplies(/*ignore_credit=*/true);
   uint64_t dropped = Stats::Get().frames_dropped;
   if (dropped) BPS_LOG(kWarning, "dropped " << dropped << " malformed frames");
   uint64_t refused = Stats::Get().connections_refused;

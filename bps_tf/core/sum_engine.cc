@@ -283,6 +283,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.sum_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
+  st.priority = st.count == 0 ? job.priority : std::max(st.priority, job.priority);
   ++st.count;
   MaybeComplete(lane, job.key, st, replies);
 }
@@ -346,6 +347,7 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
     r.header.round = their_round;
     r.header.dtype = static_cast<uint16_t>(st.dtype);
     r.header.request_id = st.sum_ns / 1000;  // read by the worker's timeline
+    r.priority = st.priority;
     // Who was counted as joined: the worker learns that their joins came
     // before its own, which the scheduler needs to name the last one.
     r.header.members = joined_mask;

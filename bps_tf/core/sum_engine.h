@@ -49,12 +49,16 @@ struct PushJob {
   uint8_t reduce_op = 0;    // protocol.h ReduceOp
   bool refuse_joined = false;  // protocol.h kPushRefuseJoined
   bool join = false;        // not a push: the worker has joined (no payload)
+  int32_t priority = 0;     // protocol.h PushPriorityOf
 };
 
 struct ServerReply {
   int worker;
   FrameHeader header;
   Msg payload;
+  // The order replies to one worker leave in when they queue: a sum takes
+  // its pushes' priority; errors and notices go first.
+  int32_t priority = INT32_MAX;
 };
 
 class SumEngine {
@@ -75,6 +79,7 @@ class SumEngine {
     size_t bytes = 0;
     uint64_t round = 0;
     int count = 0;
+    int32_t priority = 0;       // the highest of this round's pushes
     uint32_t contributors = 0;  // as the first push declared it
     uint64_t members = 0;       // as the first push declared it (0: unknown or every worker)
     int needed = 0;             // pushes that complete a round

@@ -21,10 +21,17 @@ void Trace::Configure(bool on, const std::string& dir, int rank, int64_t start_s
   rank_ = rank;
   start_ = start_step;
   end_ = end_step < 0 ? INT64_MAX : end_step;
-  origin_ = Clock::now();
+  SetOrigin();
   events_.clear();
   rows_.clear();
   waits_.clear();
+}
+
+void Trace::SetOrigin() {
+  origin_ = Clock::now();
+  origin_unix_us_ = std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
 }
 
 int64_t Trace::Us(Clock::time_point t) const {
@@ -123,7 +130,7 @@ bool Trace::Start(const std::string& path) {
   file_ = path;
   start_ = 0;
   end_ = INT64_MAX;
-  origin_ = Clock::now();
+  SetOrigin();
   events_.clear();
   rows_.clear();
   // waits_ keeps counting: a wait's step must stay its push_pull's round.
@@ -168,7 +175,15 @@ bool Trace::WriteLocked(std::string* out) {
                  JsonString(e.name).c_str(), e.cat.c_str(), static_cast<long long>(e.ts),
                  static_cast<long long>(e.dur), rank_, e.tid, e.args.c_str());
   }
-  std::fprintf(f, "\n]}\n");
+  // Where this process's zero lies, so several ranks' files can be put on
+  // one time axis: the monotonic clock is shared by the processes of one
+  // host, wall-clock time (approximately) by hosts.
+  std::fprintf(f, "\n],\"otherData\":{\"rank\":%d,\"origin_monotonic_us\":%lld,"
+               "\"origin_unix_us\":%lld}}\n",
+               rank_,
+               static_cast<long long>(std::chrono::duration_cast<std::chrono::microseconds>(
+                   origin_.time_since_epoch()).count()),
+               static_cast<long long>(origin_unix_us_));
   std::fclose(f);
   events_.clear();
   return true;

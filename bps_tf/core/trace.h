@@ -61,6 +61,7 @@ class Trace {
     std::string args;
   };
   int64_t Us(Clock::time_point t) const;
+  void SetOrigin();
   int Row(const std::string& label);
   bool WriteLocked(std::string* path);  // false: *path could not be opened
 
@@ -70,6 +71,7 @@ class Trace {
   int rank_ = 0;
   int64_t start_ = 0, end_ = -1;
   Clock::time_point origin_ = Clock::now();
+  int64_t origin_unix_us_ = 0;
   std::mutex mu_;
   std::vector<Event> events_;
   std::map<std::string, int> rows_;

@@ -130,7 +130,8 @@ void WorkerEngine::Init(const Config& cfg) {
       Endpoint(cfg.Get("scheduler_host", "127.0.0.1"), cfg.GetInt("scheduler_port", 0));
 
   channel_ = MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)), &wake_,
-                            LinkSecurity::FromConfig(cfg));
+                            LinkSecurity::FromConfig(cfg),
+                            static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)));
   membership_.reset(new Membership(channel_.get(), Role::kWorker, rank_, heartbeat_s_));
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));

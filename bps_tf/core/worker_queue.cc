@@ -224,7 +224,8 @@ bool WorkerEngine::SendPart(const PartRef& p) {
   h.contributors = t->contributors;
   h.members = t->members;
   h.reduce_op = t->reduce_op;
-  if (IsAsyncName(t->name)) h.request_id = kPushAsync;
+  h.request_id = PushPriorityBits(t->priority);
+  if (IsAsyncName(t->name)) h.request_id |= kPushAsync;
   if (t->refuse_joined) h.request_id |= kPushRefuseJoined;
   in_flight_[key] = p;
   if (Stats::Get().send_log_on) Stats::Get().RecordSend(t->name, p.part, t->priority);
@@ -270,7 +271,8 @@ bool WorkerEngine::SendFused(int server, const std::vector<PartRef>& parts) {
     // the same job of it.
     fp.members = t->members;
     fp.reduce_op = t->reduce_op;
-    if (IsAsyncName(t->name)) fp.request_id = kPushAsync;
+    fp.request_id = PushPriorityBits(t->priority);
+    if (IsAsyncName(t->name)) fp.request_id |= kPushAsync;
     if (t->refuse_joined) fp.request_id |= kPushRefuseJoined;
     raw += fp.payload_bytes;
     builder.Add(fp, t->in + t->PartOffset(p.part));

@@ -83,6 +83,9 @@ constexpr int kCurvePublicKey = 48;
 constexpr int kCurveSecretKey = 49;
 constexpr int kCurveServerKey = 50;
 constexpr int kZapDomain = 55;
+// Socket monitor events of a new TCP connection; the value is its fd.
+constexpr int kEventConnected = 1;
+constexpr int kEventAccepted = 32;
 // Socket monitor events about the security handshake (libzmq >= 4.3).
 constexpr int kEventHandshakeFailedNoDetail = 2048;
 constexpr int kEventHandshakeSucceeded = 4096;
