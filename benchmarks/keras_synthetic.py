@@ -122,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="with --overlap: record the first overlapped run's timeline and "
                          "draw two of its steps as an SVG next to the JSON")
+    ap.add_argument("--host-nic", default="tbf", choices=("tbf", "paced"),
+                    help="how each host's egress is modelled (benchmarks/netns_hosts.py): "
+                         "tbf, a short drop-tail queue (earlier results); paced, TCP held "
+                         "back in its socket as by a NIC at the link rate (no host drops)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
@@ -140,7 +144,8 @@ def main(argv=None) -> int:
     traced_step = args.warmup_steps + 1
     traced = []
     try:
-        with common.stop_on_signals(), NetnsHosts(n + args.servers) as net:
+        with common.stop_on_signals(), NetnsHosts(n + args.servers,
+                                                  host_nic=args.host_nic) as net:
             net.set_rate(None if args.rate in ("none", "unlimited") else args.rate)
             print(net.describe(), flush=True)
             workers, servers = net.hosts[:n], net.hosts[n:]

@@ -79,13 +79,17 @@ def remove_stale_namespaces() -> List[str]:
 
 class NetnsHosts:
     def __init__(self, count: int, rate: Optional[str] = None, mtu: int = 1500,
-                 latency: str = "5ms", host_latency: Optional[str] = None):
-        """``latency``: the queue of each switch port (tbf ``latency``);
-        ``host_latency``: the queue of each host's own egress, default the
-        same. A host's kernel queues far more than a switch port (txqueuelen
-        1000 packets, and TCP Small Queues push back instead of dropping);
-        a short tbf queue there drops the host's own packets, which no NIC
-        does, so a larger value is the closer model of a real host."""
+                 latency: str = "5ms", host_nic: str = "tbf"):
+        """``latency``: the queue of each switch port (tbf ``latency``).
+        ``host_nic``: how a host's own egress is modelled. "tbf": the same
+        short drop-tail queue as a switch port (the earlier results): a
+        host then drops its own packets when TCP sends a burst, which no
+        NIC does. "paced": a 25 ms queue and TCP Small Queues capped at
+        64 KB per socket in each host, so a sender is held back in its
+        socket, as by a NIC at the link rate, instead of losing packets."""
+        if host_nic not in ("tbf", "paced"):
+            raise ValueError(f"host_nic: 'tbf' or 'paced', not {host_nic!r}")
+        self.host_nic = host_nic
         if not 1 <= count <= 200:
             raise ValueError("between 1 and 200 hosts")
         self.count = count
@@ -94,7 +98,7 @@ class NetnsHosts:
         self.names = [f"{self.tag}-h{i}" for i in range(count)]
         self.mtu = mtu
         self.latency = latency
-        self.host_latency = host_latency or latency
+        self.host_latency = "25ms" if host_nic == "paced" else latency
         self.rate: Optional[str] = None
         self._initial_rate = rate
         self._created: List[str] = []
@@ -145,6 +149,9 @@ class NetnsHosts:
             _run(["ip", "-n", self.switch, "link", "set", port, "up"])
             _run(["ip", "-n", name, "addr", "add", f"{self.hosts[i].ip}/24", "dev", "eth0"])
             _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+            if self.host_nic == "paced":
+                _run(["ip", "netns", "exec", name, "sysctl", "-qw",
+                      "net.ipv4.tcp_limit_output_bytes=65536"])
 
     def remove(self) -> None:
         """Deletes every namespace this object created (their veths go too)."""
@@ -173,4 +180,5 @@ class NetnsHosts:
     def describe(self) -> str:
         return (f"{self.count} namespaces on a bridge, veth mtu {self.mtu}, "
                 f"tbf rate {self.rate or 'unlimited'} each way per host "
-                f"(queue: switch ports {self.latency}, hosts {self.host_latency})")
+                f"(queue: switch ports {self.latency}, hosts {self.host_latency}, "
+                f"host nic model {self.host_nic})")

@@ -128,7 +128,7 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
-    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _int,
+    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "65536", _int,
             "Bytes each TCP connection may hold in the kernel not yet sent "
             "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "
             "where an urgent partition can overtake it; the kernel's default "

@@ -35,6 +35,8 @@ def test_sums_exact_for_every_dtype_and_size(tmp_path):
         assert r["checked"] == 6 * 5 + 50
         assert r["bad"] == []
         assert r["stats"]["frames_dropped"] == 0
+        # TCP_NOTSENT_LOWAT on its connections to the scheduler and 2 servers
+        assert r["stats"]["connections_capped"] >= 3, r["stats"]
 
 
 def test_min_max_product_on_the_servers_exact_for_every_dtype(tmp_path):
@@ -77,7 +79,9 @@ def test_a_joined_worker_that_hangs_is_still_reported(tmp_path):
 
 def test_partitions_leave_in_priority_order_under_small_credit(tmp_path):
     res, _ = run_checks(tmp_path, "priority", workers=2, servers=1,
-                        env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1"})
+                        env={"BYTEPS_SCHEDULING_CREDIT": str(PART), "BYTEPS_DEBUG_SEND_LOG": "1",
+                             "BYTEPS_TCP_NOTSENT_LOWAT": "0"})
+    assert [r["stats"]["connections_capped"] for r in res.values()] == [0, 0]  # turned off
     log = res[0]["send_log"]
     assert len(log) == 12  # 6 tensors x 2 partitions
     prios = [prio for _, _, prio in log]

@@ -189,7 +189,7 @@ def _hostile_frames(port, count, seed, token, encryption):
     # they go on their own socket so the others' delivery does not depend on
     # when that happens.
     oversized = dealer()
-    magic, version = 0x31535042, 3  # protocol.h kProtocolVersion
+    magic, version = 0x31535042, 4  # protocol.h kProtocolVersion
     for i in range(count):
         kind = i % 6
         if kind == 0:  # random bytes, random frame count

@@ -38,6 +38,8 @@ void CapUnsentBytes(int fd, int bytes) {
   if (bytes <= 0) return;
   if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
     BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
+  } else {
+    Stats::Get().connections_capped++;
   }
 }
 

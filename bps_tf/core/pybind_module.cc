@@ -15,12 +15,52 @@
 #include "common.h"
 #include "compressor.h"
 #include "dtypes.h"
+#include "protocol.h"
+#include "reply_scheduler.h"
 #include "scheduler.h"
 #include "transport.h"
 
 namespace py = pybind11;
 
 namespace {
+
+// A server's reply scheduler without a server, for tests: replies go in
+// with a priority and a tag; ready() hands out what may leave, and the
+// messages stay "in libzmq" until release() frees the oldest ones.
+class ReplyProbe {
+ public:
+  ReplyProbe(int workers, uint64_t credit)
+      : schedule_(workers, credit, [this] { ++wakes_; }) {}
+  void Add(int worker, int32_t priority, size_t bytes, uint64_t tag) {
+    std::vector<bps::ServerReply> v;
+    v.push_back(bps::ServerReply{worker, bps::MakeHeader(bps::MsgType::kPullReply,
+                                                         bps::Role::kServer, 0),
+                                 bps::Msg(bytes)});
+    v.back().header.key = tag;
+    v.back().priority = priority;
+    schedule_.Add(std::move(v));
+  }
+  std::vector<std::pair<int, uint64_t>> Ready() {
+    std::vector<std::pair<int, uint64_t>> tags;
+    for (auto& r : schedule_.Ready()) {
+      tags.emplace_back(r.worker, r.header.key);
+      const uint64_t n = r.payload.size();
+      held_.push_back(schedule_.Track(r.worker, std::move(r.payload), n));
+    }
+    return tags;
+  }
+  void Release(size_t count) {
+    count = std::min(count, held_.size());
+    held_.erase(held_.begin(), held_.begin() + static_cast<long>(count));
+  }
+  int wakes() const { return wakes_; }
+  uint64_t queued() const { return schedule_.queued(); }
+
+ private:
+  int wakes_ = 0;
+  bps::ReplyScheduler schedule_;
+  std::vector<bps::Msg> held_;  // destroyed before schedule_
+};
 
 std::string CallWithError(int (*fn)(const char*, char*, size_t), const std::string& config,
                           int* code) {
@@ -206,6 +246,19 @@ PYBIND11_MODULE(_core, m) {
     std::string buf(need, '\0');
     bps_stats_json(&buf[0], buf.size());
     return std::string(buf.c_str());
+  });
+
+  py::class_<ReplyProbe>(m, "ReplyProbe")
+      .def(py::init<int, uint64_t>(), py::arg("workers"), py::arg("credit"))
+      .def("add", &ReplyProbe::Add, py::arg("worker"), py::arg("priority"), py::arg("bytes"),
+           py::arg("tag"))
+      .def("ready", &ReplyProbe::Ready)
+      .def("release", &ReplyProbe::Release, py::arg("count"))
+      .def_property_readonly("wakes", &ReplyProbe::wakes)
+      .def_property_readonly("queued", &ReplyProbe::queued);
+  m.def("push_priority_roundtrip", [](int64_t priority, uint64_t flags) {
+    uint64_t id = bps::PushPriorityBits(priority) | flags;
+    return py::make_tuple(bps::PushPriorityOf(id), id & 0xffffffffu);
   });
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")

@@ -27,7 +27,8 @@ std::string Stats::Json() {
   std::ostringstream o;
   o << "{\"bytes_sent\":" << bytes_sent << ",\"bytes_received\":" << bytes_received
     << ",\"frames_dropped\":" << frames_dropped
-    << ",\"connections_refused\":" << connections_refused << ",\"ops_done\":" << ops_done
+    << ",\"connections_refused\":" << connections_refused
+    << ",\"connections_capped\":" << connections_capped << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
     << ",\"fused_messages_sent\":" << fused_messages_sent
     << ",\"fused_messages_received\":" << fused_messages_received

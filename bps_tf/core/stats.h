@@ -24,6 +24,7 @@ class Stats {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_dropped{0};
   std::atomic<uint64_t> connections_refused{0};  // failed security handshakes
+  std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
   std::atomic<uint64_t> ops_done{0};
   std::atomic<uint64_t> ops_failed{0};
   std::atomic<uint64_t> partitions_sent{0};

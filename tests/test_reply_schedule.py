@@ -1,0 +1,68 @@
+"""The server's reply scheduler (bps_tf/core/reply_scheduler.h): sums go back
+to each worker in the pushes' priority order, at most a credit of bytes
+handed to libzmq at once. Driven through a probe in the core module: no
+server, no network, no TensorFlow."""
+import pytest
+
+from bps_tf._loader import load_core
+
+core = load_core()
+
+
+def test_replies_leave_in_priority_order_then_oldest_first():
+    probe = core.ReplyProbe(workers=1, credit=10_000)
+    for tag, prio in enumerate([-3, 0, -1, 5, 0]):
+        probe.add(worker=0, priority=prio, bytes=100, tag=tag)
+    assert [tag for _, tag in probe.ready()] == [3, 1, 4, 2, 0]
+    assert probe.queued == 0
+
+
+def test_the_credit_holds_replies_back_until_libzmq_frees_earlier_ones():
+    probe = core.ReplyProbe(workers=1, credit=250)
+    for tag in range(4):
+        probe.add(worker=0, priority=0, bytes=100, tag=tag)
+    assert [t for _, t in probe.ready()] == [0, 1]      # a third would make 300 > 250
+    assert probe.queued == 2 and probe.ready() == []
+    # An urgent sum that arrives now waits only for the credit, not for the
+    # bulk sums queued before it.
+    probe.add(worker=0, priority=9, bytes=100, tag=9)
+    probe.release(1)
+    assert probe.wakes == 1                               # the server loop is woken
+    assert [t for _, t in probe.ready()] == [9]
+    probe.release(2)
+    assert [t for _, t in probe.ready()] == [2, 3]
+    probe.release(2)
+    assert probe.wakes == 5 and probe.queued == 0
+
+
+def test_each_worker_has_its_own_credit():
+    probe = core.ReplyProbe(workers=2, credit=100)
+    probe.add(worker=0, priority=0, bytes=100, tag=0)
+    probe.add(worker=0, priority=0, bytes=100, tag=1)
+    probe.add(worker=1, priority=0, bytes=100, tag=2)
+    assert sorted(probe.ready()) == [(0, 0), (1, 2)]     # worker 1 is not held by worker 0
+    probe.release(2)
+    assert probe.ready() == [(0, 1)]
+
+
+def test_a_reply_larger_than_the_credit_still_leaves_alone():
+    probe = core.ReplyProbe(workers=1, credit=100)
+    probe.add(worker=0, priority=0, bytes=1000, tag=0)
+    probe.add(worker=0, priority=0, bytes=10, tag=1)
+    assert probe.ready() == [(0, 0)]
+    probe.release(1)
+    assert probe.ready() == [(0, 1)]
+
+
+def test_no_credit_sends_everything_at_once_in_priority_order():
+    probe = core.ReplyProbe(workers=1, credit=0)
+    for tag, prio in enumerate([1, 2, 3]):
+        probe.add(worker=0, priority=prio, bytes=1 << 20, tag=tag)
+    assert [t for _, t in probe.ready()] == [2, 1, 0]
+
+
+@pytest.mark.parametrize("priority,want", [(-5, -5), (0, 0), (7, 7), (-(2 ** 40), -(2 ** 31)),
+                                           (2 ** 40, 2 ** 31 - 1), (-1048576, -1048576)])
+def test_a_push_carries_its_priority_beside_its_flags(priority, want):
+    got, flags = core.push_priority_roundtrip(priority, 3)
+    assert got == want and flags == 3
