@@ -132,6 +132,9 @@ def environment_summary() -> Dict[str, object]:
         "load_average_at_end": os.getloadavg(),
         "python": platform.python_version(),
         "commit": commit,
+        # Settings given in the environment shape the result as much as the flags.
+        "settings": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith(("BYTEPS_", "HOROVOD_")) and "TOKEN" not in k},
     }
 
 

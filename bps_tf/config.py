@@ -55,7 +55,7 @@ SETTINGS = (
             "Bytes of sums a server may have handed to ZeroMQ for one worker "
             "and not yet written; the rest waits in a queue ordered by the "
             "pushes' priority, so an urgent sum overtakes bulk ones on the "
-            "way back. 0 means 2 partitions; -1 no limit (every sum leaves "
+            "way back. 0 means 4 partitions; -1 no limit (every sum leaves "
             "at once, in the order it is ready)."),
     Setting("BYTEPS_FUSION_THRESHOLD", "fusion_threshold", "262144", _int,
             "Tensor fusion: partitions bound for one server that are ready at "
@@ -128,7 +128,7 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
-    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "65536", _int,
+    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _int,
             "Bytes each TCP connection may hold in the kernel not yet sent "
             "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "
             "where an urgent partition can overtake it; the kernel's default "

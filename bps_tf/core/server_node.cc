@@ -71,13 +71,14 @@ void WriteReadyFile(const std::string& path, int port) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("cannot rename " + tmp);
 }
 
-// Reply bytes per worker that may wait in libzmq; default two partitions
-// (enough to keep a link busy while the next is handed over), -1 none.
+// Reply bytes per worker that may wait in libzmq; default four partitions
+// (enough to keep a link busy while a busy machine schedules the server's
+// loop to hand over the next), -1 none.
 uint64_t ReplyCredit(const Config& cfg) {
   int64_t credit = cfg.GetInt("server_credit_bytes", 0);
   if (credit < 0) return 0;
   if (credit > 0) return static_cast<uint64_t>(credit);
-  return 2 * static_cast<uint64_t>(
+  return 4 * static_cast<uint64_t>(
                  std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1));
 }
 

@@ -46,7 +46,16 @@ struct WorkerEngine::Task {
   uint32_t contributors = 0;
   uint64_t members = 0;       // FrameHeader::members
   uint64_t round = 0;
-  uint32_t first_part = 0;  // where this worker starts among the partitions
+  // Where this worker starts in each group of as many consecutive
+  // partitions as there are servers (WorkerEngine::ScheduleLocked).
+  uint32_t stagger = 0;
+  uint32_t group = 1;
+  uint32_t SendOrder(uint32_t part, uint32_t parts) const {
+    if (group <= 1) return part;
+    uint32_t base = part - part % group;
+    uint32_t width = std::min(group, parts - base);  // the last group may be short
+    return base + (part - base + width - stagger % width) % width;
+  }
   // Two counts per partition: its reply (or abandonment) and libzmq
   // releasing the zero-copy input buffer. done() runs when both are in.
   std::atomic<int> remaining{0};
