@@ -66,3 +66,19 @@ def test_no_credit_sends_everything_at_once_in_priority_order():
 def test_a_push_carries_its_priority_beside_its_flags(priority, want):
     got, flags = core.push_priority_roundtrip(priority, 3)
     assert got == want and flags == 3
+
+
+@pytest.mark.parametrize("parts,group,stagger,want", [
+    (5, 2, 0, [0, 1, 2, 3, 4]),
+    (5, 2, 1, [1, 0, 3, 2, 4]),            # the short last group has one partition
+    (7, 3, 4, [1, 2, 0, 4, 5, 3, 6]),      # rank 4 of 3 servers starts each group at 1
+    (4, 1, 3, [0, 1, 2, 3])])              # one server: no stagger
+def test_workers_start_each_group_of_partitions_at_a_different_server(parts, group, stagger,
+                                                                      want):
+    # Consecutive partitions go to different servers, so workers that start
+    # each group at a different one do not all feed one server at once; yet
+    # every worker finishes a group before the next, so sums complete early.
+    order = core.partition_send_order(parts, group, stagger)
+    assert order == want
+    for start in range(0, parts, group):
+        assert sorted(order[start:start + group]) == list(range(start, min(start + group, parts)))

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "reply_scheduler.h"
 #include "scheduler.h"
 #include "transport.h"
+#include "worker_task.h"
 
 namespace py = pybind11;
 
@@ -256,6 +258,16 @@ PYBIND11_MODULE(_core, m) {
       .def("release", &ReplyProbe::Release, py::arg("count"))
       .def_property_readonly("wakes", &ReplyProbe::wakes)
       .def_property_readonly("queued", &ReplyProbe::queued);
+  // The order a worker sends one tensor's partitions in (Task::SendOrder).
+  m.def("partition_send_order", [](uint32_t parts, uint32_t group, uint32_t stagger) {
+    std::vector<uint32_t> order(parts);
+    for (uint32_t p = 0; p < parts; ++p) order[p] = p;
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return bps::PartitionSendOrder(a, parts, group, stagger) <
+             bps::PartitionSendOrder(b, parts, group, stagger);
+    });
+    return order;
+  });
   m.def("push_priority_roundtrip", [](int64_t priority, uint64_t flags) {
     uint64_t id = bps::PushPriorityBits(priority) | flags;
     return py::make_tuple(bps::PushPriorityOf(id), id & 0xffffffffu);

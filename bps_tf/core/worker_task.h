@@ -17,6 +17,17 @@
 namespace bps {
 
 // One (name, shape, dtype) as the scheduler declared it.
+// Where partition `part` of `parts` comes in a worker's sending order: in
+// groups of `group` consecutive partitions (consecutive partitions go to
+// different servers), each group started at its partition `stagger`.
+inline uint32_t PartitionSendOrder(uint32_t part, uint32_t parts, uint32_t group,
+                                   uint32_t stagger) {
+  if (group <= 1) return part;
+  uint32_t base = part - part % group;
+  uint32_t width = std::min(group, parts - base);  // the last group may be short
+  return base + (part - base + width - stagger % width) % width;
+}
+
 struct WorkerEngine::TensorInfo {
   uint64_t key = 0;
   std::vector<int> servers;  // server of each partition
@@ -51,10 +62,7 @@ struct WorkerEngine::Task {
   uint32_t stagger = 0;
   uint32_t group = 1;
   uint32_t SendOrder(uint32_t part, uint32_t parts) const {
-    if (group <= 1) return part;
-    uint32_t base = part - part % group;
-    uint32_t width = std::min(group, parts - base);  // the last group may be short
-    return base + (part - base + width - stagger % width) % width;
+    return PartitionSendOrder(part, parts, group, stagger);
   }
   // Two counts per partition: its reply (or abandonment) and libzmq
   // releasing the zero-copy input buffer. done() runs when both are in.
