@@ -18,6 +18,7 @@ constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 2: the header's last 16 bytes are reserved (zero) instead of a MAC.
 // 3: a push says how many workers contribute to its key (and which ones) and how
 //    to reduce it; fused pushes and replies.
+// 4: a push's request_id carries its priority in its high 32 bits.
 constexpr uint16_t kProtocolVersion = 4;
 
 enum class MsgType : uint16_t {

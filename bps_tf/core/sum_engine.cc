@@ -93,6 +93,9 @@ void SumEngine::OnJoin(Lane* lane, int worker, std::vector<ServerReply>* replies
   join_lanes_left_ = static_cast<int>(lanes_.size());
   for (int w = 0; w < num_workers_; ++w) {
     replies->push_back(ServerReply{w, MakeHeader(MsgType::kJoin, Role::kServer, server_id_), Msg()});
+    // After every sum still queued for the worker: the notice means the
+    // server has nothing more for it.
+    replies->back().priority = INT32_MIN;
   }
 }
 

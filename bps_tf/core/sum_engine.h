@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -57,7 +58,7 @@ struct ServerReply {
   FrameHeader header;
   Msg payload;
   // The order replies to one worker leave in when they queue: a sum takes
-  // its pushes' priority; errors and notices go first.
+  // its pushes' priority; errors go first, the all-joined notice last.
   int32_t priority = INT32_MAX;
 };
 
