@@ -164,6 +164,10 @@ def main(argv=None) -> int:
                          "is the 'bps_tf' column; default: the engine's default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every run this many times, interleaved; report medians")
+    ap.add_argument("--host-nic", default="tbf", choices=("tbf", "paced"),
+                    help="how each host's egress is modelled (benchmarks/netns_hosts.py): tbf, a "
+                         "short drop-tail queue (earlier results); paced, TCP held back in its "
+                         "socket as by a NIC at the link rate (no host drops)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
@@ -181,7 +185,7 @@ def main(argv=None) -> int:
     rows = []
     try:
         with common.stop_on_signals(), NetnsHosts(args.workers + args.servers,
-                                                  mtu=args.mtu) as net:
+                                                  mtu=args.mtu, host_nic=args.host_nic) as net:
             for rate in args.rate.split(","):
                 unlimited = rate in ("none", "unlimited")
                 net.set_rate(None if unlimited else rate)

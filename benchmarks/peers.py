@@ -273,6 +273,10 @@ def main(argv=None) -> int:
     ap.add_argument("--encryption", choices=("off", "on"), default="off",
                     help="BYTEPS_ENCRYPTION of the bps_tf jobs (default off: gloo and TF's "
                          "gRPC ring send in clear too)")
+    ap.add_argument("--host-nic", default="tbf", choices=("tbf", "paced"),
+                    help="how each host's egress is modelled (benchmarks/netns_hosts.py): tbf, a "
+                         "short drop-tail queue (earlier results); paced, TCP held back in its "
+                         "socket as by a NIC at the link rate (no host drops)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
@@ -316,7 +320,8 @@ def main(argv=None) -> int:
         case = netns_cluster.resnet50_case(1, steps)
         try:
             for mtu in sorted({m for _, m in netns}):
-                with NetnsHosts(args.netns_workers + args.netns_servers, mtu=mtu) as net:
+                with NetnsHosts(args.netns_workers + args.netns_servers, mtu=mtu,
+                                host_nic=args.host_nic) as net:
                     for rate, _ in [x for x in netns if x[1] == mtu]:
                         net.set_rate(rate)
                         title = f"{rate} mtu {mtu}"
