@@ -258,7 +258,7 @@ PYBIND11_MODULE(_core, m) {
       .def("release", &ReplyProbe::Release, py::arg("count"))
       .def_property_readonly("wakes", &ReplyProbe::wakes)
       .def_property_readonly("queued", &ReplyProbe::queued);
-  // The order a worker sends one tensor's partitions in (Task::SendOrder).
+  // The order a worker sends one tensor's partitions in (WorkerEngine::Order).
   m.def("partition_send_order", [](uint32_t parts, uint32_t group, uint32_t stagger) {
     std::vector<uint32_t> order(parts);
     for (uint32_t p = 0; p < parts; ++p) order[p] = p;

@@ -88,6 +88,7 @@ class WorkerEngine {
     uint32_t part;
   };
   struct Order {
+    const WorkerEngine* engine;  // its rank and server count order the partitions
     bool operator()(const PartRef& a, const PartRef& b) const;
   };
   enum class State { kIdle, kJoining, kReady, kFailed, kStopped };
@@ -161,7 +162,7 @@ class WorkerEngine {
   std::map<std::string, std::vector<Task*>> declaring_;           // name|sig
   std::map<uint64_t, std::string> request_sig_;
   std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
-  std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_;
+  std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_{Order{this}};
   uint64_t ready_bytes_ = 0;  // in ready_
   Clock::time_point hold_since_{};  // small partitions wait for company since
   uint64_t next_seq_ = 0;

@@ -14,11 +14,21 @@ namespace bps {
 
 bool WorkerEngine::Order::operator()(const PartRef& a, const PartRef& b) const {
   // std::priority_queue pops the largest: higher priority, then older task,
-  // then the partition order of this worker (Task::SendOrder).
+  // then the partition order of this worker: each group of (number of
+  // servers) consecutive partitions -- consecutive partitions go to
+  // different servers -- started at a different one per worker, so the
+  // workers do not all feed the same server's link at the same moment, yet
+  // push the same partitions at about the same time: a partition's sum
+  // completes only when every worker has pushed it. (Starting worker r at
+  // partition r*n/size instead made the workers push disjoint halves first,
+  // so no sum of a large tensor came back before both halves had gone.)
   if (a.task->priority != b.task->priority) return a.task->priority < b.task->priority;
   if (a.task->seq != b.task->seq) return a.task->seq > b.task->seq;
   const uint32_t n = static_cast<uint32_t>(a.task->info->servers.size());
-  return a.task->SendOrder(a.part, n) > a.task->SendOrder(b.part, n);
+  const uint32_t group = static_cast<uint32_t>(std::max(engine->num_servers_, 1));
+  const uint32_t stagger = static_cast<uint32_t>(engine->rank_);
+  return PartitionSendOrder(a.part, n, group, stagger) >
+         PartitionSendOrder(b.part, n, group, stagger);
 }
 
 void WorkerEngine::PauseSends(bool paused) {
@@ -34,15 +44,6 @@ bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>&
   task->round = info->next_round++;
   task->scheduled = Clock::now();
   size_t parts = info->servers.size();
-  // Workers start each group of (number of servers) consecutive partitions
-  // -- consecutive partitions go to different servers -- at a different
-  // one, so they do not all feed the same server's link at the same moment,
-  // yet push the same partitions at about the same time: a partition's sum
-  // completes only when every worker has pushed it. (Starting worker r at
-  // partition r*n/size instead made the workers push disjoint halves first,
-  // so no sum of a large tensor came back before both halves had gone.)
-  task->stagger = static_cast<uint32_t>(rank_);
-  task->group = static_cast<uint32_t>(std::max(num_servers_, 1));
   if (Trace::Get().Wants(task->round)) task->times.resize(parts);
   task->remaining = static_cast<int>(2 * parts);
   for (uint32_t p = 0; p < parts; ++p) ready_.push(PartRef{task, p});

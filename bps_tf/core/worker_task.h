@@ -57,13 +57,6 @@ struct WorkerEngine::Task {
   uint32_t contributors = 0;
   uint64_t members = 0;       // FrameHeader::members
   uint64_t round = 0;
-  // Where this worker starts in each group of as many consecutive
-  // partitions as there are servers (WorkerEngine::ScheduleLocked).
-  uint32_t stagger = 0;
-  uint32_t group = 1;
-  uint32_t SendOrder(uint32_t part, uint32_t parts) const {
-    return PartitionSendOrder(part, parts, group, stagger);
-  }
   // Two counts per partition: its reply (or abandonment) and libzmq
   // releasing the zero-copy input buffer. done() runs when both are in.
   std::atomic<int> remaining{0};
