@@ -27,6 +27,20 @@ def _int(text: str) -> int:
     return int(text, 0)
 
 
+def _nonnegative_int(text: str) -> int:
+    n = int(text, 0)
+    if n < 0:
+        raise ValueError("it must be 0 (off) or a number of bytes")
+    return n
+
+
+def _credit_int(text: str) -> int:
+    n = int(text, 0)
+    if n < -1:
+        raise ValueError("it must be -1 (no limit), 0 (the default) or a number of bytes")
+    return n
+
+
 def _auto_bool(text: str) -> int:
     """0/1, or -1 for "auto" (the core decides)."""
     return -1 if text.strip().lower() == "auto" else _bool(text)
@@ -51,7 +65,7 @@ SETTINGS = (
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),
-    Setting("BYTEPS_SERVER_CREDIT", "server_credit_bytes", "0", _int,
+    Setting("BYTEPS_SERVER_CREDIT", "server_credit_bytes", "0", _credit_int,
             "Bytes of sums a server may have handed to ZeroMQ for one worker "
             "and not yet written; the rest waits in a queue ordered by the "
             "pushes' priority, so an urgent sum overtakes bulk ones on the "
@@ -128,7 +142,7 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
-    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _int,
+    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _nonnegative_int,
             "Bytes each TCP connection may hold in the kernel not yet sent "
             "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "
             "where an urgent partition can overtake it; the kernel's default "

@@ -82,3 +82,15 @@ def test_workers_start_each_group_of_partitions_at_a_different_server(parts, gro
     assert order == want
     for start in range(0, parts, group):
         assert sorted(order[start:start + group]) == list(range(start, min(start + group, parts)))
+
+
+@pytest.mark.parametrize("env,text,why", [
+    ("BYTEPS_TCP_NOTSENT_LOWAT", "-1", "0 (off) or a number of bytes"),
+    ("BYTEPS_SERVER_CREDIT", "-2", "-1 (no limit)"),
+    ("BYTEPS_SERVER_CREDIT", "lots", "is not valid")])
+def test_a_bad_queue_setting_is_refused_not_silently_turned_off(env, text, why):
+    from bps_tf import config
+    with pytest.raises(ValueError, match=f"{env}='{text}' is not valid") as err:
+        config.core_settings({env: text})
+    assert why in str(err.value)
+    assert config.core_settings({env: "-1" if env == "BYTEPS_SERVER_CREDIT" else "0"})
