@@ -14,6 +14,7 @@ from manual_cluster import ROOT, ManualCluster, rss_mb  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "workers", "robust_worker.py")
 PART = 64 * 1024
+PROTOCOL_VERSION = 4  # protocol.h kProtocolVersion
 FAST_FAILURE = {"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
                 "BYTEPS_FATAL_EXIT_GRACE": "2", "BYTEPS_PARTITION_BYTES": str(PART)}
 
@@ -189,7 +190,7 @@ def _hostile_frames(port, count, seed, token, encryption):
     # they go on their own socket so the others' delivery does not depend on
     # when that happens.
     oversized = dealer()
-    magic, version = 0x31535042, 4  # protocol.h kProtocolVersion
+    magic, version = 0x31535042, PROTOCOL_VERSION
     for i in range(count):
         kind = i % 6
         if kind == 0:  # random bytes, random frame count
@@ -254,6 +255,57 @@ def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path, encryption):
         assert refused >= 2, log
         assert "refused a connection on tcp://127.0.0.1:" in log, log
         assert rss_after - rss_before < 100, (rss_before, rss_after)
+
+
+def _hello_from_another_release(port, token, version):
+    """Says HELLO to the scheduler as a worker of a release speaking protocol
+    `version` would, and returns the frames that come back within 10 s."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    _join_the_job(sock, token, "1")
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    payload = b"hostname=elsewhere\npid=1\n"
+    hdr = struct.pack("<IHHiHHQQQQIBQ3s", 0x31535042, version, 1, 0, 0, 0, 0, 0, 0,
+                      len(payload), 0, 0, 0, b"\0" * 3)
+    assert len(hdr) == 64
+    sock.send_multipart([hdr, payload])
+    frames = sock.recv_multipart() if sock.poll(10000) else None
+    sock.close()
+    ctx.term()
+    return frames
+
+
+def test_a_node_of_another_release_is_told_why_and_the_job_goes_on(tmp_path):
+    """A HELLO in another protocol version is answered at once with an ERROR
+    the sender can read (stamped in its own version) that names both
+    versions, the scheduler logs it, and the job's own workers are unaffected."""
+    answers = {}
+
+    def before_workers(port):
+        answers["reply"] = _hello_from_another_release(port, c_token, version=3)
+        return {}
+
+    c_token = "feedface" * 4
+    env = dict(FAST_FAILURE, BYTEPS_TIMEOUT="30", BYTEPS_ENCRYPTION="1")
+    with ManualCluster(1, 1, [WORKER, "exact", str(tmp_path), "20"], env=env, token=c_token,
+                       before_workers=before_workers) as c:
+        assert c.wait_all(c.workers, timeout=120)
+        assert c.workers[0].returncode == 0, c.log("worker0")
+        with open(tmp_path / "rank0.json") as f:
+            assert json.load(f)["bad"] == []
+        assert c.wait_all(c.servers, timeout=20)
+        log = c.log("server0")
+    reply = answers["reply"]
+    assert reply is not None, "no answer to a HELLO of another release in 10 s: " + log
+    header, text = reply
+    magic, version, msg_type = struct.unpack("<IHH", header[:8])
+    assert (magic, version, msg_type) == (0x31535042, 3, 13)  # kError, in the sender's version
+    text = text.decode()
+    assert "mixed bps_tf releases" in text and "version 3" in text, text
+    assert f"speaks version {PROTOCOL_VERSION}" in text, text
+    assert "mixed bps_tf releases" in log, log
 
 
 @pytest.mark.parametrize("intruder, reason", [

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <vector>
 
 #include <netinet/in.h>
@@ -183,13 +184,62 @@ class ZmqChannel : public Channel {
                                        frames_[first + 1].size());
     if (!bad.empty()) {
       Stats::Get().frames_dropped++;
-      BPS_LOG(kDebug, "dropped a frame" << (first ? " from " + m->from.route : "") << ": " << bad);
+      if (!ForeignRelease(link, m->from, frames_[first])) {
+        BPS_LOG(kDebug, "dropped a frame" << (first ? " from " + m->from.route : "") << ": " << bad);
+      }
       return false;
     }
     std::memcpy(&m->header, frames_[first].data(), sizeof(m->header));
     m->payload = std::move(frames_[first + 1]);
     return true;
   }
+
+  // A frame with our magic number but another protocol version comes from a
+  // process of another bps_tf release: mixing releases in one job is a setup
+  // error, and without this its nodes would only time out at rendezvous with
+  // "dropped malformed frames". The first such frame of each peer is logged
+  // as an error, and a peer on the listening link (every node says HELLO to
+  // the scheduler first) gets an ERROR frame stamped with *its* version, so
+  // it fails at once with the reason, whichever release it runs: the magic
+  // number, version field and 64-byte header are the part of the protocol
+  // every release keeps.
+  bool ForeignRelease(int link, const Peer& from, const Msg& header) {
+    uint32_t magic = 0;
+    uint16_t version = 0;
+    if (header.size() < sizeof(magic) + sizeof(version)) return false;
+    std::memcpy(&magic, header.data(), sizeof(magic));
+    std::memcpy(&version, header.data() + sizeof(magic), sizeof(version));
+    if (magic != kMagic || version == kProtocolVersion) return false;
+    Stats::Get().frames_foreign_release++;
+    std::string who = from.route.empty() ? links_[static_cast<size_t>(link)].endpoint
+                                         : "a peer (" + PrintableRoute(from.route) + ")";
+    if (foreign_peers_.size() >= kMaxForeignPeersRemembered ||
+        !foreign_peers_.insert(std::to_string(link) + "/" + from.route).second) {
+      return true;
+    }
+    std::string why = "mixed bps_tf releases in one job: " + who + " speaks wire protocol version " +
+                      std::to_string(version) + ", this node speaks version " +
+                      std::to_string(kProtocolVersion) +
+                      ". Every worker, server and scheduler of a job must run the same bps_tf "
+                      "release (compare `python -c 'import bps_tf; print(bps_tf.__version__)'` "
+                      "on each host).";
+    BPS_LOG(kError, why);
+    if (links_[static_cast<size_t>(link)].routed && header.size() == sizeof(FrameHeader)) {
+      FrameHeader h = MakeHeader(MsgType::kError, Role::kScheduler, -1);
+      h.version = version;
+      Send(from, h, Msg(why.data(), why.size()));
+    }
+    return true;
+  }
+
+  static std::string PrintableRoute(const std::string& route) {
+    std::string out;
+    for (char c : route) out += (c >= 32 && c < 127) ? c : '?';
+    return out;
+  }
+
+  // Bounds the memory a stream of forged versions can take.
+  static constexpr size_t kMaxForeignPeersRemembered = 256;
 
   Context ctx_;
   Wakeup* wake_;
@@ -200,6 +250,7 @@ class ZmqChannel : public Channel {
   std::vector<zmq_pollitem_t> items_;
   std::vector<Msg> frames_;
   std::string refusal_;
+  std::set<std::string> foreign_peers_;  // link/route of peers already told
   size_t next_ = 0;  // the link Receive drains now
 };
 

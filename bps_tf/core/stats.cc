@@ -27,6 +27,7 @@ std::string Stats::Json() {
   std::ostringstream o;
   o << "{\"bytes_sent\":" << bytes_sent << ",\"bytes_received\":" << bytes_received
     << ",\"frames_dropped\":" << frames_dropped
+    << ",\"frames_foreign_release\":" << frames_foreign_release
     << ",\"connections_refused\":" << connections_refused
     << ",\"connections_capped\":" << connections_capped << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent

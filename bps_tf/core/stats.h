@@ -23,6 +23,8 @@ class Stats {
   std::atomic<uint64_t> bytes_sent{0};
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_dropped{0};
+  // Of those, frames of another protocol version: a node of another release.
+  std::atomic<uint64_t> frames_foreign_release{0};
   std::atomic<uint64_t> connections_refused{0};  // failed security handshakes
   std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
   std::atomic<uint64_t> ops_done{0};
