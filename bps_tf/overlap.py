@@ -93,16 +93,30 @@ class OverlappedApply:
     ``prefix`` separates the keys of several instances (``naming.overlap_keys``);
     it must be the same on every worker. ``average``: divide the sums by the
     number of workers (as ``Average``) or not (``Sum``).
+    ``allow_unverified_optimizer``: accept an optimizer type (a subclass, a
+    third-party one) whose per-variable update is not verified exact; only
+    for one whose update of a variable reads nothing but that variable, its
+    slots, the learning rate and ``iterations`` (no state shared across
+    variables, advanced once per ``apply``).
     """
 
     def __init__(self, model, optimizer, variables: Optional[Sequence] = None,
-                 prefix: str = "default", average: bool = True):
+                 prefix: str = "default", average: bool = True,
+                 allow_unverified_optimizer: bool = False):
         collectives.require_init()
         async_training.refuse_gradient_exchange("OverlappedApply")
         reason = unsupported_reason(optimizer)
         if reason is not None:
             raise ValueError(f"OverlappedApply cannot defer this optimizer's update exactly: "
                              f"{reason}. Use DistributedGradientTape + optimizer.apply instead.")
+        # An update that reads state shared by all variables (as Nadam's
+        # schedule product) would silently change when applied per layer.
+        unverified = overlap_guard.unverified_reason(optimizer)
+        if unverified and not allow_unverified_optimizer:
+            raise ValueError(f"OverlappedApply: {unverified}. Pass allow_unverified_optimizer=True "
+                             f"if its update of a variable reads only that variable, its slots, "
+                             f"the learning rate and iterations; else use "
+                             f"DistributedGradientTape + optimizer.apply.")
         self.model = model
         self.optimizer = optimizer
         self.variables = list(model.trainable_variables if variables is None else variables)

@@ -97,11 +97,9 @@ def fallback_reason(model, strategy) -> Optional[str]:
         return "the model has no optimizer"
     if getattr(strategy, "compressed", False):
         return "compression is applied by the barrier's reduction only"
-    verified = _verified_optimizers()
-    if type(optimizer) not in verified:
-        return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "
-                f"verified bit-identical to the barrier's "
-                f"({', '.join(c.__name__ for c in verified)})")
+    unverified = unverified_reason(optimizer)
+    if unverified:
+        return unverified
     whole_step = needs_the_whole_step(optimizer)
     if whole_step:
         return whole_step
@@ -128,6 +126,16 @@ def fallback_reason(model, strategy) -> Optional[str]:
                 return (f"variable {naming.variable_name(v)} is shared by layers "
                         f"{owners[id(v)]!r} and {layer.name!r}")
     return None
+
+
+def unverified_reason(optimizer) -> Optional[str]:
+    """Why ``optimizer``'s deferred update is not known to be exact, or None."""
+    verified = _verified_optimizers()
+    if type(optimizer) in verified:
+        return None
+    return (f"{type(optimizer).__name__} is not among the optimizers whose deferred update is "
+            f"verified bit-identical to the barrier's "
+            f"({', '.join(c.__name__ for c in verified)})")
 
 
 def _verified_optimizers() -> tuple:

@@ -648,3 +648,20 @@ def test_overlapped_apply_refuses_optimizers_it_cannot_defer_per_variable(make, 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="cannot defer"):
         OverlappedApply(model, make())
+
+
+def test_overlapped_apply_refuses_an_unverified_optimizer_type_unless_allowed():
+    # A subclass may read state shared by all variables in its update: as
+    # model.fit keeps the barrier for it, OverlappedApply asks for an opt-in.
+    from bps_tf.overlap import OverlappedApply
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="MyAdam is not among the optimizers.*"
+                                         "allow_unverified_optimizer=True"):
+        OverlappedApply(model, MyAdam(0.01), prefix="unverified")
+    overlap = OverlappedApply(model, MyAdam(0.01), prefix="allowed",
+                              allow_unverified_optimizer=True)
+    assert overlap.variables == model.trainable_variables
