@@ -108,6 +108,11 @@ SETTINGS = (
             "forward pass in the next step, bit-identical to the barrier; models "
             "it cannot serve exactly keep the barrier with one log line "
             "(docs/overlap.md). 0: a barrier between steps. Must agree on every node."),
+    Setting("BYTEPS_OVERLAP_READ_TIMEOUT", "overlap_read_timeout_s", "600", float,
+            "Seconds a read of an overlapped model's weights from another "
+            "thread waits for the train step running now to end (it then "
+            "applies the step's pending updates and reads the barrier's "
+            "weights) before it fails with an error (0: no limit)."),
     Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
             "Tensors smaller than this many bytes travel uncompressed whatever "
             "compressor is chosen (they gain nothing). Must agree on every node."),

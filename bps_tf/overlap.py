@@ -132,6 +132,7 @@ class OverlappedApply:
         # graph -> {variable index: token of its start in that graph}
         self._tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._flush_fn = None
+        self.step_lock = overlap_guard.StepLock("OverlappedApply(prefix=" + repr(prefix) + ")")
         self._install_hooks()
         # Reads between steps (an eager numpy(), a tf.function reading the
         # weights directly) apply the pending updates first.
@@ -269,8 +270,8 @@ class OverlappedApply:
         variables were updated (eager; 0 when traced). A second flush is a
         no-op. Call it before evaluation, saving or reading the weights."""
         if tf.executing_eagerly():
-            self.dirty = False
-            with overlap_guard.flushing.scope():
+            with self.step_lock.held(), overlap_guard.flushing.scope():
+                self.dirty = False
                 return int(self._traced_flush()())
         # In a graph each key is applied once per graph; a flush must wait
         # again even for keys a hook already applied in this graph.

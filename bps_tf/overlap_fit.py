@@ -106,6 +106,7 @@ class FitOverlap:
         self.priorities: Dict[str, int] = {}   # key -> priority of its start (last trace)
         self._sparse_logged = set()
         self._flush_fns: Dict[tuple, object] = {}   # pending indices -> traced flush
+        self.step_lock = overlap_guard.StepLock(f"model {model.name!r}")
         if not self.optimizer.built:
             self.optimizer.build(self.variables)
         # The iteration count of the pending gradients, read by their
@@ -245,9 +246,9 @@ class FitOverlap:
         def guarded(*args, **kwargs):
             if not self.enabled:
                 return train_function(*args, **kwargs)
-            self.dirty = True
             try:
-                with overlap_guard.in_train_step.scope():
+                with self.step_lock.held(), overlap_guard.in_train_step.scope():
+                    self.dirty = True
                     return train_function(*args, **kwargs)
             except _Retrace as exc:
                 # Raised while tracing, before the step ran: nothing started.
@@ -375,15 +376,18 @@ class FitOverlap:
     def flush(self) -> int:
         """Waits for and applies every pending update (eager). Returns how
         many variables were updated; a second flush applies nothing."""
-        if not tf.executing_eagerly() or self._active:
+        if not tf.executing_eagerly():
             return 0
-        self.dirty = False
-        pending = set(self.pending())
-        if not pending:
-            return 0
-        indices = tuple(i for i, k in enumerate(self.keys) if k in pending)
-        with self.strategy.scope(), overlap_guard.flushing.scope():
-            return int(self._flush_fn(indices)())
+        with self.step_lock.held():   # a step running in another thread ends first
+            if self._active:
+                return 0
+            self.dirty = False
+            pending = set(self.pending())
+            if not pending:
+                return 0
+            indices = tuple(i for i, k in enumerate(self.keys) if k in pending)
+            with self.strategy.scope(), overlap_guard.flushing.scope():
+                return int(self._flush_fn(indices)())
 
     def _flush_fn(self, indices):
         """A traced flush of ``indices``. Traced, not eager, so the update

@@ -22,6 +22,11 @@ guards close that gap:
   step has run since the last flush first applies every pending update of
   its model. The train function itself is exempt: its layers apply their
   own updates.
+* **Reads from another thread during a step** (:class:`StepLock`): a train
+  step holds its model's lock while it runs and a flush takes the same
+  lock, so a read from another thread waits for the step to end and then
+  sees the barrier's weights, instead of flushing keys the step is waiting
+  on itself (or reading weights one update behind).
 """
 from __future__ import annotations
 
@@ -219,6 +224,34 @@ class _Flag:
             setattr(_state, self.name, saved)
 
 
+class StepLock:
+    """Serializes one controller's train steps and flushes across threads
+    (re-entrant: a step's own flushes and reads pass)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def held(self):
+        if not self._lock.acquire(blocking=False):
+            from bps_tf import config
+            limit = config.value("BYTEPS_OVERLAP_READ_TIMEOUT")
+            if not self._lock.acquire(timeout=limit if limit > 0 else -1):
+                # A deadlock would be a hang: e.g. a py_function inside the
+                # step reading the weights from one of TensorFlow's threads.
+                raise RuntimeError(
+                    f"BytePSStrategy overlap: waited {limit:g} s for a train step of {self.what} "
+                    f"running in another thread to end before reading its weights "
+                    f"(BYTEPS_OVERLAP_READ_TIMEOUT). If the step itself reads the weights from "
+                    f"another thread (a py_function), read them in the step instead, or turn "
+                    f"overlap off (BytePSStrategy(overlap=False)).")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
 flushing = _Flag("flushing")        # applying pending updates: no nested flush
 in_train_step = _Flag("in_step")    # running the train function: layers apply their own
 
@@ -255,7 +288,9 @@ def install_flushes() -> None:
             if train is not None:
                 ctl = train()
                 if ctl is not None:
-                    ctl.dirty = True
+                    with ctl.step_lock.held():
+                        ctl.dirty = True
+                        return call_flat(self, tensor_inputs, captured_inputs)
             elif not in_train_step:
                 for tensor in captured_inputs:
                     ref = _watched_handles.get(id(tensor))

@@ -77,6 +77,14 @@ def test_a_read_before_the_deferred_update_retraces_with_the_barrier(ranks):
         assert len(lines) == 1 and "dense" in lines[0] and "kernel" in lines[0], detail["log"]
 
 
+def test_reads_from_another_thread_during_fit_see_a_barrier_weight(ranks):
+    # Each read waits for the running step and flushes (StepLock): it sees
+    # a kernel the barrier run had after some step, and the weights after
+    # fit stay bit-identical.
+    for detail in _check(ranks, "thread_reads").values():
+        assert detail["reads"] > 10 and detail["distinct"] >= 2, detail
+
+
 def test_reads_between_train_on_batch_calls_see_the_barriers_weights(ranks):
     # After each train_on_batch, a kernel's numpy() and a tf.function of the
     # caller's on the model equal the barrier's bit for bit.

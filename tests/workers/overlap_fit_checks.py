@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -312,6 +313,68 @@ def check_train_on_batch(off, on):
     return run
 
 
+class KernelEachStep(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.kernels = []
+
+    def on_train_begin(self, logs=None):
+        self.kernels.append(self.model.layers[-1].kernel.numpy().tobytes())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.kernels.append(self.model.layers[-1].kernel.numpy().tobytes())
+
+
+def check_thread_reads(off, on):
+    """A thread reads a kernel in a loop while fit runs: each read waits for
+    the step running then (StepLock) and sees a weight the barrier run had
+    after some step, never a half-applied one, and training stays exact."""
+    def run():
+        import threading
+        x, y = data("sgd")
+        final = {}
+        for label, strategy in (("off", off), ("on", on)):
+            keras.utils.set_random_seed(7)
+            with strategy.scope():
+                model = dense_model()
+                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            model.predict(x[:4], verbose=0)   # built before the reader starts
+            kernel, stop, reads, errors = model.layers[-1].kernel, threading.Event(), [], []
+
+            def reader():
+                try:
+                    while not stop.is_set():
+                        reads.append(kernel.numpy().tobytes())
+                        time.sleep(0.002)
+                except Exception as exc:   # pylint: disable=broad-except
+                    errors.append(repr(exc))
+            steps = KernelEachStep()
+            thread = threading.Thread(target=reader, daemon=True)
+            if label == "on":
+                thread.start()
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                      callbacks=[] if label == "on" else [steps])
+            stop.set()
+            if label == "on":
+                thread.join(60)
+            final[label] = ([v.numpy() for v in model.weights], reads, errors, steps.kernels,
+                            overlap_fit.controller(model))
+        weights_off, _, _, barrier_kernels, _ = final["off"]
+        weights_on, reads, errors, _, ctl = final["on"]
+        if errors:
+            raise AssertionError(f"reader thread failed: {errors}")
+        if ctl is None or not ctl.enabled:
+            raise AssertionError("the model did not overlap")
+        same("weights", weights_on, weights_off)
+        known = set(barrier_kernels)
+        strange = sum(r not in known for r in reads)
+        if not reads or strange:
+            raise AssertionError(f"{strange} of {len(reads)} reads saw a kernel the barrier "
+                                 f"never had")
+        return {"reads": len(reads), "distinct": len(set(reads)), "steps": len(known)}
+    return run
+
+
 class CalledInReverse(keras.Model):
     """Layers created (and listed in trainable_variables) in the reverse of
     the order the forward pass calls them."""
@@ -376,6 +439,7 @@ def main():
             checks.run(case, check_case(case, off, on, ckpt_dir, log_lines.lines))
     checks.run("recompile", check_recompile(on, log_lines.lines))
     checks.run("train_on_batch", check_train_on_batch(off, on))
+    checks.run("thread_reads", check_thread_reads(off, on))
     checks.run("priorities", check_priorities(on))
     checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
