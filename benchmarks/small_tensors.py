@@ -7,7 +7,10 @@ engine, which dominates models with many small gradients (biases, norms).
 2 workers x 1 server on loopback. Each repetition enqueues K push_pulls of
 distinct 4 KiB tensors at once and waits for all of them; push_pulls/s =
 K / (median repetition time). Measured through the numpy API (no
-TensorFlow) and through the TF op (K ops in one tf.function, all in flight).
+TensorFlow) and through the TF op (K ops in one tf.function, all in flight):
+once with the K tensors passed as the function's arguments, once with them
+read from variables inside it ("TF op in-graph", as a train step's gradients
+are made in the step; 64 Python arguments alone cost a call ~0.8 ms).
 The jobs run with a job token, so CURVE-encrypted unless --encryption off;
 --encryption both adds the numpy path with BYTEPS_ENCRYPTION=0. With
 --rounds R every path runs R times, interleaved, and the median is reported.
@@ -24,6 +27,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 
 UNENCRYPTED = "numpy no-enc"
+IN_GRAPH = "TF op in-graph"
 
 
 def make_cases(in_flight, tensor_bytes: int, quick: bool):
@@ -81,6 +85,8 @@ def main(argv=None) -> int:
     paths = {"numpy": ("bps_numpy.py", enc)}
     if not args.no_tf_op:
         paths["TF op"] = ("bps_tf_op.py", enc)
+        # The tensors made inside the function, as a train step's gradients.
+        paths[IN_GRAPH] = ("bps_tf_op.py", {**enc, "BPS_BENCH_TF_INPUTS": "variables"})
     if args.compare_fusion:
         paths["TF op unfused"] = ("bps_tf_op.py", {**enc, "BYTEPS_FUSION_THRESHOLD": "0"})
     if args.encryption == "both":

@@ -14,14 +14,24 @@ from bps_tf import basics
 from bps_tf import ops as bps_ops
 
 
-def make_step(label, names, priorities):
-    @tf.function
-    def step(tensors):
+# BPS_BENCH_TF_INPUTS=variables: the tensors are variables the function
+# reads, as a train step's gradients are computed inside it; the default
+# passes them as arguments, and converting 64 Python arguments costs the
+# call about 0.8 ms by itself (docs/performance.md §12).
+IN_GRAPH = os.environ.get("BPS_BENCH_TF_INPUTS", "arguments") == "variables"
+
+
+def make_step(label, names, priorities, tensors):
+    def body(inputs):
         outs = [bps_ops.push_pull_sum(t, tensor_name=f"{label}/{n}", priority=p)
-                for t, n, p in zip(tensors, names, priorities)]
+                for t, n, p in zip(inputs, names, priorities)]
         # One element of each result keeps every op live without copying out.
         return tf.add_n([tf.reshape(o, [-1])[0] for o in outs])
-    return step
+    if IN_GRAPH:
+        variables = [tf.Variable(t, trainable=False) for t in tensors]
+        return tf.function(lambda: body([v.read_value() for v in variables]))
+    step = tf.function(body)
+    return lambda: step(tensors)
 
 
 def main():
@@ -34,12 +44,13 @@ def main():
         priorities = [int(p) for _, _, p in case["tensors"]]
         with tf.device("/cpu:0"):
             tensors = [tf.fill(shape, float(rank + 1)) for _, shape, _ in case["tensors"]]
-        step = make_step(case["label"], names, priorities)
+        with tf.device("/cpu:0"):
+            step = make_step(case["label"], names, priorities, tensors)
         starts, ends = [], []
         value = None
         for k in range(case["warmup"] + case["reps"]):
             t0 = time.perf_counter()
-            value = float(step(tensors))
+            value = float(step())
             t1 = time.perf_counter()
             if k + 1 == case["warmup"] and case.get("warm_file"):
                 # A profiler may start now (benchmarks/profile_push_pull.py).
