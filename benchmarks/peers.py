@@ -277,12 +277,21 @@ def main(argv=None) -> int:
                     help="how each host's egress is modelled (benchmarks/netns_hosts.py): tbf, a "
                          "short drop-tail queue (earlier results); paced, TCP held back in its "
                          "socket as by a NIC at the link rate (no host drops)")
+    ap.add_argument("--bps-env", dest="bps_env_list", action="append", default=[],
+                    metavar="NAME=VALUE",
+                    help="a setting for the bps_tf jobs (repeatable), e.g. "
+                         "BYTEPS_LOCAL_REDUCE=1 (on loopback both workers share one host)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     args.bps_env = {"BYTEPS_ENCRYPTION": "1" if args.encryption == "on" else "0"}
+    for item in args.bps_env_list:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("BYTEPS_"):
+            ap.error(f"--bps-env {item!r}: expected BYTEPS_NAME=VALUE")
+        args.bps_env[name] = value
     started = time.monotonic()
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))
     try:
