@@ -43,6 +43,7 @@ _LAZY = {
     "broadcast": "bps_tf.api",
     "broadcast_variables": "bps_tf.api",
     "broadcast_object": "bps_tf.api",
+    "broadcast_object_fn": "bps_tf.api",
     "allgather_object": "bps_tf.api",
     "DistributedGradientTape": "bps_tf.tape",
     "PartialDistributedGradientTape": "bps_tf.tape",

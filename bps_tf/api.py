@@ -378,6 +378,18 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
                                                                ps.key_id), session)
 
 
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Horovod's: a function ``f(obj)`` returning ``root_rank``'s ``obj`` on
+    every worker, for calling many times (every worker calls it alike); in a
+    TF1 graph it runs in ``session``, as :func:`broadcast_object`."""
+    name = name or "broadcast_object_fn"
+
+    def broadcast_one(obj):
+        return broadcast_object(obj, root_rank, session=session, name=name,
+                                process_set=process_set)
+    return broadcast_one
+
+
 def _broadcast_object(obj, root_rank, base, session=None):
     is_root = basics.rank() == root_rank
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""

@@ -527,6 +527,22 @@ def test_keras_namespace_matches_horovod_names():
         bps_tf.broadcast_global_variables(0)
     out = bps_keras.allreduce(np.array([2.0, 4.0]), op=bps_keras.Sum, name="k")
     np.testing.assert_array_equal(out.numpy(), [2.0, 4.0])
+    # The rest of horovod.tensorflow.keras' names, with its argument order.
+    for name in ("reducescatter", "start_timeline", "stop_timeline", "mpi_threads_supported",
+                 "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+                 "ddl_built", "ccl_built", "cuda_built", "rocm_built"):
+        assert name in bps_keras.__all__ and callable(getattr(bps_keras, name)), name
+    assert bps_keras.gloo_enabled() is False and bps_keras.mpi_threads_supported() is False
+    rows = bps_keras.reducescatter(np.array([[1.0], [2.0]]), "k_rs", bps_keras.Sum)
+    np.testing.assert_array_equal(rows.numpy(), [[1.0], [2.0]])   # one worker keeps every row
+
+
+def test_broadcast_object_fn_returns_a_reusable_broadcast():
+    bcast = bps_tf.broadcast_object_fn(root_rank=0, name="objfn")
+    assert bcast({"epoch": 3}) == {"epoch": 3}
+    assert bcast([1, "two"]) == [1, "two"]       # called again under the same name
+    with pytest.raises(ValueError, match="root_rank"):
+        bps_tf.broadcast_object_fn(root_rank=5)("x")
 
 
 def test_byteps_argument_order_and_names_run_unchanged():

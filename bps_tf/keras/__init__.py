@@ -10,9 +10,14 @@
 from __future__ import annotations
 
 from bps_tf.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized,
-                           local_rank, local_size, rank, shutdown, size)
+                           local_rank, local_size, rank, shutdown, size, start_timeline,
+                           stop_timeline)
 from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, broadcast,
                         broadcast_object, broadcast_variables, push_pull)
+from bps_tf.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                               mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                               rocm_built)
+from bps_tf.scatter_gather import reducescatter as _tensor_reducescatter
 from bps_tf.api import allreduce as _tensor_allreduce
 from bps_tf.keras import callbacks
 from bps_tf import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
@@ -37,6 +42,9 @@ __all__ = [
     "broadcast_global_variables", "broadcast_model", "load_model", "callbacks",
     "SyncBatchNormalization",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "reducescatter", "start_timeline", "stop_timeline",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
 ]
 
 
@@ -48,6 +56,12 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0,
                              prescale_factor=prescale_factor,
                              postscale_factor=postscale_factor,
                              compression=compression)
+
+
+def reducescatter(value, name=None, op=Average):
+    """Reduces a value across workers and returns this worker's slice of the
+    first dimension; Horovod's Keras argument order."""
+    return _tensor_reducescatter(value, name=name, op=op)
 
 
 def broadcast_model(model, root_rank=0):
