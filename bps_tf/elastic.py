@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import basics
+from bps_tf import basics, naming
 
 
 class ObjectState:
@@ -98,9 +98,9 @@ class KerasState(TensorFlowState):
         self.optimizer = optimizer if optimizer is not None else \
             getattr(model, "optimizer", None)
         variables = list(model.variables)
-        if self.optimizer is not None:
-            variables += [v for v in self.optimizer.variables
-                          if not any(v is m for m in variables)]
+        # naming: a tf_keras legacy optimizer's variables are a method
+        variables += [v for v in naming.optimizer_variables(self.optimizer)
+                      if not any(v is m for m in variables)]
         super().__init__(variables=variables, **kwargs)
 
 

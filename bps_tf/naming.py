@@ -215,6 +215,15 @@ def overlap_index_keys(count: int, prefix: str) -> List[str]:
     return [f"Overlap/{prefix}/{i}" for i in range(count)]
 
 
+def optimizer_variables(optimizer) -> list:
+    """An optimizer's variables as a list: a Keras 3 optimizer holds a list,
+    a tf_keras (Keras 2) legacy one a method; None has none."""
+    found = getattr(optimizer, "variables", None) or []
+    if callable(found):
+        found = found()
+    return list(found)
+
+
 def model_variables(model, skip_on_read: bool = False) -> list:
     """A model's variables, then its optimizer's (each once), in a fixed order.
 
@@ -223,11 +232,7 @@ def model_variables(model, skip_on_read: bool = False) -> list:
     out SyncOnRead variables (metrics: per-replica partial values).
     """
     out, seen = [], set()
-    optimizer = getattr(model, "optimizer", None)
-    optimizer_variables = getattr(optimizer, "variables", None) or []
-    if callable(optimizer_variables):   # tf_keras' legacy optimizers: a method
-        optimizer_variables = optimizer_variables()
-    for v in list(model.variables) + list(optimizer_variables):
+    for v in list(model.variables) + optimizer_variables(getattr(model, "optimizer", None)):
         if id(v) in seen:
             continue
         if skip_on_read and getattr(v, "synchronization", None) == "on_read":

@@ -234,6 +234,35 @@ def check_warmup_reaches_initial_lr(rank, size):
     return seen
 
 
+def check_elastic_keras_state(rank):
+    """hvd.elastic.KerasState over a tf_keras model whose legacy optimizer
+    lists its variables through a method: sync gives rank 0's weights and
+    slots, restore brings back the last commit."""
+    x, y = rank_data(rank)
+    model = make_model(seed=7 + rank)          # different start on every rank
+    model.compile(optimizer=hvd.DistributedOptimizer(
+        tf.keras.optimizers.legacy.Adam(0.01)), loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    state = hvd.elastic.KerasState(model, batch=rank, epoch=3)
+    slots = model.optimizer.variables()
+    if not any(v is s for v in state.variables for s in slots) or len(slots) < 2:
+        raise AssertionError("KerasState left out the legacy optimizer's variables")
+    state.sync()
+    same_on_every_rank("weights after sync", model.get_weights())
+    same_on_every_rank("optimizer slots after sync", [v.numpy() for v in slots])
+    if state.batch != 0:
+        raise AssertionError(f"batch after sync: {state.batch}")
+    synced = [w.copy() for w in model.get_weights()]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    state.batch = 5
+    state.restore()
+    for got, want in zip(model.get_weights(), synced):
+        np.testing.assert_array_equal(got, want)
+    if state.batch != 0:
+        raise AssertionError(f"batch after restore: {state.batch}")
+    return len(state.variables)
+
+
 def check_compression_under_a_strategy_is_refused():
     """The strategy reduces the gradients, so the wrapper's compression would
     be ignored: refused, not silently dropped."""
@@ -272,6 +301,7 @@ def main():
     checks.run("load_model", lambda: check_load_model(rank, size, out_dir))
     checks.run("momentum_correction", lambda: check_momentum_correction(rank))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
+    checks.run("elastic_keras_state", lambda: check_elastic_keras_state(rank))
     checks.run("finished", lambda: None)
 
 
