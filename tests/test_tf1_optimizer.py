@@ -75,3 +75,34 @@ def test_global_variables_come_from_the_root_through_the_hook_and_the_op(run):
         assert not text.startswith("error"), text
         got = json.loads(text)
         assert got == {"hook_w": [2.0, 2.0, 2.0], "hook_step": 0, "op_v": [10.0]}, got
+
+
+def _expected_aggregation(passes, average, runs, size=2):
+    """w and table[1] after each run: gradients (r + 1) * (run + 1) (twice
+    that for the row) on rank r, summed over the passes (divided by the
+    passes if averaged), averaged over the ranks, applied with rate 1 on every
+    passes-th run; global_step counts every run."""
+    w, out, pending = 0.0, [], 0.0
+    for run in range(runs):
+        pending += sum((r + 1) * (run + 1) for r in range(size)) / size
+        if (run + 1) % passes == 0:
+            w -= pending / (passes if average else 1)
+            pending = 0.0
+        out.append([w, 2 * w, run + 1])
+    return out
+
+
+def test_a_tf1_optimizer_sums_backward_passes_and_predivides_as_horovod(run):
+    # Horovod's TF1 DistributedOptimizer: backward_passes_per_step sums the
+    # passes locally (averaged with average_aggregated_gradients), exchanges
+    # once and applies on every N-th run; global_step still counts each run.
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        text = (out / f"aggregation.rank{rank}.txt").read_text()
+        assert not text.startswith("error"), text
+        got = json.loads(text)
+        assert got["passes3_sum"] == _expected_aggregation(3, False, 7), got
+        assert got["passes3_average_dense_rows"] == _expected_aggregation(3, True, 7), got
+        # factor 2: halves before the sum, divides by size / 2 after: an average
+        assert got["predivide2"] == _expected_aggregation(1, False, 2), got

@@ -23,6 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf import api, async_training, basics, collectives, process_sets
+from bps_tf.pass_aggregation import PassAggregator
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 
@@ -33,12 +34,23 @@ class DistributedOptimizer(_V1Optimizer):
     ``name`` prefixes the push_pull names (default ``DistributedOptimizer``);
     ``op`` is ``bps_tf.Average`` (default) or ``bps_tf.Sum``;
     ``sparse_as_dense`` turns ``IndexedSlices`` into dense tensors first.
+    ``gradient_predivide_factor`` (with ``op=Average``) divides by the factor
+    before the sum and by ``size / factor`` after it, as in Horovod.
+    ``backward_passes_per_step=N`` sums N batches' gradients locally and
+    exchanges once: ``compute_gradients`` returns the reduced sums on every
+    N-th run, and ``apply_gradients`` applies only then (on the other runs it
+    advances ``global_step`` alone, so it counts batches). The N passes are
+    summed unless ``average_aggregated_gradients``. Its sums are
+    LOCAL_VARIABLES: run ``tf.compat.v1.local_variables_initializer()``
+    (``MonitoredTrainingSession`` does), as with Horovod.
     ``device_dense``/``device_sparse`` are accepted for compatibility.
     """
 
     def __init__(self, optimizer, name=None, use_locking=False, device_dense="",
                  device_sparse="", compression=api.Compression.none, sparse_as_dense=False,
-                 op=api.Average, priority_fn=None, process_set=process_sets.global_process_set):
+                 op=api.Average, priority_fn=None, process_set=process_sets.global_process_set,
+                 gradient_predivide_factor=1.0, backward_passes_per_step=1,
+                 average_aggregated_gradients=False):
         if not isinstance(optimizer, _V1Optimizer):
             raise TypeError("bps_tf.compat.v1.DistributedOptimizer wraps a "
                             f"tf.compat.v1.train.Optimizer, got {type(optimizer).__name__}.")
@@ -49,9 +61,19 @@ class DistributedOptimizer(_V1Optimizer):
         del device_dense, device_sparse
         process_sets.resolve(process_set, "DistributedOptimizer", members_only=False)
         self._optimizer = optimizer
+        op = api.resolve_op(None, op)
+        prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
+                                                   "DistributedOptimizer")
+        passes = int(backward_passes_per_step)
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1.")
         self._bps = dict(prefix=name or "DistributedOptimizer", compression=compression,
-                         sparse_as_dense=bool(sparse_as_dense), op=api.resolve_op(None, op),
-                         priority_fn=priority_fn, process_set=process_set)
+                         sparse_as_dense=bool(sparse_as_dense), op=op,
+                         priority_fn=priority_fn, process_set=process_set,
+                         prescale_factor=prescale, postscale_factor=postscale)
+        # Horovod's name for the helper that sums the passes.
+        self._agg_helper = (PassAggregator(passes, average_aggregated_gradients, graph_local=True)
+                            if passes > 1 else None)
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's (gradient, variable) pairs, each gradient
@@ -61,16 +83,38 @@ class DistributedOptimizer(_V1Optimizer):
             return pairs
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
-        opts = self._bps
-        reduced = api.reduce_gradients(grads, variables, opts["prefix"],
-                                       compression=opts["compression"],
-                                       sparse_as_dense=opts["sparse_as_dense"], op=opts["op"],
-                                       priority_fn=opts["priority_fn"],
-                                       process_set=opts["process_set"])
+        if self._agg_helper is not None:
+            reduced = self._agg_helper.reduce(grads, variables, self._reduce)
+        else:
+            reduced = self._reduce(grads, variables)
         return list(zip(reduced, variables))
 
-    def apply_gradients(self, *args, **kwargs):
-        return self._optimizer.apply_gradients(*args, **kwargs)
+    def _reduce(self, grads, variables):
+        opts = dict(self._bps)
+        return api.reduce_gradients(grads, variables, opts.pop("prefix"), **opts)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The wrapped optimizer's update; with ``backward_passes_per_step``
+        > 1 only on the runs whose gradients were exchanged."""
+        if self._agg_helper is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                                   name=name)
+        grads_and_vars = list(grads_and_vars)
+        ready = self._agg_helper.ready([g for g, _ in grads_and_vars if g is not None])
+
+        def apply():
+            with tf.control_dependencies([self._optimizer.apply_gradients(
+                    grads_and_vars, global_step=global_step, name=name)]):
+                return tf.constant(True)
+
+        def count_only():
+            if global_step is None:
+                return tf.constant(False)
+            with tf.control_dependencies([global_step.assign_add(1)]):
+                return tf.constant(False)
+
+        applied = tf.cond(ready, apply, count_only)
+        return applied if tf.executing_eagerly() else tf.group(applied)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from bps_tf import api
 from bps_tf.async_training import refuse_gradient_exchange
-from bps_tf.keras.pass_aggregation import PassAggregator
+from bps_tf.pass_aggregation import PassAggregator
 from bps_tf.tape import source_key, reduce_except_local
 
 

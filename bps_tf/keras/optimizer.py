@@ -151,12 +151,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     resolve(process_set, "DistributedOptimizer", members_only=False)
     del num_groups, groups
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper
-        if gradient_predivide_factor != 1.0 or int(backward_passes_per_step) != 1:
-            raise NotImplementedError("with a tf.compat.v1 optimizer, gradient_predivide_factor "
-                                      "and backward_passes_per_step must stay 1.")
         return v1.DistributedOptimizer(
             optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-            op=op, priority_fn=priority_fn, process_set=process_set)
+            op=op, priority_fn=priority_fn, process_set=process_set,
+            gradient_predivide_factor=gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients)
     del device_dense, device_sparse
     if isinstance(optimizer, (_DistributedMixin, legacy_optimizer.LegacyDistributedMixin)):
         raise ValueError("this optimizer is already a DistributedOptimizer.")

@@ -83,6 +83,49 @@ def untraceable_sparse_update(rows):
             sess.run(update, {tokens: data()[0][0, rows]})
 
 
+class FedGradients(tf.compat.v1.train.GradientDescentOptimizer):
+    """Learning rate 1; its gradients are fed (dense for ``w``, one row of
+    ``table`` as IndexedSlices), so the expected weights are plain sums."""
+
+    def __init__(self, dense, row):
+        super().__init__(1.0)
+        self.fed = (dense, row)
+
+    def compute_gradients(self, loss, var_list=None, **kwargs):
+        dense, row = self.fed
+        w, table = var_list
+        rows = tf.IndexedSlices(tf.reshape(row, [1, 1]), tf.constant([1]), tf.constant([2, 1]))
+        return [(dense, w), (rows, table)]
+
+
+def aggregation(rank, passes, average, predivide=1.0, sparse_as_dense=False, runs=7):
+    """Weights and global_step after each run, with gradients
+    (rank + 1) * (run + 1) fed in; see test_tf1_optimizer.py."""
+    with tf.Graph().as_default():
+        dense = tf.compat.v1.placeholder(tf.float32, [1])
+        row = tf.compat.v1.placeholder(tf.float32, [])
+        w = tf.compat.v1.get_variable("w", initializer=[0.0], use_resource=True)
+        table = tf.compat.v1.get_variable("table", initializer=[[0.0], [0.0]],
+                                          use_resource=True)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = bps_tf.DistributedOptimizer(
+            FedGradients(dense, row), backward_passes_per_step=passes,
+            average_aggregated_gradients=average, gradient_predivide_factor=predivide,
+            sparse_as_dense=sparse_as_dense)
+        pairs = opt.compute_gradients(None, var_list=[w, table])
+        train = opt.apply_gradients(pairs, global_step=step)
+        seen = []
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(),
+                      tf.compat.v1.local_variables_initializer()])
+            for run in range(runs):
+                g = float((rank + 1) * (run + 1))
+                sess.run(train, {dense: [g], row: 2 * g})
+                seen.append([float(sess.run(w)[0]), float(sess.run(table)[1, 0]),
+                             int(sess.run(step))])
+    return seen
+
+
 def broadcast_globals(rank):
     got = {}
     with tf.Graph().as_default():
@@ -135,6 +178,16 @@ def main():
     except Exception:  # noqa: BLE001 - reported to the test
         result = "error: " + traceback.format_exc()
     with open(os.path.join(out_dir, f"gradients.rank{rank}.txt"), "w") as f:
+        f.write(result)
+    # backward_passes_per_step and gradient_predivide_factor with a TF1 optimizer.
+    try:
+        result = json.dumps({
+            "passes3_sum": aggregation(rank, 3, False),
+            "passes3_average_dense_rows": aggregation(rank, 3, True, sparse_as_dense=True),
+            "predivide2": aggregation(rank, 1, False, predivide=2.0, runs=2)})
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = "error: " + traceback.format_exc()
+    with open(os.path.join(out_dir, f"aggregation.rank{rank}.txt"), "w") as f:
         f.write(result)
     # Every global variable from the root: the hook in a MonitoredTrainingSession
     # and the op in a plain session (each rank starts from its own values).
