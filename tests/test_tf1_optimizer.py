@@ -44,15 +44,22 @@ def test_workers_agree_and_match_one_process(run, case):
                                    rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_gradients_of_every_collective_in_a_session_match_the_definition(run):
+def _json_of_each_rank(run, what):
+    """What each rank wrote to <what>.rank<r>.txt (JSON, or an error)."""
     proc, out = run
     assert proc.returncode == 0, proc.stderr[-6000:]
+    found = []
     for rank in range(2):
-        text = (out / f"gradients.rank{rank}.txt").read_text()
+        text = (out / f"{what}.rank{rank}.txt").read_text()
         assert not text.startswith("error"), text
-        assert set(json.loads(text)) == {"allreduce_sum", "allreduce_average",
-                                         "broadcast_root1", "allgather",
-                                         "reducescatter_sum", "alltoall"}, text
+        found.append(json.loads(text))
+    return found
+
+
+def test_gradients_of_every_collective_in_a_session_match_the_definition(run):
+    for got in _json_of_each_rank(run, "gradients"):
+        assert set(got) == {"allreduce_sum", "allreduce_average", "broadcast_root1",
+                            "allgather", "reducescatter_sum", "alltoall"}, got
 
 
 def test_the_graph_rewrite_refuses_an_untraceable_sparse_update_naming_it(run):
@@ -68,12 +75,7 @@ def test_the_graph_rewrite_refuses_an_untraceable_sparse_update_naming_it(run):
 def test_global_variables_come_from_the_root_through_the_hook_and_the_op(run):
     # Rank r starts w at r + 1 and v at 10 (r + 1); the hook broadcasts from
     # rank 1 when the MonitoredTrainingSession is created, the op from rank 0.
-    proc, out = run
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    for rank in range(2):
-        text = (out / f"broadcast_globals.rank{rank}.txt").read_text()
-        assert not text.startswith("error"), text
-        got = json.loads(text)
+    for got in _json_of_each_rank(run, "broadcast_globals"):
         assert got == {"hook_w": [2.0, 2.0, 2.0], "hook_step": 0, "op_v": [10.0]}, got
 
 
@@ -96,12 +98,7 @@ def test_a_tf1_optimizer_sums_backward_passes_and_predivides_as_horovod(run):
     # Horovod's TF1 DistributedOptimizer: backward_passes_per_step sums the
     # passes locally (averaged with average_aggregated_gradients), exchanges
     # once and applies on every N-th run; global_step still counts each run.
-    proc, out = run
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    for rank in range(2):
-        text = (out / f"aggregation.rank{rank}.txt").read_text()
-        assert not text.startswith("error"), text
-        got = json.loads(text)
+    for got in _json_of_each_rank(run, "aggregation"):
         assert got["passes3_sum"] == _expected_aggregation(3, False, 7), got
         assert got["passes3_average_dense_rows"] == _expected_aggregation(3, True, 7), got
         # factor 2: halves before the sum, divides by size / 2 after: an average

@@ -286,6 +286,14 @@ def check_recompile(strategy, log_lines):
     return run
 
 
+def adam_dense_model(strategy):
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = dense_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
 def check_train_on_batch(off, on):
     """train_on_batch steps with reads between them -- one layer's kernel
     through numpy() and the model's output through a tf.function of the
@@ -294,10 +302,7 @@ def check_train_on_batch(off, on):
         x, y = data("sgd")
         seen = {}
         for label, strategy in (("off", off), ("on", on)):
-            keras.utils.set_random_seed(7)
-            with strategy.scope():
-                model = dense_model()
-                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            model = adam_dense_model(strategy)
             reads = []
             forward = tf.function(lambda inputs: model(inputs, training=False))
             for step in range(4):
@@ -334,10 +339,7 @@ def check_thread_reads(off, on):
         x, y = data("sgd")
         final = {}
         for label, strategy in (("off", off), ("on", on)):
-            keras.utils.set_random_seed(7)
-            with strategy.scope():
-                model = dense_model()
-                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            model = adam_dense_model(strategy)
             model.predict(x[:4], verbose=0)   # built before the reader starts
             kernel, stop, reads, errors = model.layers[-1].kernel, threading.Event(), [], []
 
