@@ -140,13 +140,27 @@ def _checked_splits(tensor, splits, size):
         return tf.identity(splits)
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set, recv_splits=None, with_size=None,
+             compression=None):
     """Sends ``splits[i]`` rows of ``tensor`` (in order) to rank ``i`` and
     returns the rows every rank sent to this one, concatenated in rank order;
     with ``splits`` given, as in Horovod, ``(received, received_splits)``,
     the second saying how many rows came from each rank (int32).
     ``splits=None`` splits the first dimension evenly. A rank may send or
-    receive nothing (zeros in the splits, or an empty tensor)."""
+    receive nothing (zeros in the splits, or an empty tensor).
+
+    BytePS's form, chosen by passing ``recv_splits`` or ``with_size``:
+    ``recv_splits`` are the rows this rank expects from each rank (checked:
+    ``InvalidArgumentError`` if negative or not what the ranks sent), and the
+    result is ``received`` alone, or ``(received, received_splits)`` with
+    ``with_size=True``. ``compression`` may only be ``Compression.none``."""
+    byteps_form = recv_splits is not None or with_size is not None
+    if compression is not None and compression is not Compression.none:
+        raise ValueError("alltoall: compression is not supported (only Compression.none).")
+    if isinstance(tensor, (list, tuple)):
+        raise NotImplementedError("alltoall of a list of tensors (BytePS's grouped alltoall) "
+                                  "is not available: call alltoall once per tensor.")
     ps = process_sets.resolve(process_set, "alltoall")
     del ignore_name_scope
     require_init()
@@ -155,6 +169,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     key = naming.op_key("Alltoall", name, tensor, ps.key_id)
     with_splits = splits is not None
     splits = _checked_splits(tensor, splits, size)
+    expected = None if recv_splits is None else _checked_counts(recv_splits, size, "recv_splits")
     with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
         # matrix[s, d]: rows rank s sends to rank d (ranks within the set)
         matrix, _ = collectives.allgather(tf.reshape(splits, [1, size]),
@@ -163,7 +178,43 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
                                         widen=True)
     source_start = tf.cumsum(tf.reduce_sum(matrix, axis=1), exclusive=True)
     received_splits = matrix[:, rank]
+    if expected is not None:
+        received_splits = _matching(received_splits, expected)
     starts = source_start + tf.reduce_sum(matrix[:, :rank], axis=1)
     index = tf.ragged.range(starts, starts + received_splits).flat_values
     received = tf.gather(data, index)
-    return (received, tf.cast(received_splits, tf.int32)) if with_splits else received
+    sizes = tf.cast(received_splits, tf.int32)
+    if byteps_form:
+        return (received, sizes) if with_size else received
+    return (received, sizes) if with_splits else received
+
+
+def _checked_counts(counts, size, what):
+    """``counts`` as an int64 vector of ``size`` non-negative numbers."""
+    counts = tf.cast(tf.convert_to_tensor(counts), tf.int64)
+    invalid = tf.errors.InvalidArgumentError
+    if counts.shape.rank != 1 or (counts.shape[0] is not None and counts.shape[0] != size):
+        raise invalid(None, None, f"alltoall: {what} must be a vector of size() = {size} "
+                                  f"counts; got shape {counts.shape}.")
+    if tf.executing_eagerly():
+        if min(counts.numpy().tolist(), default=0) < 0:
+            raise invalid(None, None, f"alltoall: {what} {counts.numpy().tolist()} must be "
+                                      f"non-negative.")
+        return counts
+    with tf.control_dependencies([tf.debugging.assert_non_negative(
+            counts, message=f"alltoall: negative {what}")]):
+        return tf.identity(counts)
+
+
+def _matching(received_splits, expected):
+    """``received_splits``, once checked equal to the caller's recv_splits."""
+    if tf.executing_eagerly():
+        got, want = received_splits.numpy().tolist(), expected.numpy().tolist()
+        if got != want:
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"alltoall: recv_splits {want} but the ranks sent {got} rows.")
+        return received_splits
+    with tf.control_dependencies([tf.debugging.assert_equal(
+            received_splits, expected, message="alltoall: recv_splits differ from the rows "
+                                               "the ranks sent")]):
+        return tf.identity(received_splits)

@@ -176,6 +176,12 @@ def test_alltoall_splits_empty_and_errors(op_names):
     np.testing.assert_array_equal(got.numpy(), x.numpy())
     with pytest.raises(tf.errors.InvalidArgumentError, match="add up"):
         in_graph(x, tf.constant([1]))
+    # BytePS's keywords: recv_splits/with_size choose its return form.
+    assert isinstance(bps_tf.alltoall(x, splits=[3], recv_splits=[3]), tf.Tensor)
+    with pytest.raises(NotImplementedError, match="call alltoall once per tensor"):
+        bps_tf.alltoall([x, x], splits=[3], recv_splits=[3])
+    with pytest.raises(ValueError, match="compression is not supported"):
+        bps_tf.alltoall(x, splits=[3], compression=api.Compression.fp16)
 
 
 def test_grouped_allgather_names_each_tensor(op_names):

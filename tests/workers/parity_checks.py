@@ -212,7 +212,44 @@ def check_alltoall(rank, size):
     # Without splits Horovod returns the received tensor alone.
     got = in_graph(tf.fill([2 * size], rank))
     expect_equal("alltoall even in tf.function", got.numpy(), np.repeat(np.arange(size), 2))
+    check_byteps_alltoall(rank, size)
     return "ok"
+
+
+def check_byteps_alltoall(rank, size):
+    """BytePS's form: recv_splits checked, the tensor alone unless with_size."""
+    plan = [[(s + d) % 3 + 1 for d in range(size)] for s in range(size)]   # plan[s][d] rows
+    splits, expected = plan[rank], [plan[s][rank] for s in range(size)]
+    sent = tf.fill([sum(splits), 2], float(rank + 1))
+    want = np.concatenate([np.full([plan[s][rank], 2], s + 1.0) for s in range(size)])
+    got = bps_tf.alltoall(sent, splits=splits, recv_splits=expected, name="parity/a2a/bps")
+    expect_equal("byteps alltoall", got.numpy(), want)
+    got, sizes = bps_tf.alltoall(sent, splits=splits, with_size=True, name="parity/a2a/bps")
+    expect_equal("byteps alltoall with_size", got.numpy(), want)
+    expect_equal("byteps alltoall sizes", sizes.numpy(), expected)
+    for label, recv in (("negative", [-100] + expected[1:]),
+                        ("not what was sent", [expected[0] + 1] + expected[1:])):
+        try:
+            bps_tf.alltoall(sent, splits=splits, recv_splits=recv, name="parity/a2a/bad")
+        except tf.errors.InvalidArgumentError as exc:
+            if "recv_splits" not in str(exc):
+                raise
+        else:
+            raise AssertionError(f"alltoall accepted {label} recv_splits {recv}")
+
+    @tf.function
+    def in_graph(x, recv):
+        return bps_tf.alltoall(x, splits=splits, recv_splits=recv, name="parity/a2a/bps_graph")
+
+    expect_equal("byteps alltoall in tf.function", in_graph(sent, tf.constant(expected)).numpy(),
+                 want)
+    try:
+        in_graph(sent, tf.constant([expected[0] + 1] + expected[1:]))
+    except tf.errors.InvalidArgumentError as exc:
+        if "recv_splits" not in str(exc):
+            raise
+    else:
+        raise AssertionError("alltoall in a tf.function accepted wrong recv_splits")
 
 
 def check_barrier(rank, size):
