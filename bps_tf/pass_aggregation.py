@@ -57,8 +57,9 @@ class PassAggregator:
     def _sum_for(self, variable):
         key = id(variable)
         if key not in self._sums:
+            dtype = tf.as_dtype(variable.dtype).base_dtype
             self._sums[key] = (variable, _make_variable(
-                lambda: tf.zeros(variable.shape, tf.as_dtype(variable.dtype).base_dtype), "bps_aggregated_gradient",
+                lambda: tf.zeros(variable.shape, dtype), "bps_aggregated_gradient",
                 self._graph_local))
         return self._sums[key][1]
 
