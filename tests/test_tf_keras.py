@@ -50,6 +50,7 @@ def ranks(tmp_path_factory, legacy_env):
                                   "aggregated_fit_averaged", "local_var", "sync_batch_norm",
                                   "load_model", "momentum_correction",
                                   "compression_under_strategy", "elastic_keras_state",
+                                  "broadcast_unbuilt",
                                   "finished"])
 def test_tf_keras_check(ranks, name):
     passed_details(*ranks, name)

@@ -44,7 +44,8 @@ class BroadcastGlobalVariablesCallback(_KerasCallback):
 
     At train begin it broadcasts the variables that exist (``fit`` has built
     the model and usually the optimizer by then); optimizer variables that
-    appear only with the first step are broadcast after the first batch.
+    appear only with the first step are broadcast after the first batch (and
+    everything is, for a tf_keras model ``fit`` builds in its first step).
     ``local_variables`` (Horovod's): variables each worker keeps its own
     value of, never broadcast. ``device`` is accepted for compatibility.
     """
@@ -67,6 +68,12 @@ class BroadcastGlobalVariablesCallback(_KerasCallback):
     def on_train_begin(self, logs=None):
         if self._done_ids is not None:
             return    # a later fit() call: the workers already agree
+        if not getattr(self.model, "built", True):
+            # tf_keras builds a model given no input shape in its first step
+            # (Keras 3 builds it before this): then everything is broadcast
+            # after the first batch, as Horovod's callback always does.
+            self._done_ids = set()
+            return
         variables = self._all_variables()
         self._broadcast(variables)
         self._done_ids = {id(v) for v in variables}

@@ -263,6 +263,24 @@ def check_elastic_keras_state(rank):
     return len(state.variables)
 
 
+def check_broadcast_callback_on_a_model_built_by_fit(rank):
+    """A Sequential without an input shape is built by tf_keras' first step,
+    after on_train_begin: the callback broadcasts after the first batch
+    instead (Horovod's timing), and every rank ends with rank 0's weights."""
+    x, y = rank_data(rank)
+    tf.keras.utils.set_random_seed(11 + rank)           # a different start on every rank
+    model = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="tanh"),
+                                 tf.keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.01)),
+                  loss="mse")
+    if model.built:
+        raise AssertionError("the model is built before fit: the check tests nothing")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_every_rank("weights after fit", model.get_weights())
+    return len(model.get_weights())
+
+
 def check_compression_under_a_strategy_is_refused():
     """The strategy reduces the gradients, so the wrapper's compression would
     be ignored: refused, not silently dropped."""
@@ -302,6 +320,7 @@ def main():
     checks.run("momentum_correction", lambda: check_momentum_correction(rank))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
     checks.run("elastic_keras_state", lambda: check_elastic_keras_state(rank))
+    checks.run("broadcast_unbuilt", lambda: check_broadcast_callback_on_a_model_built_by_fit(rank))
     checks.run("finished", lambda: None)
 
 
