@@ -121,22 +121,16 @@ def _checked_splits(tensor, splits, size):
             raise invalid(None, None, f"alltoall without splits needs a first dimension "
                                       f"divisible by size() ({size}); got {tensor.shape[0]}.")
         return tf.fill([size], rows // size)
-    splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
-    if splits.shape.rank != 1 or (splits.shape[0] is not None and splits.shape[0] != size):
-        raise invalid(None, None, f"alltoall: splits must be a vector of size() = {size} "
-                                  f"counts; got shape {splits.shape}.")
+    splits = _checked_counts(splits, size, "splits")
     if tf.executing_eagerly():
         values = splits.numpy().tolist()
-        if min(values, default=0) < 0 or sum(values) != int(rows):
-            raise invalid(None, None, f"alltoall: splits {values} must be non-negative and "
-                                      f"add up to the first dimension of the tensor "
-                                      f"({int(rows)}).")
+        if sum(values) != int(rows):
+            raise invalid(None, None, f"alltoall: splits {values} must add up to the first "
+                                      f"dimension of the tensor ({int(rows)}).")
         return splits
-    with tf.control_dependencies([
-            tf.debugging.assert_non_negative(splits, message="alltoall: negative splits"),
-            tf.debugging.assert_equal(tf.reduce_sum(splits), rows,
-                                      message="alltoall: splits must add up to the "
-                                              "first dimension")]):
+    with tf.control_dependencies([tf.debugging.assert_equal(
+            tf.reduce_sum(splits), rows, message="alltoall: splits must add up to the "
+                                                 "first dimension")]):
         return tf.identity(splits)
 
 

@@ -44,7 +44,6 @@ def main():
         priorities = [int(p) for _, _, p in case["tensors"]]
         with tf.device("/cpu:0"):
             tensors = [tf.fill(shape, float(rank + 1)) for _, shape, _ in case["tensors"]]
-        with tf.device("/cpu:0"):
             step = make_step(case["label"], names, priorities, tensors)
         starts, ends = [], []
         value = None

@@ -67,7 +67,8 @@ class DistributedOptimizer(_V1Optimizer):
         passes = int(backward_passes_per_step)
         if passes < 1:
             raise ValueError("backward_passes_per_step must be >= 1.")
-        self._bps = dict(prefix=name or "DistributedOptimizer", compression=compression,
+        self._prefix = name or "DistributedOptimizer"
+        self._bps = dict(compression=compression,
                          sparse_as_dense=bool(sparse_as_dense), op=op,
                          priority_fn=priority_fn, process_set=process_set,
                          prescale_factor=prescale, postscale_factor=postscale)
@@ -90,8 +91,7 @@ class DistributedOptimizer(_V1Optimizer):
         return list(zip(reduced, variables))
 
     def _reduce(self, grads, variables):
-        opts = dict(self._bps)
-        return api.reduce_gradients(grads, variables, opts.pop("prefix"), **opts)
+        return api.reduce_gradients(grads, variables, self._prefix, **self._bps)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's update; with ``backward_passes_per_step``

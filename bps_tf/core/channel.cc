@@ -211,12 +211,12 @@ class ZmqChannel : public Channel {
     std::memcpy(&version, header.data() + sizeof(magic), sizeof(version));
     if (magic != kMagic || version == kProtocolVersion) return false;
     Stats::Get().frames_foreign_release++;
-    std::string who = from.route.empty() ? links_[static_cast<size_t>(link)].endpoint
-                                         : "a peer (" + PrintableRoute(from.route) + ")";
     if (foreign_peers_.size() >= kMaxForeignPeersRemembered ||
         !foreign_peers_.insert(std::to_string(link) + "/" + from.route).second) {
       return true;
     }
+    std::string who = from.route.empty() ? links_[static_cast<size_t>(link)].endpoint
+                                         : "a peer (" + PrintableRoute(from.route) + ")";
     std::string why = "mixed bps_tf releases in one job: " + who + " speaks wire protocol version " +
                       std::to_string(version) + ", this node speaks version " +
                       std::to_string(kProtocolVersion) +
