@@ -34,6 +34,13 @@ def _nonnegative_int(text: str) -> int:
     return n
 
 
+def _nonnegative_float(text: str) -> float:
+    x = float(text)
+    if not x >= 0:
+        raise ValueError("it must be 0 (no limit) or a number of seconds")
+    return x
+
+
 def _credit_int(text: str) -> int:
     n = int(text, 0)
     if n < -1:
@@ -108,7 +115,7 @@ SETTINGS = (
             "forward pass in the next step, bit-identical to the barrier; models "
             "it cannot serve exactly keep the barrier with one log line "
             "(docs/overlap.md). 0: a barrier between steps. Must agree on every node."),
-    Setting("BYTEPS_OVERLAP_READ_TIMEOUT", "overlap_read_timeout_s", "600", float,
+    Setting("BYTEPS_OVERLAP_READ_TIMEOUT", "", "600", _nonnegative_float,
             "Seconds a read of an overlapped model's weights from another "
             "thread waits for the train step running now to end (it then "
             "applies the step's pending updates and reads the barrier's "

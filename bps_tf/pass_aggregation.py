@@ -31,6 +31,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 
+def passes_count(backward_passes_per_step) -> int:
+    """``backward_passes_per_step`` as an int >= 1; anything else (0, 1.5,
+    "2") is refused rather than rounded to some other number of passes."""
+    value = backward_passes_per_step
+    if isinstance(value, bool) or not float(value).is_integer() or int(value) < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
 def _make_variable(make_initial, name, graph_local):
     """A non-trainable variable holding ``make_initial()``, made outside any
     function being traced (so a retrace never makes variables); in a TF1

@@ -666,6 +666,25 @@ def test_overlapped_apply_refuses_optimizers_it_cannot_defer_per_variable(make, 
         OverlappedApply(model, make())
 
 
+@pytest.mark.parametrize("passes", [0, 1.5, True])
+def test_backward_passes_per_step_must_be_a_whole_number_of_passes(passes):
+    # 1.5 once became 1 pass without a word; Keras 3 and TF1 optimizers refuse it.
+    from bps_tf.keras import DistributedOptimizer
+    for make in (lambda: keras.optimizers.SGD(0.1),
+                 lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1)):
+        with pytest.raises(ValueError, match="must be an integer >= 1"):
+            DistributedOptimizer(make(), backward_passes_per_step=passes)
+
+
+def test_a_negative_overlap_read_timeout_is_refused(monkeypatch):
+    # It once meant "wait forever" without a word.
+    from bps_tf import config
+    monkeypatch.setenv("BYTEPS_OVERLAP_READ_TIMEOUT", "-5")
+    with pytest.raises(ValueError, match="BYTEPS_OVERLAP_READ_TIMEOUT='-5' is not valid: it "
+                                         "must be 0"):
+        config.value("BYTEPS_OVERLAP_READ_TIMEOUT")
+
+
 def test_overlapped_apply_refuses_an_unverified_optimizer_type_unless_allowed():
     # A subclass may read state shared by all variables in its update: as
     # model.fit keeps the barrier for it, OverlappedApply asks for an opt-in.

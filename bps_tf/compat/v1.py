@@ -23,7 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bps_tf import api, async_training, basics, collectives, process_sets
-from bps_tf.pass_aggregation import PassAggregator
+from bps_tf.pass_aggregation import PassAggregator, passes_count
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 
@@ -64,9 +64,7 @@ class DistributedOptimizer(_V1Optimizer):
         op = api.resolve_op(None, op)
         prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
                                                    "DistributedOptimizer")
-        passes = int(backward_passes_per_step)
-        if passes < 1:
-            raise ValueError("backward_passes_per_step must be >= 1.")
+        passes = passes_count(backward_passes_per_step)
         self._prefix = name or "DistributedOptimizer"
         self._bps = dict(compression=compression,
                          sparse_as_dense=bool(sparse_as_dense), op=op,

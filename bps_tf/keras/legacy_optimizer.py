@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from bps_tf import api
 from bps_tf.async_training import refuse_gradient_exchange
-from bps_tf.pass_aggregation import PassAggregator
+from bps_tf.pass_aggregation import PassAggregator, passes_count
 from bps_tf.tape import source_key, reduce_except_local
 
 
@@ -139,8 +139,7 @@ class LegacyDistributedMixin(ReduceMixin):
 def check_supported(backward_passes_per_step) -> None:
     """Raises for what the tf_keras wrapper cannot do."""
     refuse_gradient_exchange("DistributedOptimizer with a tf_keras optimizer")
-    if int(backward_passes_per_step) < 1:
-        raise ValueError("backward_passes_per_step must be >= 1.")
+    passes_count(backward_passes_per_step)
 
 
 def rebuild(cls, optimizer):

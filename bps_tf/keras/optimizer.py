@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from bps_tf import api, async_training
 from bps_tf.keras import legacy_optimizer
+from bps_tf.pass_aggregation import passes_count
 
 
 class _DistributedMixin(legacy_optimizer.ReduceMixin):
@@ -178,9 +179,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                 average_passes=average_aggregated_gradients,
                                 scale_local=scale_local_gradients)
         return legacy_optimizer.rebuild(cls, optimizer)
-    passes = int(backward_passes_per_step)
-    if passes < 1:
-        raise ValueError("backward_passes_per_step must be >= 1.")
+    passes = passes_count(backward_passes_per_step)
     config = optimizer.get_config()
     if passes > 1:
         existing = config.get("gradient_accumulation_steps")
