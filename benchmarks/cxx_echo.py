@@ -47,19 +47,25 @@ def build() -> Path:
 
 def run_job(procs: Processes, cases: Sequence[Mapping], *, num_clients: int, num_servers: int,
             client_hosts: Sequence[Host] = (), server_hosts: Sequence[Host] = (),
-            timeout: float = 1800.0) -> List[dict]:
+            timeout: float = 1800.0, unix: bool = False) -> List[dict]:
     """Echo servers on the server hosts, clients on the worker hosts; returns
-    the clients' results (same layout as common.run_echo_job's)."""
+    the clients' results (same layout as common.run_echo_job's). `unix`:
+    over abstract Unix sockets (one machine only), the bound of bps_tf's
+    links between a worker and a server of one machine (BYTEPS_ENABLE_IPC)."""
     binary = str(build())
     client_hosts = list(client_hosts) or [LOCALHOST] * num_clients
     server_hosts = list(server_hosts) or [LOCALHOST] * num_servers
+    if unix and any(h is not LOCALHOST for h in client_hosts + server_hosts):
+        raise JobFailed("the Unix-socket echo runs on one machine only")
     env = common.child_env()
     addresses = []
     for i in range(num_servers):
         port_file = procs.log_dir / f"cxx_echo_server{i}.port"
-        procs.start(f"cxx_echo_server{i}", [binary, "server", server_hosts[i].ip, str(port_file)],
+        where = "unix" if unix else server_hosts[i].ip
+        procs.start(f"cxx_echo_server{i}", [binary, "server", where, str(port_file)],
                     env, server_hosts[i].prefix, must_succeed=False)
-        addresses.append(f"{server_hosts[i].ip}:{common.wait_for_file(procs, port_file)}")
+        port = common.wait_for_file(procs, port_file)
+        addresses.append(port if unix else f"{server_hosts[i].ip}:{port}")
     barrier_dir = procs.log_dir / "cxx_barrier"
     barrier_dir.mkdir(exist_ok=True)
     spec = ",".join(f"{c['label']}:{c['bytes']}:{c['warmup']}:{c['reps']}" for c in cases)

@@ -14,6 +14,9 @@ every column alike):
 
 * bound: benchmarks/echo/ps_echo.cc, the data movement of a push_pull in C++
   (each worker sends M/S to each of S servers and gets it back; no sums);
+* unix bound (loopback only, unless bps_tf runs with BYTEPS_ENABLE_IPC=0):
+  the same over abstract Unix sockets, which bps_tf uses between a worker
+  and a server of one machine;
 * bps_tf: the TF op (`push_pull_sum` in a tf.function, workers/bps_tf_op.py),
   W workers x S servers;
 * Horovod: `hvd.allreduce(op=Sum)` of float32 in a tf.function over gloo
@@ -44,7 +47,8 @@ from benchmarks.common import median  # noqa: E402
 from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 
 BOUND, BPS, HVD, RING = "bound (C++ echo)", "bps_tf TF op", "Horovod gloo", "TF ring"
-COLUMNS = (BOUND, BPS, HVD, RING)
+UNIX_BOUND = "unix bound (C++ echo)"
+COLUMNS = (BOUND, UNIX_BOUND, BPS, HVD, RING)
 FULL_SIZES = ppb.DEFAULT_SIZES
 QUICK_SIZES = "4KiB,1MiB,64MiB"
 FULL_NETNS = "500mbit/1500,1gbit/1500,500mbit/9000"
@@ -56,9 +60,9 @@ def loopback_runners(cases, args, horovod: bool):
     """{column: () -> {label: median seconds}} for the loopback table."""
     w, s = args.workers, args.servers
 
-    def echo():
+    def echo(unix=False):
         with common.processes() as procs:
-            results = cxx_echo.run_job(procs, cases, num_clients=w, num_servers=s)
+            results = cxx_echo.run_job(procs, cases, num_clients=w, num_servers=s, unix=unix)
         return ppb.case_times(results, len(cases))
 
     def hvd():
@@ -67,7 +71,10 @@ def loopback_runners(cases, args, horovod: bool):
                                                      "cases": cases})
             return ppb.case_times(hvd_peer.run_job(procs, spec, num_workers=w), len(cases))
 
-    runners = {BOUND: echo, BPS: lambda: ppb.run_bps(cases, w, s, "bps_tf_op.py", args.bps_env)}
+    runners = {BOUND: echo}
+    if args.bps_env.get("BYTEPS_ENABLE_IPC", "1") != "0":
+        runners[UNIX_BOUND] = lambda: echo(unix=True)
+    runners[BPS] = lambda: ppb.run_bps(cases, w, s, "bps_tf_op.py", args.bps_env)
     if horovod:
         runners[HVD] = hvd
     if not args.no_tf:
@@ -145,6 +152,7 @@ def summarize(times, label: str) -> dict:
 
     for n in (BPS, HVD, RING):
         ratio(BOUND, n, f"{n} / bound")
+    ratio(UNIX_BOUND, BPS, f"{BPS} / unix bound")
     ratio(HVD, BPS, f"{BPS} vs {HVD}")
     ratio(RING, BPS, f"{BPS} vs {RING}")
     return row
@@ -166,9 +174,10 @@ def fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
 
 
-RATIO_KEYS = (f"{BPS} / bound", f"{HVD} / bound", f"{RING} / bound",
+RATIO_KEYS = (f"{BPS} / bound", f"{BPS} / unix bound", f"{HVD} / bound", f"{RING} / bound",
               f"{BPS} vs {HVD}", f"{BPS} vs {RING}")
-RATIO_HEADERS = ("bps/bound", "hvd/bound", "ring/bound", "bps vs hvd", "bps vs ring")
+RATIO_HEADERS = ("bps/bound", "bps/unix", "hvd/bound", "ring/bound", "bps vs hvd",
+                 "bps vs ring")
 
 
 def print_tables(title: str, first: str, rows, unit: str, scale: float) -> None:

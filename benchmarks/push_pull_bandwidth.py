@@ -11,6 +11,10 @@ Per tensor size, all measured in this run, one after the other:
   what a bps_tf worker does against S servers, minus the summing. The C++
   tool benchmarks/echo/ps_echo.cc by default; --echo python for the older
   Python echo (workers/tcp_echo.py), which bps_tf outruns at small sizes;
+* unix-echo: the same over abstract Unix sockets (the C++ tool only): the
+  bound of bps_tf's links on one machine, which use Unix sockets by default
+  (BYTEPS_ENABLE_IPC; --ipc off makes them TCP and drops this column). The
+  "bound" ratios use this one when it is there;
 * bps_tf (numpy): W workers x S servers, one push_pull of an M-byte float32
   tensor per repetition (no TensorFlow in the process: fast start-up);
 * bps_tf (TF op): the same through `push_pull_sum` in a tf.function (--tf-op);
@@ -68,10 +72,13 @@ def case_times(results, count):
     return out
 
 
-def run_echo(cases, workers, servers, impl="cxx"):
-    run = cxx_echo.run_job if impl == "cxx" else common.run_echo_job
+def run_echo(cases, workers, servers, impl="cxx", unix=False):
     with common.processes() as procs:
-        results = run(procs, cases, num_clients=workers, num_servers=servers)
+        if impl == "cxx":
+            results = cxx_echo.run_job(procs, cases, num_clients=workers, num_servers=servers,
+                                       unix=unix)
+        else:
+            results = common.run_echo_job(procs, cases, num_clients=workers, num_servers=servers)
     return case_times(results, len(cases))
 
 
@@ -138,19 +145,27 @@ def main(argv=None) -> int:
                          "without encryption, interleaved with the others")
     ap.add_argument("--echo", choices=("cxx", "python"), default="cxx",
                     help="which raw-TCP echo is the bound (C++ tool or the Python one)")
+    ap.add_argument("--ipc", choices=("on", "off"), default="on",
+                    help="BYTEPS_ENABLE_IPC of the bps_tf jobs (on, the default: Unix sockets "
+                         "between workers and servers, with the Unix-socket echo as the bound)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args(argv)
 
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     cases = make_cases(sizes, args.quick, args.warmup)
-    enc = {"BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
-    runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers, args.echo),
-               "bps_tf numpy": lambda: run_bps(cases, args.workers, args.servers,
-                                               "bps_numpy.py", enc)}
+    ipc = {"BYTEPS_ENABLE_IPC": "1" if args.ipc == "on" else "0"}
+    enc = dict(ipc, BYTEPS_ENCRYPTION="0" if args.encryption == "off" else "1")
+    runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers, args.echo)}
+    bound = "tcp-echo bound"
+    if args.ipc == "on" and args.echo == "cxx":
+        bound = "unix-echo bound"
+        runners[bound] = lambda: run_echo(cases, args.workers, args.servers, "cxx", unix=True)
+    runners["bps_tf numpy"] = lambda: run_bps(cases, args.workers, args.servers,
+                                              "bps_numpy.py", enc)
     if args.encryption == "both":
         runners[UNENCRYPTED] = lambda: run_bps(cases, args.workers, args.servers,
-                                               "bps_numpy.py", {"BYTEPS_ENCRYPTION": "0"})
+                                               "bps_numpy.py", dict(ipc, BYTEPS_ENCRYPTION="0"))
     if args.fresh_output:
         fresh_cases = [dict(c, fresh_output=True) for c in cases]
         runners["bps_tf numpy fresh out"] = lambda: run_bps(fresh_cases, args.workers,
@@ -177,6 +192,7 @@ def main(argv=None) -> int:
                "all_rounds_seconds": {n: times[n][c["label"]] for n in runners}}
         bps = t["bps_tf numpy"]
         row["bps_over_tcp_bound"] = t["tcp-echo bound"] / bps
+        row["bps_over_bound"] = t[bound] / bps
         if UNENCRYPTED in t:
             # time with encryption / time without, per round then the median
             pairs = zip(times["bps_tf numpy"][c["label"]], times[UNENCRYPTED][c["label"]])
@@ -185,24 +201,28 @@ def main(argv=None) -> int:
             row["speedup_over_tf_ring"] = t["TF ring"] / bps
         if "bps_tf TF op" in t:
             row["tf_op_over_tcp_bound"] = t["tcp-echo bound"] / t["bps_tf TF op"]
+            row["tf_op_over_bound"] = t[bound] / t["bps_tf TF op"]
             if "TF ring" in t:
                 row["tf_op_speedup_over_tf_ring"] = t["TF ring"] / t["bps_tf TF op"]
         rows.append(row)
 
     names = list(runners)
     headers = ["size"] + [f"{n} ms" for n in names] + [f"{n} GB/s" for n in names] + \
-        ["bps/bound", "bps vs TF"] + (["enc/no-enc time"] if UNENCRYPTED in names else [])
+        ["bps/bound", "op/bound", "bps vs TF"] + \
+        (["enc/no-enc time"] if UNENCRYPTED in names else [])
     table = [[r["label"]] + [r["seconds"][n] * 1e3 for n in names] +
              [r["bus_GBps"][n] for n in names] +
-             [r["bps_over_tcp_bound"], r.get("speedup_over_tf_ring", float("nan"))] +
+             [r["bps_over_bound"], r.get("tf_op_over_bound", float("nan")),
+              r.get("speedup_over_tf_ring", float("nan"))] +
              ([r["encrypted_over_unencrypted_time"]] if UNENCRYPTED in names else [])
              for r in rows]
     common.print_table(f"push_pull, {args.workers} workers x {args.servers} servers on loopback "
-                       f"(median of repetitions; bus bandwidth = 2*size/time per worker)",
-                       headers, table)
+                       f"(median of repetitions; bus bandwidth = 2*size/time per worker; "
+                       f"bound = {bound})", headers, table)
     out = common.write_json("push_pull_bandwidth", {
         "workers": args.workers, "servers": args.servers, "rounds": args.rounds,
         "tf_api": args.tf_api, "encryption": args.encryption, "echo": args.echo,
+        "ipc": args.ipc, "bound": bound,
         "columns": names, "rows": rows,
         "targets": {"64MiB bps/bound": ">= 0.80", "64MiB bps vs TF ring": ">= 3.0"}},
         args.out_dir)

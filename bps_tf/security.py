@@ -11,7 +11,10 @@ to the core in its config text (``core_values``):
   key, and the listening side admits that key only (a process that knows
   just the server's public key is refused);
 * the credential sent, in clear, when BYTEPS_ENCRYPTION=0: it keeps jobs
-  apart but is no defence against an eavesdropper, who can replay it.
+  apart but is no defence against an eavesdropper, who can replay it. With
+  encryption on it is sent only over the Unix sockets between processes of
+  one machine (BYTEPS_ENABLE_IPC), which no network carries: those links are
+  authenticated with it and not encrypted (core/security.h says why).
 
 Public keys are computed by libzmq (``zmq_curve_public``). A slow
 derivation (PBKDF2) first turns the token into a master secret, so a weak,
@@ -61,6 +64,6 @@ def core_values(token: str, encryption: int) -> Dict[str, str]:
     if chosen == "curve":
         for name in ("curve_server_secret", "curve_client_secret"):
             values[name] = derive(token, name).hex()
-    elif chosen == "plain":
+    if chosen != "none":
         values["plain_credential"] = derive(token, "plain_credential").hex()
     return values

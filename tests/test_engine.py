@@ -35,6 +35,18 @@ def test_sums_exact_for_every_dtype_and_size(tmp_path):
         assert r["checked"] == 6 * 5 + 50
         assert r["bad"] == []
         assert r["stats"]["frames_dropped"] == 0
+        # Both servers are on this machine: reached over Unix sockets
+        # (BYTEPS_ENABLE_IPC); TCP_NOTSENT_LOWAT on the scheduler's TCP link.
+        assert r["stats"]["links_local"] == 2, r["stats"]
+        assert r["stats"]["connections_capped"] >= 1, r["stats"]
+
+
+def test_tcp_everywhere_when_unix_sockets_are_off(tmp_path):
+    res, _ = run_checks(tmp_path, "sums", workers=2, env={"BYTEPS_ENABLE_IPC": "0"})
+    assert sorted(res) == [0, 1]
+    for r in res.values():
+        assert r["bad"] == [] and r["checked"] == 6 * 5 + 50
+        assert r["stats"]["links_local"] == 0, r["stats"]
         # TCP_NOTSENT_LOWAT on its connections to the scheduler and 2 servers
         assert r["stats"]["connections_capped"] >= 3, r["stats"]
 

@@ -167,6 +167,63 @@ def _outsiders_are_refused(port, token, encryption):
                                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL), outcomes
 
 
+def _local_endpoint(server_pid):
+    """The server's Unix-socket endpoint for workers of this machine: an
+    abstract name, listed in /proc/net/unix with a leading '@'."""
+    prefix = f"@bps_tf-server-{server_pid}-"
+    with open("/proc/net/unix") as f:
+        names = {line.split()[-1] for line in f if line.split()[-1].startswith(prefix)}
+    assert len(names) == 1, names
+    return "ipc://" + names.pop()
+
+
+def _handshake(endpoint, configure):
+    """(event, value) of a DEALER's first handshake outcome at endpoint."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    configure(sock)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    sock.connect(endpoint)
+    sock.send_multipart([b"\0" * 64, b"payload"])
+    assert monitor.poll(10000), f"{endpoint}: no handshake outcome in 10 s"
+    event = recv_monitor_message(monitor)
+    sock.disable_monitor()
+    monitor.close()
+    sock.close()
+    ctx.term()
+    return event["event"], event["value"]
+
+
+def _local_link_admits_only_the_job(server_pid, port, token, encryption):
+    """The Unix-socket link is authenticated like the network one: a wrong
+    credential and no security are refused, the job's credential passes.
+    With encryption on, the credential it uses (never sent over a network)
+    opens nothing on the TCP port, which still demands CURVE."""
+    import zmq
+    from bps_tf import security
+    local = _local_endpoint(server_pid)
+    right = security.derive(token, "plain_credential").hex().encode()
+
+    def plain(password):
+        def configure(sock):
+            sock.plain_username = b"anyone"
+            sock.plain_password = password
+        return configure
+
+    assert _handshake(local, plain(b"0" * 64)) == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)
+    assert _handshake(local, lambda sock: None)[0] in (
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    assert _handshake(local, plain(right))[0] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    if encryption == "1":
+        assert _handshake(f"tcp://127.0.0.1:{port}", plain(right))[0] in (
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 def _hostile_frames(port, count, seed, token, encryption):
     """Random, truncated, oversized and malformed frames at a server, from a
     peer that passed the security handshake (a buggy process of the job)."""
@@ -237,6 +294,7 @@ def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path, encryption):
         # The workers finish their rounds and then wait for `release`, so the
         # server is still listening for every frame below, however fast they are.
         _outsiders_are_refused(c.port, token, encryption)
+        _local_link_admits_only_the_job(c.servers[0].pid, c.port, token, encryption)
         _hostile_frames(c.port, 10000, seed=7, token=token, encryption=encryption)
         rss_after = rss_mb(c.servers[0].pid)
         release.touch()
@@ -252,7 +310,7 @@ def test_hostile_frames_are_dropped_and_sums_stay_exact(tmp_path, encryption):
         assert dropped >= 9000, log
         # the two outsiders (and the raw TCP garbage) never got a frame in
         refused = int(log.split("refused ")[-1].split()[0])
-        assert refused >= 2, log
+        assert refused >= 4, log  # and the two on the Unix socket
         assert "refused a connection on tcp://127.0.0.1:" in log, log
         assert rss_after - rss_before < 100, (rss_before, rss_after)
 

@@ -37,7 +37,9 @@ def test_secrets_are_derived_per_token_and_per_purpose():
 
 
 @pytest.mark.parametrize("env, mode, keys", [
-    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "curve", {"curve_server_secret", "curve_client_secret"}),
+    # curve: the credential too, for the Unix-socket links of one machine
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "curve",
+     {"curve_server_secret", "curve_client_secret", "plain_credential"}),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain", {"plain_credential"}),
     ({"BYTEPS_ENCRYPTION": "1"}, "none", set()),
 ])
@@ -168,7 +170,10 @@ def test_payloads_are_not_readable_on_the_wire_with_encryption(tmp_path, encrypt
         proxy.append(TapProxy(("127.0.0.2", port), ("127.0.0.1", port)))
         return {"DMLC_PS_ROOT_URI": "127.0.0.2"}
 
-    env = {"BYTEPS_ENCRYPTION": encryption, "PATTERN_VALUE": str(PATTERN_VALUE)}
+    # The network path is under test: Unix sockets (BYTEPS_ENABLE_IPC, on by
+    # default for a server on the worker's machine) would go around the relay.
+    env = {"BYTEPS_ENCRYPTION": encryption, "PATTERN_VALUE": str(PATTERN_VALUE),
+           "BYTEPS_ENABLE_IPC": "0"}
     try:
         with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
                            server_env={"DMLC_NODE_HOST": "127.0.0.2"},

@@ -1,6 +1,9 @@
-// The raw-TCP bound of a push_pull's data movement, without Python in the way.
+// The raw-TCP bound of a push_pull's data movement, without Python in the way
+// (and the Unix-socket bound, for workers and servers of one machine).
 //
 //   ps_echo server HOST PORT_FILE
+//     HOST "unix": listens on an abstract Unix socket instead and writes
+//     "unix:NAME" to PORT_FILE (clients take that as the server's address).
 //     Accepts any number of connections and streams every byte it receives
 //     back on the same connection (no summation: this is the data movement
 //     alone). One thread per connection, non-blocking socket, poll() on both
@@ -28,6 +31,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -117,7 +121,48 @@ void ServeConnection(int fd) {
   close(fd);
 }
 
+// An abstract socket address (a leading NUL): no file, gone with the process.
+socklen_t AbstractAddress(const std::string& name, sockaddr_un* addr) {
+  *addr = sockaddr_un{};
+  addr->sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(addr->sun_path)) Die("unix socket name too long: " + name);
+  std::memcpy(addr->sun_path + 1, name.data(), name.size());
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+}
+
+void WritePortFile(const char* port_file, const std::string& text) {
+  std::string tmp = std::string(port_file) + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+  }
+  if (rename(tmp.c_str(), port_file) < 0) Die("rename");
+}
+
+[[noreturn]] void AcceptForever(int listener) {
+  for (;;) {
+    int fd = accept(listener, nullptr, nullptr);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      Die("accept");
+    }
+    SetNoDelay(fd);
+    std::thread(ServeConnection, fd).detach();
+  }
+}
+
 int Server(const char* host, const char* port_file) {
+  if (std::strcmp(host, "unix") == 0) {
+    int listener = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (listener < 0) Die("socket");
+    std::string name = "ps_echo-" + std::to_string(getpid());
+    sockaddr_un addr;
+    socklen_t len = AbstractAddress(name, &addr);
+    if (bind(listener, reinterpret_cast<sockaddr*>(&addr), len) < 0) Die("bind " + name);
+    if (listen(listener, 128) < 0) Die("listen");
+    WritePortFile(port_file, "unix:" + name);
+    AcceptForever(listener);
+  }
   int listener = socket(AF_INET, SOCK_STREAM, 0);
   if (listener < 0) Die("socket");
   int one = 1;
@@ -130,21 +175,8 @@ int Server(const char* host, const char* port_file) {
   if (listen(listener, 128) < 0) Die("listen");
   socklen_t len = sizeof(addr);
   getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::string tmp = std::string(port_file) + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << ntohs(addr.sin_port);
-  }
-  if (rename(tmp.c_str(), port_file) < 0) Die("rename");
-  for (;;) {
-    int fd = accept(listener, nullptr, nullptr);
-    if (fd < 0) {
-      if (errno == EINTR) continue;
-      Die("accept");
-    }
-    SetNoDelay(fd);
-    std::thread(ServeConnection, fd).detach();
-  }
+  WritePortFile(port_file, std::to_string(ntohs(addr.sin_port)));
+  AcceptForever(listener);
 }
 
 // ---------------------------------------------------------------- client
@@ -155,6 +187,15 @@ struct Case {
 };
 
 int Connect(const std::string& address) {
+  if (address.compare(0, 5, "unix:") == 0) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0) Die("socket");
+    sockaddr_un addr;
+    socklen_t len = AbstractAddress(address.substr(5), &addr);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) < 0) Die("connect to " + address);
+    SetNonBlocking(fd);
+    return fd;
+  }
   size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
     errno = EINVAL;

@@ -55,7 +55,11 @@ struct Link {
 class ZmqChannel : public Channel {
  public:
   ZmqChannel(int io_threads, Wakeup* wake, const LinkSecurity& security, int unsent_cap)
-      : ctx_(io_threads), wake_(wake), security_(security), unsent_cap_(unsent_cap) {}
+      : ctx_(io_threads),
+        wake_(wake),
+        security_(security),
+        local_security_(security.ForLocalLinks()),
+        unsent_cap_(unsent_cap) {}
   ~ZmqChannel() override {  // sockets before the context
     links_.clear();
     zap_.reset();
@@ -65,7 +69,7 @@ class ZmqChannel : public Channel {
     links_.emplace_back();
     Link& l = links_.back();
     l.socket.reset(new Socket(ctx_, zmqc::kDealer, name));
-    security_.ApplyClient(l.socket->get());
+    SecurityOf(endpoint).ApplyClient(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
     l.endpoint = endpoint;
     l.socket->Connect(endpoint);
@@ -77,14 +81,14 @@ class ZmqChannel : public Channel {
     // libzmq admits every client when no ZAP handler is bound: it must be
     // there before the first peer can reach the port.
     if (security_.mode != LinkSecurity::Mode::kNone && !zap_) {
-      zap_.reset(new ZapHandler(ctx_, security_));
+      zap_.reset(new ZapHandler(ctx_, security_, local_security_));
     }
     links_.emplace_back();
     Link& l = links_.back();
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
     l.routed = true;
     l.socket->SetMaxMsgSize(max_message_bytes);
-    security_.ApplyServer(l.socket->get());
+    SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
     *bound = l.endpoint = l.socket->Bind(endpoint);
     return Peer{static_cast<int>(links_.size() - 1), ""};
@@ -142,6 +146,10 @@ class ZmqChannel : public Channel {
   std::string Refusal() const override { return refusal_; }
 
  private:
+  const LinkSecurity& SecurityOf(const std::string& endpoint) const {
+    return endpoint.compare(0, 6, "ipc://") == 0 ? local_security_ : security_;
+  }
+
   Socket* Open(int link) {
     if (link < 0 || static_cast<size_t>(link) >= links_.size()) return nullptr;
     return links_[static_cast<size_t>(link)].socket.get();
@@ -162,12 +170,12 @@ class ZmqChannel : public Channel {
           // says why, the count comes at exit.
           if (n == 1) {
             BPS_LOG(kWarning, "refused a connection on " << l.endpoint << ": "
-                                  << ExplainHandshakeFailure(e, security_, false));
+                                  << ExplainHandshakeFailure(e, SecurityOf(l.endpoint), false));
           }
         } else if (++l.failures_in_a_row >= kFailuresBeforeRefusal || e.definitive()) {
           if (refusal_.empty()) {
             refusal_ = "the connection to " + l.endpoint + " was refused: " +
-                       ExplainHandshakeFailure(e, security_, true);
+                       ExplainHandshakeFailure(e, SecurityOf(l.endpoint), true);
           }
         }
       }
@@ -244,6 +252,7 @@ class ZmqChannel : public Channel {
   Context ctx_;
   Wakeup* wake_;
   LinkSecurity security_;
+  LinkSecurity local_security_;  // ipc:// links
   int unsent_cap_;  // TCP_NOTSENT_LOWAT of every connection (0: the kernel's)
   std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
   std::vector<Link> links_;

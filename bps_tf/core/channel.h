@@ -45,7 +45,9 @@ class Channel {
  public:
   virtual ~Channel() = default;
 
-  // Opens a link to a listening node; `name` tells it who this end is.
+  // Opens a link to a listening node; `name` tells it who this end is. An
+  // ipc:// endpoint (a Unix socket on this machine) gets the security of
+  // local links (security.h), any other the job's.
   virtual Peer Connect(const std::string& endpoint, const std::string& name) = 0;
   // Starts listening; *bound is the endpoint bound (port 0 picks one). No
   // peer can make this node allocate a message over max_message_bytes.

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <fstream>
 #include <mutex>
 
 namespace bps {
@@ -183,6 +184,16 @@ bool KeepFreedBuffersInHeap() {
 #else
   return false;
 #endif
+}
+
+std::string NetworkNamespaceId() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  if (!std::getline(in, boot) || boot.empty()) return "";
+  char netns[64] = {0};
+  ssize_t len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  if (len <= 0) return "";
+  return boot + " " + std::string(netns, static_cast<size_t>(len));
 }
 
 }  // namespace bps

@@ -63,6 +63,12 @@ std::string JsonString(const std::string& text);  // quoted and escaped
 // to 32 MiB in glibc's heap. Returns whether glibc took both settings.
 bool KeepFreedBuffersInHeap();
 
+// The kernel and network namespace this process runs in, "" if unknown.
+// Processes with the same id can reach each other's abstract Unix sockets:
+// the boot id tells machines apart (a machine's containers share it), the
+// namespace tells apart the emulated hosts of one machine.
+std::string NetworkNamespaceId();
+
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();

@@ -126,6 +126,8 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.host_key = kv.Get("host_key", n.hostname);
   n.pid = kv.Get("pid");
   n.data_addr = kv.Get("data_addr");
+  n.local_addr = kv.Get("local_addr");
+  n.machine = kv.Get("machine");
   n.local_rank = KvInt(kv, "local_rank", -1);
   n.local_size = KvInt(kv, "local_size", -1);
   n.last_seen = Clock::now();
@@ -194,6 +196,7 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     taken.insert(next);
   }
   std::vector<std::string> addrs(static_cast<size_t>(num_servers_));
+  std::vector<const Node*> servers_by_id(static_cast<size_t>(num_servers_), nullptr);
   for (Node* s : server_nodes) {
     if (s->id >= num_servers_) {
       Fail("server id " + std::to_string(s->id) + " is outside [0, " +
@@ -202,6 +205,7 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       return;
     }
     addrs[static_cast<size_t>(s->id)] = s->data_addr;
+    servers_by_id[static_cast<size_t>(s->id)] = s;
   }
 
   // Local rank: workers on one host, in rank order, unless a launcher said.
@@ -266,7 +270,15 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       w.Set("homogeneous", homogeneous ? "1" : "0");
       w.Set("job_nonce", job_nonce);
     }
-    for (size_t i = 0; i < addrs.size(); ++i) w.Set("server." + std::to_string(i), addrs[i]);
+    for (size_t i = 0; i < addrs.size(); ++i) {
+      std::string key = "server." + std::to_string(i);
+      w.Set(key, addrs[i]);
+      const Node* s = servers_by_id[i];
+      if (s && !s->local_addr.empty()) {
+        w.Set(key + ".local", s->local_addr);
+        w.Set(key + ".machine", s->machine);
+      }
+    }
     out->push_back(Reply(kv.first, MsgType::kWelcome, w.Serialize()));
   }
   BPS_LOG(kInfo, "all " << num_workers_ << " workers and " << num_servers_ << " servers met");

@@ -10,6 +10,7 @@ namespace {
 
 constexpr char kZapEndpoint[] = "inproc://zeromq.zap.01";  // fixed by RFC 27
 constexpr char kZapDomain[] = "bps_tf";
+constexpr char kLocalZapDomain[] = "bps_tf-local";
 constexpr char kPlainUser[] = "bps_tf";
 constexpr size_t kZ85KeyLen = 40;
 
@@ -100,6 +101,15 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   s.mode = Mode::kCurve;
   KeyPair(cfg, "curve_server_secret", &s.server_secret, &s.server_public);
   KeyPair(cfg, "curve_client_secret", &s.client_secret, &s.client_public);
+  if (cfg.Has("plain_credential")) s.credential = HexSetting(cfg, "plain_credential");
+  return s;
+}
+
+LinkSecurity LinkSecurity::ForLocalLinks() const {
+  LinkSecurity s = *this;
+  s.local = true;
+  // Without a credential (a config made by hand) local links stay CURVE.
+  if (mode == Mode::kCurve && !credential.empty()) s.mode = Mode::kPlain;
   return s;
 }
 
@@ -123,7 +133,7 @@ void LinkSecurity::ApplyServer(void* socket) const {
   } else {
     SetFlag(socket, zmqc::kPlainServer, "PLAIN server role");
   }
-  SetOption(socket, zmqc::kZapDomain, kZapDomain, "ZAP domain");
+  SetOption(socket, zmqc::kZapDomain, local ? kLocalZapDomain : kZapDomain, "ZAP domain");
 }
 
 bool LinkSecurity::Admits(const std::string& mechanism, const std::string* credentials,
@@ -233,8 +243,8 @@ bool HandshakeWatch::Next(HandshakeEvent* e) {
   return false;
 }
 
-ZapHandler::ZapHandler(Context& ctx, const LinkSecurity& security)
-    : security_(security), sock_(ctx, zmqc::kRep) {
+ZapHandler::ZapHandler(Context& ctx, const LinkSecurity& network, const LinkSecurity& local)
+    : network_(network), local_(local), sock_(ctx, zmqc::kRep) {
   sock_.Bind(kZapEndpoint);
 }
 
@@ -248,8 +258,12 @@ void ZapHandler::Serve() {
       request_id = frames_[1].str();
       std::vector<std::string> credentials;
       for (size_t i = 6; i < frames_.size(); ++i) credentials.push_back(frames_[i].str());
-      ok = frames_[0].str() == "1.0" && frames_[2].str() == kZapDomain &&
-           security_.Admits(frames_[5].str(), credentials.data(),
+      const std::string domain = frames_[2].str();
+      const LinkSecurity* security = domain == kZapDomain        ? &network_
+                                     : domain == kLocalZapDomain ? &local_
+                                                                 : nullptr;
+      ok = frames_[0].str() == "1.0" && security &&
+           security->Admits(frames_[5].str(), credentials.data(),
                             static_cast<int>(credentials.size()));
     }
     std::vector<Msg> reply;

@@ -12,6 +12,12 @@
 //          from the token (PLAIN, in clear), checked by the same ZAP handler:
 //          it keeps jobs apart, not an eavesdropper out.
 //   none   no token: anyone who reaches the port is let in.
+// Links over Unix sockets (ipc://, between processes of one machine) use
+// ForLocalLinks(): in curve mode they present the plain credential instead,
+// authenticated but not encrypted. No network carries their bytes, and a
+// process able to read them (root on that machine) could as well read the
+// memory of the processes at either end; CURVE would only cost time (2.8x
+// at 64 MiB on loopback, docs/performance.md section 8).
 #ifndef BPS_TF_CORE_SECURITY_H_
 #define BPS_TF_CORE_SECURITY_H_
 
@@ -29,12 +35,15 @@ struct LinkSecurity {
   Mode mode = Mode::kNone;
   std::string server_public, server_secret;  // z85, 40 characters (curve)
   std::string client_public, client_secret;  // z85 (curve)
-  std::string credential;                    // the PLAIN password (plain)
+  std::string credential;                    // the PLAIN password (plain; curve: local links)
+  bool local = false;                        // for ipc:// links (own ZAP domain)
 
   // From the config text's link_security, curve_server_secret,
   // curve_client_secret (64 hex digits each) and plain_credential. Throws
   // Error when they are missing or malformed, or this libzmq has no CURVE.
   static LinkSecurity FromConfig(const Config& cfg);
+  // The security of this node's Unix-socket links (see the top).
+  LinkSecurity ForLocalLinks() const;
 
   void ApplyClient(void* socket) const;  // before zmq_connect
   void ApplyServer(void* socket) const;  // before zmq_bind
@@ -80,16 +89,20 @@ class HandshakeWatch {
 };
 
 // Answers libzmq's ZAP requests (RFC 27) for the listening sockets of one
-// context: admits this job's client key or credential, refuses the rest.
+// context: admits this job's client key or credential, refuses the rest. A
+// request's ZAP domain says whether it came to a network or a local socket,
+// so a PLAIN hello is only admitted on a local one.
 class ZapHandler {
  public:
-  ZapHandler(Context& ctx, const LinkSecurity& security);  // binds the ZAP endpoint
+  // Binds the ZAP endpoint.
+  ZapHandler(Context& ctx, const LinkSecurity& network, const LinkSecurity& local);
 
   void* socket() { return sock_.get(); }
   void Serve();  // answers every waiting request without blocking
 
  private:
-  const LinkSecurity& security_;
+  const LinkSecurity& network_;
+  const LinkSecurity& local_;
   Socket sock_;
   std::vector<Msg> frames_;
 };

@@ -29,7 +29,8 @@ std::string Stats::Json() {
     << ",\"frames_dropped\":" << frames_dropped
     << ",\"frames_foreign_release\":" << frames_foreign_release
     << ",\"connections_refused\":" << connections_refused
-    << ",\"connections_capped\":" << connections_capped << ",\"ops_done\":" << ops_done
+    << ",\"connections_capped\":" << connections_capped << ",\"links_local\":" << links_local
+    << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent
     << ",\"fused_messages_sent\":" << fused_messages_sent
     << ",\"fused_messages_received\":" << fused_messages_received

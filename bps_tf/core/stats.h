@@ -27,6 +27,7 @@ class Stats {
   std::atomic<uint64_t> frames_foreign_release{0};
   std::atomic<uint64_t> connections_refused{0};  // failed security handshakes
   std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
+  std::atomic<uint64_t> links_local{0};  // a worker's links to servers over Unix sockets
   std::atomic<uint64_t> ops_done{0};
   std::atomic<uint64_t> ops_failed{0};
   std::atomic<uint64_t> partitions_sent{0};

@@ -119,6 +119,7 @@ void WorkerEngine::Init(const Config& cfg) {
   // server_node.cc): a larger fused one would be dropped there.
   fusion_bytes_ = std::min<uint64_t>(static_cast<uint64_t>(fusion),
                                      std::max<uint64_t>(partition_bytes_, 1 << 20));
+  enable_ipc_ = cfg.GetInt("enable_ipc", 1) != 0;
   cycle_s_ = cfg.GetDouble("fusion_cycle_ms", 0) / 1000.0;
   if (cycle_s_ < 0) throw Error("BYTEPS_FUSION_CYCLE_TIME_MS must not be negative");
   timeout_s_ = cfg.GetDouble("timeout_s", 30);

@@ -131,6 +131,7 @@ class WorkerEngine {
   bool homogeneous_ = true;
   HostGroup host_group_;
   int num_servers_ = 0;
+  bool enable_ipc_ = true;  // reach servers on this machine over Unix sockets
   uint64_t partition_bytes_ = kDefaultPartitionBytes;
   uint64_t min_compress_bytes_ = 4096;
   uint64_t credit_bytes_ = 0;

@@ -158,8 +158,13 @@ void WorkerEngine::OnWelcome(const Config& w) {
     pos = comma + 1;
   }
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
+  const std::string machine = enable_ipc_ ? NetworkNamespaceId() : "";
   for (int s = 0; s < num_servers_; ++s) {
-    servers_.push_back(channel_->Connect(w.Get("server." + std::to_string(s)), id));
+    std::string key = "server." + std::to_string(s);
+    std::string local = w.Get(key + ".local");
+    bool near = !machine.empty() && !local.empty() && w.Get(key + ".machine") == machine;
+    if (near) Stats::Get().links_local++;
+    servers_.push_back(channel_->Connect(near ? local : w.Get(key), id));
   }
 }
 
