@@ -152,6 +152,10 @@ bool LinkSecurity::Admits(const std::string& mechanism, const std::string* crede
 }
 
 std::string LinkSecurity::Describe() const {
+  if (local && mode != Mode::kNone) {
+    return "a token credential on Unix sockets to this machine's peers, not encrypted "
+           "(BYTEPS_JOB_TOKEN set, BYTEPS_ENABLE_IPC=1)";
+  }
   switch (mode) {
     case Mode::kNone:
       return "no authentication and no encryption (BYTEPS_JOB_TOKEN is not set)";
