@@ -182,6 +182,34 @@ def test_no_wake_up_of_an_io_thread_is_lost():
     assert load_core().wakeup_lost_count(200_000, 50) == 0
 
 
+def test_a_unix_socket_counts_as_local_only_when_it_listens_here():
+    # A worker takes a server's ipc:// endpoint only when the server has its
+    # machine id (boot id + network namespace) and the name is listed here;
+    # a name that only looked local would leave the connection retrying
+    # forever, so it falls back to TCP.
+    import uuid
+
+    import zmq
+    from bps_tf._loader import load_core
+    core = load_core()
+    ident = core.network_namespace_id()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert ident.startswith(f.read().strip() + " net:["), ident
+    name = f"ipc://@bps_tf-test-{uuid.uuid4().hex}"
+    assert not core.abstract_endpoint_listed(name)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(name)
+        assert core.abstract_endpoint_listed(name)
+        assert not core.abstract_endpoint_listed(name + "x")
+        assert not core.abstract_endpoint_listed("tcp://127.0.0.1:1")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert not core.abstract_endpoint_listed(name)
+
+
 def test_the_last_to_join_is_the_latest_notice_no_other_worker_saw_join():
     # The scheduler reads JOIN_NOTICEs from different workers in turn, not
     # in the order they were sent. Worker 0's notice came first here although

@@ -205,3 +205,4 @@ def test_tf_config_job_across_namespace_hosts(tmp_path):
         assert (r["local_rank"], r["local_size"]) == (0, 1)
         assert r["checked"] > 0 and r["bad"] == [], r
         assert r["stats"]["frames_dropped"] == 0
+        assert r["stats"]["links_local"] == 0  # the servers are other "hosts": TCP

@@ -196,4 +196,19 @@ std::string NetworkNamespaceId() {
   return boot + " " + std::string(netns, static_cast<size_t>(len));
 }
 
+bool AbstractEndpointListed(const std::string& endpoint) {
+  const std::string prefix = "ipc://@";
+  if (endpoint.compare(0, prefix.size(), prefix) != 0) return false;
+  const std::string name = endpoint.substr(prefix.size() - 1);  // "@..."
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t space = line.find_last_of(' ');
+    if (space != std::string::npos && line.compare(space + 1, std::string::npos, name) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace bps

@@ -68,6 +68,10 @@ bool KeepFreedBuffersInHeap();
 // the boot id tells machines apart (a machine's containers share it), the
 // namespace tells apart the emulated hosts of one machine.
 std::string NetworkNamespaceId();
+// Whether an "ipc://@name" endpoint is listening in this network namespace
+// (listed in /proc/net/unix), so a connection to it cannot wait forever on
+// a name that only looked local.
+bool AbstractEndpointListed(const std::string& endpoint);
 
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {

@@ -163,6 +163,11 @@ void WorkerEngine::OnWelcome(const Config& w) {
     std::string key = "server." + std::to_string(s);
     std::string local = w.Get(key + ".local");
     bool near = !machine.empty() && !local.empty() && w.Get(key + ".machine") == machine;
+    if (near && !AbstractEndpointListed(local)) {
+      BPS_LOG(kInfo, "server " << s << "'s Unix socket " << local
+                                << " is not visible here; reaching it over TCP");
+      near = false;
+    }
     if (near) Stats::Get().links_local++;
     servers_.push_back(channel_->Connect(near ? local : w.Get(key), id));
   }
