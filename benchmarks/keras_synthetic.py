@@ -104,8 +104,11 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--rate", default="1gbit", help="tc rate of every host link ('none': no cap)")
     ap.add_argument("--model", default="small_cnn", choices=("small_cnn", "resnet50", "mlp",
-                                                                "vgg_small"))
-    ap.add_argument("--mlp-width", type=int, default=512, help="--model mlp, vgg_small: units per dense layer")
+                                                                "vgg_small", "frozen_backbone"),
+                    help="frozen_backbone: vgg_small with its convolutions frozen "
+                         "(fine-tuning a head)")
+    ap.add_argument("--mlp-width", type=int, default=512,
+                    help="--model mlp, vgg_small, frozen_backbone: units per dense layer")
     ap.add_argument("--mlp-depth", type=int, default=8, help="--model mlp: Dense layers")
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--batch-per-worker", type=int, default=32)

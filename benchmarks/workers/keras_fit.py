@@ -6,7 +6,7 @@ without, it trains alone (BytePSStrategy of one worker, no servers), which
 is also how the single-worker and the independent baselines run. Writes
 OUT_DIR/worker<rank>.json (rank from BENCH_RANK when alone).
 
-spec: model ("resnet50" | "small_cnn" | "mlp" | "vgg_small"; mlp_width, mlp_depth:
+spec: model ("resnet50" | "small_cnn" | "mlp" | "vgg_small" | "frozen_backbone"; mlp_width, mlp_depth:
 the units and layers of the mlp, mlp_width the vgg_small's dense units), image_size, batch_per_worker,
 warmup_steps, steps, threads (TF intra-op threads), priority ("on" | "off"),
 overlap (BytePSStrategy(overlap=...), default false), comm_only (no
@@ -56,6 +56,23 @@ def build_model(keras, name: str, size: int, width: int = 512, depth: int = 8):
         x = inputs
         for filters in (32, 64, 128, 128):
             x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+            x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Flatten()(x)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        return keras.Model(inputs, keras.layers.Dense(1000)(x))
+    if name == "frozen_backbone":
+        # Fine-tuning a head on a frozen feature extractor (transfer
+        # learning): vgg_small's convolutions hold the compute but train
+        # nothing, the dense head holds every gradient byte. The backward
+        # pass is short, so under a barrier the exchange waits after it;
+        # with cross-step overlap the next step's backbone forward (whose
+        # weights never change) runs while the head's gradients travel.
+        inputs = keras.Input((size, size, 3))
+        x = inputs
+        for filters in (32, 64, 128, 128):
+            x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu",
+                                    trainable=False)(x)
             x = keras.layers.MaxPooling2D()(x)
         x = keras.layers.Flatten()(x)
         x = keras.layers.Dense(width, activation="relu")(x)
