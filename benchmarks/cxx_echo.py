@@ -64,8 +64,8 @@ def run_job(procs: Processes, cases: Sequence[Mapping], *, num_clients: int, num
         where = "unix" if unix else server_hosts[i].ip
         procs.start(f"cxx_echo_server{i}", [binary, "server", where, str(port_file)],
                     env, server_hosts[i].prefix, must_succeed=False)
-        port = common.wait_for_file(procs, port_file)
-        addresses.append(port if unix else f"{server_hosts[i].ip}:{port}")
+        written = common.wait_for_file(procs, port_file)  # a port, or "unix:NAME"
+        addresses.append(written if unix else f"{server_hosts[i].ip}:{written}")
     barrier_dir = procs.log_dir / "cxx_barrier"
     barrier_dir.mkdir(exist_ok=True)
     spec = ",".join(f"{c['label']}:{c['bytes']}:{c['warmup']}:{c['reps']}" for c in cases)

@@ -35,6 +35,7 @@ x/bound = t(bound) / t(x), vs Horovod = t(Horovod) / t(x) (> 1: faster).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def loopback_runners(cases, args, horovod: bool):
             return ppb.case_times(hvd_peer.run_job(procs, spec, num_workers=w), len(cases))
 
     runners = {BOUND: echo}
-    if args.bps_env.get("BYTEPS_ENABLE_IPC", "1") != "0":
+    if args.bps_env.get("BYTEPS_ENABLE_IPC", os.environ.get("BYTEPS_ENABLE_IPC", "1")) != "0":
         runners[UNIX_BOUND] = lambda: echo(unix=True)
     runners[BPS] = lambda: ppb.run_bps(cases, w, s, "bps_tf_op.py", args.bps_env)
     if horovod:

@@ -163,9 +163,11 @@ SETTINGS = (
     Setting("BYTEPS_ENABLE_IPC", "enable_ipc", "1", _bool,
             "Workers reach the servers of their own machine (same kernel and "
             "network namespace) over Unix sockets instead of loopback TCP: "
-            "the kernel moves bulk data through them about twice as fast. "
-            "Security (BYTEPS_JOB_TOKEN, BYTEPS_ENCRYPTION) is the same on "
-            "both. 0: TCP everywhere."),
+            "the kernel moves bulk data through them 1.4-1.9x as fast. With a "
+            "token these links are authenticated with a credential of their "
+            "own but not encrypted, whatever BYTEPS_ENCRYPTION says: no "
+            "network carries them (docs/reliability.md#security). 0: TCP "
+            "everywhere, so BYTEPS_ENCRYPTION=1 encrypts these links too."),
     Setting("BYTEPS_JOB_TOKEN", "", "", str,
             "Per-job secret. Every ZeroMQ connection is authenticated with keys "
             "derived from it, so a process without it cannot connect; with "
@@ -174,8 +176,9 @@ SETTINGS = (
             "clusters; set the same value on every node of a multi-host job. "
             "Empty: no authentication and no encryption."),
     Setting("BYTEPS_ENCRYPTION", "encryption", "1", _bool,
-            "With a job token: 1 encrypts and authenticates every connection "
-            "(CURVE); 0, for a trusted network, sends in clear and only checks "
+            "With a job token: 1 encrypts and authenticates every network "
+            "connection (CURVE; the Unix-socket links of BYTEPS_ENABLE_IPC are "
+            "authenticated, not encrypted); 0, for a trusted network, sends in clear and only checks "
             "a credential derived from the token (it keeps jobs apart, not an "
             "eavesdropper out). Must agree on every node."),
     # -- timeline and logs --

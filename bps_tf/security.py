@@ -1,8 +1,8 @@
 """The job token turned into the secrets that secure every ZeroMQ connection.
 
 The core never sees the token. Each process that starts the core derives,
-with Python's hashlib and hmac, three 32-byte secrets from it and hands them
-to the core in its config text (``core_values``):
+with Python's hashlib and hmac, the 32-byte secrets its mode needs from it
+(of these four) and hands them to the core in its config text (``core_values``):
 
 * the CURVE server secret key: servers and the scheduler listen with it;
   connecting nodes compute its public key, so only holders of the token can
@@ -11,10 +11,12 @@ to the core in its config text (``core_values``):
   key, and the listening side admits that key only (a process that knows
   just the server's public key is refused);
 * the credential sent, in clear, when BYTEPS_ENCRYPTION=0: it keeps jobs
-  apart but is no defence against an eavesdropper, who can replay it. With
-  encryption on it is sent only over the Unix sockets between processes of
-  one machine (BYTEPS_ENABLE_IPC), which no network carries: those links are
-  authenticated with it and not encrypted (core/security.h says why).
+  apart but is no defence against an eavesdropper, who can replay it;
+* the credential of the Unix sockets between a worker and a server of one
+  machine (BYTEPS_ENABLE_IPC), which no network carries: those links are
+  authenticated with it and not encrypted (core/security.h says why). It is
+  never sent over a network, so a credential captured from a job without
+  encryption opens no local link of a job with the same token.
 
 Public keys are computed by libzmq (``zmq_curve_public``). A slow
 derivation (PBKDF2) first turns the token into a master secret, so a weak,
@@ -33,7 +35,7 @@ from typing import Dict
 _SALT = b"bps_tf job token v1"
 _ITERATIONS = 100_000
 LABELS = {"curve_server_secret": b"curve server", "curve_client_secret": b"curve client",
-          "plain_credential": b"plain credential"}
+          "plain_credential": b"plain credential", "local_credential": b"local credential"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -64,6 +66,8 @@ def core_values(token: str, encryption: int) -> Dict[str, str]:
     if chosen == "curve":
         for name in ("curve_server_secret", "curve_client_secret"):
             values[name] = derive(token, name).hex()
-    if chosen != "none":
+    elif chosen == "plain":
         values["plain_credential"] = derive(token, "plain_credential").hex()
+    if chosen != "none":
+        values["local_credential"] = derive(token, "local_credential").hex()
     return values

@@ -37,16 +37,18 @@ def test_secrets_are_derived_per_token_and_per_purpose():
 
 
 @pytest.mark.parametrize("env, mode, keys", [
-    # curve: the credential too, for the Unix-socket links of one machine
+    # with a token, the local links' credential too (Unix sockets on one machine)
     ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "curve",
-     {"curve_server_secret", "curve_client_secret", "plain_credential"}),
-    ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain", {"plain_credential"}),
+     {"curve_server_secret", "curve_client_secret", "local_credential"}),
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain",
+     {"plain_credential", "local_credential"}),
     ({"BYTEPS_ENCRYPTION": "1"}, "none", set()),
 ])
 def test_the_core_gets_derived_keys_never_the_token(env, mode, keys):
     values = config.core_settings(env)
     assert values["link_security"] == mode
-    secret_keys = {"curve_server_secret", "curve_client_secret", "plain_credential"}
+    secret_keys = {"curve_server_secret", "curve_client_secret", "plain_credential",
+                   "local_credential"}
     assert secret_keys & set(values) == keys
     text = config.to_core_text(values)
     assert "s3cr3t" not in text and "job_token" not in text

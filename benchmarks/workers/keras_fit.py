@@ -47,32 +47,22 @@ def build_model(keras, name: str, size: int, width: int = 512, depth: int = 8):
         for _ in range(depth - 2):
             x = keras.layers.Dense(width, activation="relu")(x)
         return keras.Model(inputs, keras.layers.Dense(1000)(x))
-    if name == "vgg_small":
+    if name in ("vgg_small", "frozen_backbone"):
         # VGG's shape: convolutions that hold the compute and few bytes,
         # then fully connected layers that hold the bytes and little
         # compute. The big gradients come first in the backward pass; the
         # convolutions' small ones come last and are needed first.
-        inputs = keras.Input((size, size, 3))
-        x = inputs
-        for filters in (32, 64, 128, 128):
-            x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-            x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Flatten()(x)
-        x = keras.layers.Dense(width, activation="relu")(x)
-        x = keras.layers.Dense(width, activation="relu")(x)
-        return keras.Model(inputs, keras.layers.Dense(1000)(x))
-    if name == "frozen_backbone":
-        # Fine-tuning a head on a frozen feature extractor (transfer
-        # learning): vgg_small's convolutions hold the compute but train
-        # nothing, the dense head holds every gradient byte. The backward
-        # pass is short, so under a barrier the exchange waits after it;
-        # with cross-step overlap the next step's backbone forward (whose
-        # weights never change) runs while the head's gradients travel.
+        # frozen_backbone: fine-tuning a head on a frozen feature extractor
+        # (transfer learning): the convolutions train nothing, so the
+        # backward pass is short and under a barrier the exchange waits
+        # after it; with cross-step overlap the next step's backbone forward
+        # (whose weights never change) runs while the head's gradients travel.
+        trainable = name == "vgg_small"
         inputs = keras.Input((size, size, 3))
         x = inputs
         for filters in (32, 64, 128, 128):
             x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu",
-                                    trainable=False)(x)
+                                    trainable=trainable)(x)
             x = keras.layers.MaxPooling2D()(x)
         x = keras.layers.Flatten()(x)
         x = keras.layers.Dense(width, activation="relu")(x)

@@ -69,6 +69,12 @@ class ZmqChannel : public Channel {
     links_.emplace_back();
     Link& l = links_.back();
     l.socket.reset(new Socket(ctx_, zmqc::kDealer, name));
+    // A local link does not authenticate the listening side (PLAIN): once
+    // its server is gone, another process of this namespace could take the
+    // name and would get the credential from a reconnect. Servers are never
+    // restarted, so a lost local link stays lost (the job fails as for any
+    // lost server).
+    if (IsLocal(endpoint)) l.socket->SetReconnectInterval(-1);
     SecurityOf(endpoint).ApplyClient(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
     l.endpoint = endpoint;
@@ -83,14 +89,14 @@ class ZmqChannel : public Channel {
     if (security_.mode != LinkSecurity::Mode::kNone && !zap_) {
       zap_.reset(new ZapHandler(ctx_, security_, local_security_));
     }
-    links_.emplace_back();
-    Link& l = links_.back();
+    Link l;
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
     l.routed = true;
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
-    *bound = l.endpoint = l.socket->Bind(endpoint);
+    *bound = l.endpoint = l.socket->Bind(endpoint);  // a failure leaves no link behind
+    links_.push_back(std::move(l));
     return Peer{static_cast<int>(links_.size() - 1), ""};
   }
 
@@ -146,8 +152,9 @@ class ZmqChannel : public Channel {
   std::string Refusal() const override { return refusal_; }
 
  private:
+  static bool IsLocal(const std::string& endpoint) { return endpoint.compare(0, 6, "ipc://") == 0; }
   const LinkSecurity& SecurityOf(const std::string& endpoint) const {
-    return endpoint.compare(0, 6, "ipc://") == 0 ? local_security_ : security_;
+    return IsLocal(endpoint) ? local_security_ : security_;
   }
 
   Socket* Open(int link) {
@@ -161,7 +168,7 @@ class ZmqChannel : public Channel {
       HandshakeEvent e;
       while (l.watch && l.watch->Next(&e)) {
         if (e.connection()) {
-          CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+          if (!IsLocal(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
         } else if (!e.failed()) {
           l.failures_in_a_row = 0;
         } else if (l.routed) {

@@ -186,7 +186,7 @@ bool KeepFreedBuffersInHeap() {
 #endif
 }
 
-std::string NetworkNamespaceId() {
+std::string MachineNetnsId() {
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   if (!std::getline(in, boot) || boot.empty()) return "";
@@ -194,6 +194,19 @@ std::string NetworkNamespaceId() {
   ssize_t len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
   if (len <= 0) return "";
   return boot + " " + std::string(netns, static_cast<size_t>(len));
+}
+
+std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
+                           bool* local) {
+  const std::string key = "server." + std::to_string(s);
+  const std::string ipc = welcome.Get(key + ".local");
+  *local = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
+  if (*local && !AbstractEndpointListed(ipc)) {
+    BPS_LOG(kWarning, "server " << s << "'s Unix socket " << ipc
+                                 << " is not visible here; reaching it over TCP");
+    *local = false;
+  }
+  return *local ? ipc : welcome.Get(key);
 }
 
 bool AbstractEndpointListed(const std::string& endpoint) {

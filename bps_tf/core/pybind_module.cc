@@ -158,8 +158,13 @@ void AddCompressors(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   // Internal, for tests: the scheduler's rule naming the last worker to join.
   m.def("last_to_join", &bps::LastToJoin, py::arg("order"));
-  m.def("network_namespace_id", &bps::NetworkNamespaceId);
+  m.def("machine_netns_id", &bps::MachineNetnsId);
   m.def("abstract_endpoint_listed", &bps::AbstractEndpointListed, py::arg("endpoint"));
+  m.def("server_endpoint", [](const std::string& welcome, int s, const std::string& machine) {
+    bool local = false;
+    std::string endpoint = bps::ServerEndpoint(bps::Config::Parse(welcome), s, machine, &local);
+    return py::make_tuple(endpoint, local);
+  });
   m.def("compress", [spec_of](const std::string& text, Floats x, uint64_t stream) {
     bps::CompressorSpec spec = spec_of(text);
     size_t n = static_cast<size_t>(x.size());

@@ -52,7 +52,7 @@ class Scheduler {
     std::string host_key;  // which workers share a machine (and its memory)
     std::string data_addr;
     std::string local_addr;  // a server's ipc:// endpoint for its machine's workers
-    std::string machine;     // NetworkNamespaceId() of a server with local_addr
+    std::string machine;     // MachineNetnsId() of a server with local_addr
     std::string pid;
     int local_rank = -1;
     int local_size = -1;

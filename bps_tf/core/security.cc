@@ -84,6 +84,10 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   LinkSecurity s;
   std::string mode = cfg.Get("link_security", "none");
   if (mode == "none") return s;
+  // Without one (a config made by hand) local links keep the job's security.
+  if (mode != "none" && cfg.Has("local_credential")) {
+    s.local_credential = HexSetting(cfg, "local_credential");
+  }
   if (mode == "plain") {
     s.mode = Mode::kPlain;
     s.credential = HexSetting(cfg, "plain_credential");
@@ -101,15 +105,16 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   s.mode = Mode::kCurve;
   KeyPair(cfg, "curve_server_secret", &s.server_secret, &s.server_public);
   KeyPair(cfg, "curve_client_secret", &s.client_secret, &s.client_public);
-  if (cfg.Has("plain_credential")) s.credential = HexSetting(cfg, "plain_credential");
   return s;
 }
 
 LinkSecurity LinkSecurity::ForLocalLinks() const {
   LinkSecurity s = *this;
   s.local = true;
-  // Without a credential (a config made by hand) local links stay CURVE.
-  if (mode == Mode::kCurve && !credential.empty()) s.mode = Mode::kPlain;
+  if (mode != Mode::kNone && !local_credential.empty()) {
+    s.mode = Mode::kPlain;
+    s.credential = local_credential;
+  }
   return s;
 }
 
@@ -152,7 +157,7 @@ bool LinkSecurity::Admits(const std::string& mechanism, const std::string* crede
 }
 
 std::string LinkSecurity::Describe() const {
-  if (local && mode != Mode::kNone) {
+  if (local && mode == Mode::kPlain && credential == local_credential) {
     return "a token credential on Unix sockets to this machine's peers, not encrypted "
            "(BYTEPS_JOB_TOKEN set, BYTEPS_ENABLE_IPC=1)";
   }

@@ -13,11 +13,14 @@
 //          it keeps jobs apart, not an eavesdropper out.
 //   none   no token: anyone who reaches the port is let in.
 // Links over Unix sockets (ipc://, between processes of one machine) use
-// ForLocalLinks(): in curve mode they present the plain credential instead,
-// authenticated but not encrypted. No network carries their bytes, and a
-// process able to read them (root on that machine) could as well read the
-// memory of the processes at either end; CURVE would only cost time (2.8x
-// at 64 MiB on loopback, docs/performance.md section 8).
+// ForLocalLinks(): with a token they present a credential of their own
+// (local_credential, PLAIN), authenticated but not encrypted. No network
+// carries their bytes, and a process able to read them (root on that
+// machine) could as well read the memory of the processes at either end;
+// CURVE would only cost time (3x at 64 MiB, docs/performance.md section 17).
+// The listening side is not authenticated by PLAIN: channel.cc never
+// reconnects a local link, so a process that takes a dead server's name
+// gets no credential.
 #ifndef BPS_TF_CORE_SECURITY_H_
 #define BPS_TF_CORE_SECURITY_H_
 
@@ -35,11 +38,13 @@ struct LinkSecurity {
   Mode mode = Mode::kNone;
   std::string server_public, server_secret;  // z85, 40 characters (curve)
   std::string client_public, client_secret;  // z85 (curve)
-  std::string credential;                    // the PLAIN password (plain; curve: local links)
+  std::string credential;                    // the PLAIN password (plain)
+  std::string local_credential;              // the PLAIN password of local links
   bool local = false;                        // for ipc:// links (own ZAP domain)
 
   // From the config text's link_security, curve_server_secret,
-  // curve_client_secret (64 hex digits each) and plain_credential. Throws
+  // curve_client_secret, plain_credential and local_credential (64 hex
+  // digits each). Throws
   // Error when they are missing or malformed, or this libzmq has no CURVE.
   static LinkSecurity FromConfig(const Config& cfg);
   // The security of this node's Unix-socket links (see the top).

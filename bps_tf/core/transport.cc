@@ -81,6 +81,10 @@ Socket::Socket(Context& ctx, int type, const std::string& routing_id)
 
 void Socket::SetLinger(int ms) { zmq_setsockopt(sock_, zmqc::kLinger, &ms, sizeof(ms)); }
 
+void Socket::SetReconnectInterval(int ms) {
+  zmq_setsockopt(sock_, zmqc::kReconnectIvl, &ms, sizeof(ms));
+}
+
 void Socket::SetMaxMsgSize(int64_t bytes) {
   zmq_setsockopt(sock_, zmqc::kMaxMsgSize, &bytes, sizeof(bytes));
 }
@@ -93,7 +97,9 @@ void Socket::Connect(const std::string& endpoint) {
 
 std::string Socket::Bind(const std::string& endpoint) {
   if (zmq_bind(sock_, endpoint.c_str()) != 0) {
-    throw Error(ZmqError("binding " + endpoint + " (is the port already taken?)"));
+    const bool ipc = endpoint.compare(0, 6, "ipc://") == 0;
+    throw Error(ZmqError("binding " + endpoint +
+                         (ipc ? " (is the name already taken?)" : " (is the port already taken?)")));
   }
   char buf[256];
   size_t len = sizeof(buf);
@@ -128,7 +134,10 @@ bool Socket::RecvFrames(std::vector<Msg>* frames) {
 
 bool Socket::SendFrames(std::vector<Msg>* frames) {
   for (size_t i = 0; i < frames->size(); ++i) {
-    int flags = i + 1 < frames->size() ? zmqc::kSndMore : 0;
+    // Never blocks: the queues are unlimited, so only a socket left without
+    // any connection (a local link, which does not reconnect, to a server
+    // that is gone) would wait, and forever; it fails with EAGAIN instead.
+    int flags = zmqc::kDontWait | (i + 1 < frames->size() ? zmqc::kSndMore : 0);
     if (zmq_msg_send((*frames)[i].raw(), sock_, flags) < 0) return false;
   }
   return true;

@@ -64,6 +64,7 @@ class Socket {
   Socket& operator=(const Socket&) = delete;
 
   void SetLinger(int ms);
+  void SetReconnectInterval(int ms);  // -1: never reconnect once the connection is lost
   void SetMaxMsgSize(int64_t bytes);
   void Connect(const std::string& endpoint);
   // Binds and returns the endpoint actually bound (port 0 picks one).
@@ -73,7 +74,8 @@ class Socket {
 
   // Receives one whole multipart message without blocking; false if none.
   bool RecvFrames(std::vector<Msg>* frames);
-  // Sends frames; false (with errno in zmq_errno) if the peer is unknown.
+  // Sends frames without blocking; false (with errno in zmq_errno) if the
+  // peer is unknown or the socket has no connection left (EAGAIN).
   bool SendFrames(std::vector<Msg>* frames);
 
  private:

@@ -158,18 +158,12 @@ void WorkerEngine::OnWelcome(const Config& w) {
     pos = comma + 1;
   }
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
-  const std::string machine = enable_ipc_ ? NetworkNamespaceId() : "";
+  const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
   for (int s = 0; s < num_servers_; ++s) {
-    std::string key = "server." + std::to_string(s);
-    std::string local = w.Get(key + ".local");
-    bool near = !machine.empty() && !local.empty() && w.Get(key + ".machine") == machine;
-    if (near && !AbstractEndpointListed(local)) {
-      BPS_LOG(kInfo, "server " << s << "'s Unix socket " << local
-                                << " is not visible here; reaching it over TCP");
-      near = false;
-    }
-    if (near) Stats::Get().links_local++;
-    servers_.push_back(channel_->Connect(near ? local : w.Get(key), id));
+    bool local = false;
+    std::string endpoint = ServerEndpoint(w, s, machine, &local);
+    if (local) Stats::Get().links_local++;
+    servers_.push_back(channel_->Connect(endpoint, id));
   }
 }
 

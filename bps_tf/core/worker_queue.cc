@@ -1,6 +1,7 @@
 // The worker's partition queue and its credit: what leaves next, and how
 // many bytes may be handed to libzmq before it has sent earlier ones.
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "fusion.h"
@@ -204,8 +205,10 @@ void WorkerEngine::SendReadyParts() {
     bool sent = outgoing[i].parts.size() == 1 ? SendPart(outgoing[i].parts[0])
                                               : SendFused(outgoing[i].server, outgoing[i].parts);
     if (!sent) {
-      std::string why = "sending to server " + std::to_string(outgoing[i].server) +
-                        " failed: " + zmq_strerror(zmq_errno());
+      const int err = zmq_errno();
+      std::string why = "sending to server " + std::to_string(outgoing[i].server) + " failed: " +
+                        (err == EAGAIN ? std::string("its connection is gone (the server exited?)")
+                                       : std::string(zmq_strerror(err)));
       for (size_t j = i + 1; j < outgoing.size(); ++j) {
         for (const PartRef& p : outgoing[j].parts) {
           FailTask(p.task, BPS_ERR_UNAVAILABLE, why);

@@ -70,6 +70,7 @@ constexpr int kRoutingId = 5;
 constexpr int kSndBuf = 11;
 constexpr int kRcvBuf = 12;
 constexpr int kLinger = 17;
+constexpr int kReconnectIvl = 18;
 constexpr int kMaxMsgSize = 22;
 constexpr int kSndHwm = 23;
 constexpr int kRcvHwm = 24;
