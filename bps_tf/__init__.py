@@ -14,6 +14,7 @@ import importlib
 from bps_tf.basics import (  # noqa: F401  (no TensorFlow)
     cross_rank,
     cross_size,
+    get_pushpull_speed,
     init,
     is_homogeneous,
     is_initialized,
@@ -82,7 +83,8 @@ _LAZY = {
 # import TensorFlow then; a plain `import bps_tf` still does not).
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size",
            "local_rank", "cross_size", "cross_rank", "is_homogeneous", "start_timeline",
-           "stop_timeline", "suspend", "resume", *(n for n in _LAZY if not n.startswith("_"))]
+           "stop_timeline", "suspend", "resume", "get_pushpull_speed",
+           *(n for n in _LAZY if not n.startswith("_"))]
 
 
 def __getattr__(name):

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from bps_tf import cluster, config
 from bps_tf._loader import load_core
@@ -42,6 +43,7 @@ def init(environ=None, process_sets=None, lazy=True) -> None:
     if c.is_initialized():
         return
     _join(c, environ)
+    _speed_window_start()
     from bps_tf import process_sets as sets  # imports this module: loaded late
     sets.register_at_init(process_sets)
     if "keras.src.optimizers.base_optimizer" in sys.modules:   # TensorFlow loaded Keras 3
@@ -186,6 +188,36 @@ def stop_timeline():
 def stats() -> dict:
     """Engine counters (bytes sent/received, dropped frames, ops done)."""
     return json.loads(core().stats_json())
+
+
+# get_pushpull_speed: BytePS measures its push_pull speed over windows of
+# 10 s; here a window closes at the first call after 10 s have passed.
+SPEED_WINDOW_S = 10.0
+_speed = {"start": 0.0, "bytes": 0, "latest": (0, 0.0)}
+
+
+def _bytes_moved() -> int:
+    s = stats()
+    return int(s["bytes_sent"]) + int(s["bytes_received"])
+
+
+def _speed_window_start() -> None:
+    _speed.update(start=time.monotonic(), bytes=_bytes_moved(), latest=(0, 0.0))
+
+
+def get_pushpull_speed() -> tuple:
+    """BytePS's: (milliseconds since the epoch, MB/s) of this worker's
+    push_pull traffic (bytes sent to and received from the servers, 1 MB =
+    10**6 bytes) over the latest window of at least 10 s, closed by the
+    first call after its 10 s; (0, 0.0) until the first window closes. The
+    first window starts at init()."""
+    _require_init()
+    now = time.monotonic()
+    if now - _speed["start"] >= SPEED_WINDOW_S:
+        moved = _bytes_moved()
+        mbps = (moved - _speed["bytes"]) / (now - _speed["start"]) / 1e6
+        _speed.update(start=now, bytes=moved, latest=(int(time.time() * 1000), mbps))
+    return _speed["latest"]
 
 
 def debug_send_log() -> list:

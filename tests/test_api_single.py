@@ -9,6 +9,7 @@ import os
 import subprocess
 import tempfile
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -564,6 +565,28 @@ def test_byteps_argument_order_and_names_run_unchanged():
         bps_tf.suspend()
     with pytest.raises(NotImplementedError, match="elastic training"):
         bps_tf.resume(2, 1)
+
+
+def test_pushpull_speed_is_bytes_moved_per_window_as_bytepss(monkeypatch):
+    # BytePS's get_pushpull_speed: (ms since the epoch, MB/s), measured over
+    # windows of 10 s; (0, 0.0) until the first window closes.
+    clock = {"now": 1000.0}
+    moved = {"sent": 0, "received": 0}
+    monkeypatch.setattr(basics.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(basics, "stats", lambda: {"bytes_sent": moved["sent"],
+                                                  "bytes_received": moved["received"]})
+    basics._speed_window_start()
+    moved.update(sent=30_000_000, received=20_000_000)
+    clock["now"] += 4.0
+    assert bps_tf.get_pushpull_speed() == (0, 0.0)       # the window is still open
+    clock["now"] += 6.0
+    stamp, speed = bps_tf.get_pushpull_speed()           # 50 MB in 10 s
+    assert speed == pytest.approx(5.0)
+    assert abs(stamp / 1000 - time.time()) < 60
+    assert bps_tf.get_pushpull_speed() == (stamp, speed)  # kept until the next window
+    moved.update(sent=130_000_000)
+    clock["now"] += 20.0
+    assert bps_tf.get_pushpull_speed()[1] == pytest.approx(5.0)   # 100 MB in 20 s
 
 
 def test_xla_compiled_code_is_refused_clearly():
