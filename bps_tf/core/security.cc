@@ -85,7 +85,7 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   std::string mode = cfg.Get("link_security", "none");
   if (mode == "none") return s;
   // Without one (a config made by hand) local links keep the job's security.
-  if (mode != "none" && cfg.Has("local_credential")) {
+  if (cfg.Has("local_credential")) {
     s.local_credential = HexSetting(cfg, "local_credential");
   }
   if (mode == "plain") {
