@@ -22,7 +22,7 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_TF = (2, 16)
 CORE_SOURCES = ["api.cc", "channel.cc", "common.cc", "compressor.cc", "fusion.cc", "labels.cc",
-                "local_reduce.cc", "local_reduce_link.cc",
+                "local_links.cc", "local_reduce.cc", "local_reduce_link.cc",
                 "membership.cc", "protocol.cc", "reduce.cc", "reply_scheduler.cc", "scheduler.cc", "security.cc",
                 "server_node.cc", "stats.cc", "sum_engine.cc", "trace.cc", "transport.cc",
                 "worker_engine.cc", "worker_io.cc", "worker_queue.cc"]

@@ -61,20 +61,15 @@ def loopback_runners(cases, args, horovod: bool):
     """{column: () -> {label: median seconds}} for the loopback table."""
     w, s = args.workers, args.servers
 
-    def echo(unix=False):
-        with common.processes() as procs:
-            results = cxx_echo.run_job(procs, cases, num_clients=w, num_servers=s, unix=unix)
-        return ppb.case_times(results, len(cases))
-
     def hvd():
         with common.processes() as procs:
             spec = common.write_spec(procs.log_dir, {"out_dir": str(procs.log_dir),
                                                      "cases": cases})
             return ppb.case_times(hvd_peer.run_job(procs, spec, num_workers=w), len(cases))
 
-    runners = {BOUND: echo}
+    runners = {BOUND: lambda: ppb.run_echo(cases, w, s)}
     if args.bps_env.get("BYTEPS_ENABLE_IPC", os.environ.get("BYTEPS_ENABLE_IPC", "1")) != "0":
-        runners[UNIX_BOUND] = lambda: echo(unix=True)
+        runners[UNIX_BOUND] = lambda: ppb.run_echo(cases, w, s, unix=True)
     runners[BPS] = lambda: ppb.run_bps(cases, w, s, "bps_tf_op.py", args.bps_env)
     if horovod:
         runners[HVD] = hvd

@@ -178,9 +178,9 @@ SETTINGS = (
     Setting("BYTEPS_ENCRYPTION", "encryption", "1", _bool,
             "With a job token: 1 encrypts and authenticates every network "
             "connection (CURVE; the Unix-socket links of BYTEPS_ENABLE_IPC are "
-            "authenticated, not encrypted); 0, for a trusted network, sends in clear and only checks "
-            "a credential derived from the token (it keeps jobs apart, not an "
-            "eavesdropper out). Must agree on every node."),
+            "authenticated, not encrypted); 0, for a trusted network, sends in "
+            "clear and only checks a credential derived from the token (it "
+            "keeps jobs apart, not an eavesdropper out). Must agree on every node."),
     # -- timeline and logs --
     Setting("BYTEPS_TRACE_ON", "trace_on", "0", _bool,
             "Write a timeline (Chrome trace / Perfetto JSON) per worker: one "

@@ -74,7 +74,7 @@ class ZmqChannel : public Channel {
     // name and would get the credential from a reconnect. Servers are never
     // restarted, so a lost local link stays lost (the job fails as for any
     // lost server).
-    if (IsLocal(endpoint)) l.socket->SetReconnectInterval(-1);
+    if (IsIpcEndpoint(endpoint)) l.socket->SetReconnectInterval(-1);
     SecurityOf(endpoint).ApplyClient(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
     l.endpoint = endpoint;
@@ -152,9 +152,8 @@ class ZmqChannel : public Channel {
   std::string Refusal() const override { return refusal_; }
 
  private:
-  static bool IsLocal(const std::string& endpoint) { return endpoint.compare(0, 6, "ipc://") == 0; }
   const LinkSecurity& SecurityOf(const std::string& endpoint) const {
-    return IsLocal(endpoint) ? local_security_ : security_;
+    return IsIpcEndpoint(endpoint) ? local_security_ : security_;
   }
 
   Socket* Open(int link) {
@@ -168,7 +167,7 @@ class ZmqChannel : public Channel {
       HandshakeEvent e;
       while (l.watch && l.watch->Next(&e)) {
         if (e.connection()) {
-          if (!IsLocal(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+          if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
         } else if (!e.failed()) {
           l.failures_in_a_row = 0;
         } else if (l.routed) {

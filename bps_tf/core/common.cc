@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 #include <mutex>
 
 namespace bps {
@@ -184,44 +183,6 @@ bool KeepFreedBuffersInHeap() {
 #else
   return false;
 #endif
-}
-
-std::string MachineNetnsId() {
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  if (!std::getline(in, boot) || boot.empty()) return "";
-  char netns[64] = {0};
-  ssize_t len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
-  if (len <= 0) return "";
-  return boot + " " + std::string(netns, static_cast<size_t>(len));
-}
-
-std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
-                           bool* local) {
-  const std::string key = "server." + std::to_string(s);
-  const std::string ipc = welcome.Get(key + ".local");
-  *local = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
-  if (*local && !AbstractEndpointListed(ipc)) {
-    BPS_LOG(kWarning, "server " << s << "'s Unix socket " << ipc
-                                 << " is not visible here; reaching it over TCP");
-    *local = false;
-  }
-  return *local ? ipc : welcome.Get(key);
-}
-
-bool AbstractEndpointListed(const std::string& endpoint) {
-  const std::string prefix = "ipc://@";
-  if (endpoint.compare(0, prefix.size(), prefix) != 0) return false;
-  const std::string name = endpoint.substr(prefix.size() - 1);  // "@..."
-  std::ifstream in("/proc/net/unix");
-  std::string line;
-  while (std::getline(in, line)) {
-    size_t space = line.find_last_of(' ');
-    if (space != std::string::npos && line.compare(space + 1, std::string::npos, name) == 0) {
-      return true;
-    }
-  }
-  return false;
 }
 
 }  // namespace bps

@@ -63,21 +63,6 @@ std::string JsonString(const std::string& text);  // quoted and escaped
 // to 32 MiB in glibc's heap. Returns whether glibc took both settings.
 bool KeepFreedBuffersInHeap();
 
-// The kernel and network namespace this process runs in, "" if unknown.
-// Processes with the same id can reach each other's abstract Unix sockets:
-// the boot id tells machines apart (a machine's containers share it), the
-// namespace tells apart the emulated hosts of one machine.
-std::string MachineNetnsId();
-// Whether an "ipc://@name" endpoint is listening in this network namespace
-// (listed in /proc/net/unix), so a connection to it cannot wait forever on
-// a name that only looked local.
-bool AbstractEndpointListed(const std::string& endpoint);
-// Where a worker reaches server s, from the scheduler's WELCOME: the
-// server's Unix socket when it has this machine's id (`machine`:
-// MachineNetnsId(), "" for TCP only) and is listed here, else its TCP
-// endpoint. *local says which.
-std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine, bool* local);
-
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();

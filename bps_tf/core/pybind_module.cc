@@ -16,6 +16,7 @@
 #include "common.h"
 #include "compressor.h"
 #include "dtypes.h"
+#include "local_links.h"
 #include "protocol.h"
 #include "reply_scheduler.h"
 #include "scheduler.h"

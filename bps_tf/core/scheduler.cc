@@ -195,7 +195,6 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
     s->id = next;
     taken.insert(next);
   }
-  std::vector<std::string> addrs(static_cast<size_t>(num_servers_));
   std::vector<const Node*> servers_by_id(static_cast<size_t>(num_servers_), nullptr);
   for (Node* s : server_nodes) {
     if (s->id >= num_servers_) {
@@ -204,7 +203,6 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
            out);
       return;
     }
-    addrs[static_cast<size_t>(s->id)] = s->data_addr;
     servers_by_id[static_cast<size_t>(s->id)] = s;
   }
 
@@ -270,10 +268,10 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
       w.Set("homogeneous", homogeneous ? "1" : "0");
       w.Set("job_nonce", job_nonce);
     }
-    for (size_t i = 0; i < addrs.size(); ++i) {
-      std::string key = "server." + std::to_string(i);
-      w.Set(key, addrs[i]);
+    for (size_t i = 0; i < servers_by_id.size(); ++i) {
       const Node* s = servers_by_id[i];
+      std::string key = "server." + std::to_string(i);
+      w.Set(key, s ? s->data_addr : "");
       if (s && !s->local_addr.empty()) {
         w.Set(key + ".local", s->local_addr);
         w.Set(key + ".machine", s->machine);

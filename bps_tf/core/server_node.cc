@@ -7,13 +7,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <unordered_map>
-
-#include <unistd.h>
 
 #include "channel.h"
 #include "fusion.h"
+#include "local_links.h"
 #include "membership.h"
 #include "reply_scheduler.h"
 #include "scheduler.h"
@@ -372,21 +370,17 @@ int ServerNode::Run(std::string* error) {
     Config extra;
     extra.Set("data_addr", Endpoint(cfg_.Get("advertise_host", scheduler_host), actual_port));
     // Workers on this machine (same kernel and network namespace) push over
-    // a Unix socket: the kernel moves bulk data through it 1.4-1.9x as fast
-    // as through loopback TCP. An abstract name vanishes with the process,
-    // and the random part keeps two jobs' servers apart.
+    // a Unix socket (local_links.h): the kernel moves bulk data through it
+    // 1.4-1.9x as fast as through loopback TCP. An abstract name vanishes
+    // with the process.
     std::string machine = MachineNetnsId();
     if (!machine.empty() && cfg_.GetInt("enable_ipc", 1) != 0) {
       try {
-        std::random_device rd;
-        char name[96];
-        std::snprintf(name, sizeof(name), "ipc://@bps_tf-server-%d-%08x%08x",
-                      static_cast<int>(getpid()), rd(), rd());
         std::string local;
-        channel_->Listen(name, max_message_bytes, &local);
+        channel_->Listen(NewServerSocketEndpoint(), max_message_bytes, &local);
         extra.Set("local_addr", local);
         extra.Set("machine", machine);
-      } catch (const std::exception& e) {  // std::random_device may throw too
+      } catch (const std::exception& e) {  // std::random_device's too
         BPS_LOG(kWarning, e.what() << "; workers on this machine reach this server over TCP");
       }
     }

@@ -97,9 +97,9 @@ void Socket::Connect(const std::string& endpoint) {
 
 std::string Socket::Bind(const std::string& endpoint) {
   if (zmq_bind(sock_, endpoint.c_str()) != 0) {
-    const bool ipc = endpoint.compare(0, 6, "ipc://") == 0;
-    throw Error(ZmqError("binding " + endpoint +
-                         (ipc ? " (is the name already taken?)" : " (is the port already taken?)")));
+    throw Error(ZmqError("binding " + endpoint + (IsIpcEndpoint(endpoint)
+                                                      ? " (is the name already taken?)"
+                                                      : " (is the port already taken?)")));
   }
   char buf[256];
   size_t len = sizeof(buf);

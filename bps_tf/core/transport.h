@@ -45,6 +45,10 @@ std::string ZmqError(const std::string& what);
 
 // "tcp://host:port", bracketing IPv6 literals.
 std::string Endpoint(const std::string& host, int64_t port);
+// A Unix-socket endpoint (ipc://...), reached only from this machine.
+inline bool IsIpcEndpoint(const std::string& endpoint) {
+  return endpoint.compare(0, 6, "ipc://") == 0;
+}
 
 class Context {
  public:

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "local_links.h"
 #include "stats.h"
 #include "trace.h"
 #include "worker_task.h"
@@ -140,10 +141,8 @@ void WorkerEngine::Init(const Config& cfg) {
   // Which workers can sum through shared memory (local_reduce.h): one
   // machine, one advertised address and one network namespace (the local
   // reduce socket lives in it; namespaced "hosts" of one machine stay apart).
-  char netns[64] = {0};
-  ssize_t netns_len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
-  extra.Set("host_key", cfg.Get("hostname") + " " + cfg.Get("advertise_host") + " " +
-                            (netns_len > 0 ? std::string(netns, static_cast<size_t>(netns_len)) : ""));
+  extra.Set("host_key",
+            cfg.Get("hostname") + " " + cfg.Get("advertise_host") + " " + NetnsLink());
   membership_->Join(scheduler_endpoint_, cfg, extra);
   state_ = State::kJoining;
   stop_requested_ = false;

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "fusion.h"
+#include "local_links.h"
 #include "stats.h"
 #include "trace.h"
 #include "worker_task.h"
