@@ -205,7 +205,8 @@ def main(argv=None) -> int:
                     plan.append(("bps_tf TF op", lambda: run_bps(
                         net, case, args.workers, args.servers, "bps_tf_op.py",
                         env=dict(bps_env, **({"BYTEPS_PARTITION_BYTES": str(partitions[0])}
-                                             if partitions[0] else {})))))
+                                             if partitions[0] else {})),
+                        monitor=monitor_path(args, rate, "bps_tf TF op", unlimited))))
                 if not args.no_tf:
                     plan.append(("TF ring", lambda: run_tf(net, case, args.workers)))
                 runs = {}
@@ -228,9 +229,11 @@ def main(argv=None) -> int:
                 if "TF ring" in seconds:
                     row["speedup_over_tf_ring"] = seconds["TF ring"] / seconds["bps_tf"]
                 if args.monitor and not unlimited:
-                    row["link_use"] = {name: link_usage.report(
-                        monitor_path(args, rate, name, False), rate)
-                        for name in runs if name.startswith("bps_tf") and "TF op" not in name}
+                    row["link_use"] = {}
+                    for name in (r for r in runs if r.startswith("bps_tf")):
+                        print(f"\n{name}:")
+                        row["link_use"][name] = link_usage.report(
+                            monitor_path(args, rate, name, False), rate)
                 rows.append(row)
     except NetnsUnavailable as exc:
         print(f"netns_cluster: {exc}", file=sys.stderr)

@@ -41,6 +41,13 @@ def _nonnegative_float(text: str) -> float:
     return x
 
 
+def _milliseconds(text: str) -> float:
+    x = float(text)
+    if not 0 <= x < float("inf"):
+        raise ValueError("it must be 0 (off) or a number of milliseconds")
+    return x
+
+
 def _credit_int(text: str) -> int:
     n = int(text, 0)
     if n < -1:
@@ -90,6 +97,19 @@ SETTINGS = (
             "for others to share its message (the wait ends early once a full "
             "message is ready). 0: send what is ready at once. "
             "HOROVOD_CYCLE_TIME is read when this is not set."),
+    Setting("BYTEPS_SCHEDULING_BURST_MS", "burst_ms", "10", _milliseconds,
+            "While operations arrive in a burst (as a train step's push_pulls "
+            "do, in an order that differs from worker to worker), a worker "
+            "keeps one partition in flight instead of the full credit, for at "
+            "most this many milliseconds from the burst's start, so the "
+            "priority queue orders the burst before its bytes are committed "
+            "to the link (docs/performance.md section 18). 0: the full "
+            "credit at once."),
+    Setting("BYTEPS_SCHEDULING_BURST_GAP_MS", "burst_gap_ms", "1", _milliseconds,
+            "An operation enqueued within this many milliseconds of the "
+            "previous one continues its burst (BYTEPS_SCHEDULING_BURST_MS); "
+            "the burst stops limiting the credit this long after its last "
+            "operation."),
     Setting("BYTEPS_MALLOC_KEEP_BUFFERS", "malloc_keep_buffers", "1", _bool,
             "Workers and servers ask glibc to keep freed buffers of up to 32 MiB "
             "in the heap (mallopt M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD "

@@ -87,10 +87,32 @@ def test_workers_start_each_group_of_partitions_at_a_different_server(parts, gro
 @pytest.mark.parametrize("env,text,why", [
     ("BYTEPS_TCP_NOTSENT_LOWAT", "-1", "0 (off) or a number of bytes"),
     ("BYTEPS_SERVER_CREDIT", "-2", "-1 (no limit)"),
-    ("BYTEPS_SERVER_CREDIT", "lots", "is not valid")])
+    ("BYTEPS_SERVER_CREDIT", "lots", "is not valid"),
+    ("BYTEPS_SCHEDULING_BURST_MS", "-1", "number of milliseconds"),
+    ("BYTEPS_SCHEDULING_BURST_GAP_MS", "inf", "number of milliseconds")])
 def test_a_bad_queue_setting_is_refused_not_silently_turned_off(env, text, why):
     from bps_tf import config
     with pytest.raises(ValueError, match=f"{env}='{text}' is not valid") as err:
         config.core_settings({env: text})
     assert why in str(err.value)
     assert config.core_settings({env: "-1" if env == "BYTEPS_SERVER_CREDIT" else "0"})
+
+
+def test_a_burst_of_enqueues_limits_the_credit_until_a_pause_or_its_limit():
+    # A worker keeps one partition in flight while a burst of operations is
+    # still arriving (core/burst.h): until the gap (1 ms) after the latest
+    # one, and never longer than the limit (10 ms) from the burst's first.
+    ms = 0.001
+    left = core.burst_limit_left(10 * ms, ms, [0, 0.2 * ms, 0.4 * ms],
+                                 [0, 0.3 * ms, 1.3 * ms, 1.5 * ms])
+    assert left == pytest.approx([ms, 0.9 * ms, 0.1 * ms, 0], abs=1e-9)
+    # Enqueues every 0.5 ms for 20 ms: one burst, limited for its first 10 ms.
+    steady = [i * 0.5 * ms for i in range(40)]
+    left = core.burst_limit_left(10 * ms, ms, steady, [5 * ms, 9.9 * ms, 10.1 * ms, 19.6 * ms])
+    assert left == pytest.approx([ms, 0.1 * ms, 0, 0], abs=1e-9)
+    # A pause of at least the gap ends a burst; the next enqueue starts another.
+    left = core.burst_limit_left(10 * ms, ms, [0, 0.5 * ms, 20 * ms, 40 * ms],
+                                 [2 * ms, 20.1 * ms, 21.5 * ms, 40 * ms])
+    assert left == pytest.approx([0, 0.9 * ms, 0, ms], abs=1e-9)
+    # BYTEPS_SCHEDULING_BURST_MS=0: never limited.
+    assert core.burst_limit_left(0, ms, [0, 0.1 * ms], [0.1 * ms]) == [0]

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "burst.h"
 #include "common.h"
 #include "compressor.h"
 #include "dtypes.h"
@@ -275,6 +276,19 @@ PYBIND11_MODULE(_core, m) {
              bps::PartitionSendOrder(b, parts, group, stagger);
     });
     return order;
+  });
+  // How long a burst limits the credit after each of `enqueues` (times in
+  // seconds): EnqueueBurst, as the worker engine keeps it.
+  m.def("burst_limit_left", [](double limit_s, double gap_s, const std::vector<double>& enqueues,
+                               const std::vector<double>& queries) {
+    bps::EnqueueBurst burst(limit_s, gap_s);
+    std::vector<double> left;
+    size_t next = 0;
+    for (double q : queries) {
+      while (next < enqueues.size() && enqueues[next] <= q) burst.Enqueued(enqueues[next++]);
+      left.push_back(burst.LimitLeft(q));
+    }
+    return left;
   });
   m.def("push_priority_roundtrip", [](int64_t priority, uint64_t flags) {
     uint64_t id = bps::PushPriorityBits(priority) | flags;

@@ -123,6 +123,11 @@ void WorkerEngine::Init(const Config& cfg) {
   enable_ipc_ = cfg.GetInt("enable_ipc", 1) != 0;
   cycle_s_ = cfg.GetDouble("fusion_cycle_ms", 0) / 1000.0;
   if (cycle_s_ < 0) throw Error("BYTEPS_FUSION_CYCLE_TIME_MS must not be negative");
+  double burst_ms = cfg.GetDouble("burst_ms", 10), burst_gap_ms = cfg.GetDouble("burst_gap_ms", 1);
+  if (!(burst_ms >= 0) || !(burst_gap_ms >= 0)) {
+    throw Error("BYTEPS_SCHEDULING_BURST_MS and BYTEPS_SCHEDULING_BURST_GAP_MS must not be negative");
+  }
+  burst_ = EnqueueBurst(burst_ms / 1000.0, burst_gap_ms / 1000.0);
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
   heartbeat_s_ = cfg.GetDouble("heartbeat_s", 1);
   op_timeout_s_ = cfg.GetDouble("op_timeout_s", 0);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "bps_api.h"
+#include "burst.h"
 #include "channel.h"
 #include "common.h"
 #include "compressor.h"
@@ -99,6 +100,9 @@ class WorkerEngine {
   void OnWelcome(const Config& w);
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
+  // Seconds until the current burst of enqueues stops limiting the credit
+  // (0: it does not). Needs mu_.
+  double BurstLeftLocked() const;
   void SendJoin();
   // Send one partition alone / several small ones for one server in one
   // message; false when the link failed.
@@ -166,6 +170,7 @@ class WorkerEngine {
   std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_{Order{this}};
   uint64_t ready_bytes_ = 0;  // in ready_
   Clock::time_point hold_since_{};  // small partitions wait for company since
+  EnqueueBurst burst_;  // while it lasts, one partition in flight (burst.h)
   uint64_t next_seq_ = 0;
   uint64_t next_request_ = 1;
 

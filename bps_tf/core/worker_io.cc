@@ -19,11 +19,16 @@ void WorkerEngine::IoLoop() {
   Message m;
   while (!stop_requested_) {
     long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
-    if (cycle_s_ > 0) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      if (hold_since_ != Clock::time_point{}) {
+      if (cycle_s_ > 0 && hold_since_ != Clock::time_point{}) {
         double left_ms = (cycle_s_ - SecondsSince(hold_since_)) * 1000;
         wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(left_ms))));
+      }
+      // Wake up when a burst stops limiting the credit, to send the rest.
+      double burst_left = ready_.empty() ? 0 : BurstLeftLocked();
+      if (burst_left > 0) {
+        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(burst_left * 1000))));
       }
     }
     if (!channel_->Wait(wait_ms)) {

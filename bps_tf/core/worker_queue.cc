@@ -40,10 +40,19 @@ void WorkerEngine::PauseSends(bool paused) {
   wake_.Notify();
 }
 
+namespace {
+double SteadySeconds(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+}  // namespace
+
+double WorkerEngine::BurstLeftLocked() const { return burst_.LimitLeft(SteadySeconds(Clock::now())); }
+
 bool WorkerEngine::ScheduleLocked(Task* task, const std::shared_ptr<TensorInfo>& info) {
   task->info = info;
   task->round = info->next_round++;
   task->scheduled = Clock::now();
+  burst_.Enqueued(SteadySeconds(task->scheduled));
   size_t parts = info->servers.size();
   if (Trace::Get().Wants(task->round)) task->times.resize(parts);
   task->remaining = static_cast<int>(2 * parts);
@@ -157,6 +166,12 @@ void WorkerEngine::SendReadyParts() {
       }
     }
     hold_since_ = Clock::time_point{};
+    // Without the burst's limit a full credit plus the kernel's buffers would
+    // leave in arrival order: 20-30 MB per worker on namespace hosts, whose
+    // sums then wait for the worker that sends them last (burst.h,
+    // docs/performance.md section 18).
+    const uint64_t credit =
+        BurstLeftLocked() > 0 ? std::min(credit_bytes_, partition_bytes_) : credit_bytes_;
     while (!ready_.empty()) {
       PartRef p = ready_.top();
       uint64_t len = p.task->PartLength(p.part);
@@ -167,7 +182,7 @@ void WorkerEngine::SendReadyParts() {
         continue;
       }
       uint64_t in_flight = credit_handed_ - credit_released_.load();
-      if (sends_paused_ || (in_flight > 0 && in_flight + len > credit_bytes_)) break;
+      if (sends_paused_ || (in_flight > 0 && in_flight + len > credit)) break;
       ready_.pop();
       ready_bytes_ -= len;
       credit_handed_ += len;
