@@ -71,11 +71,11 @@ def _bool(text: str) -> int:
 
 SETTINGS = (
     # -- the data path --
-    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "2048000", _int,
+    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "1024000", _int,
             "Largest piece a tensor is cut into before it is pushed; each piece "
             "goes to one server. Must agree on every node. (BytePS uses 4096000; "
-            "2 MB pieces spread a step over the servers' links better: "
-            "docs/performance.md section 16.)"),
+            "smaller pieces cross a bandwidth-limited step sooner, with no loss "
+            "on one machine down to 1 MB: docs/performance.md sections 16 and 18.)"),
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),
