@@ -71,11 +71,13 @@ def _bool(text: str) -> int:
 
 SETTINGS = (
     # -- the data path --
-    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "1024000", _int,
+    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "1048576", _int,
             "Largest piece a tensor is cut into before it is pushed; each piece "
             "goes to one server. Must agree on every node. (BytePS uses 4096000; "
             "smaller pieces cross a bandwidth-limited step sooner, with no loss "
-            "on one machine down to 1 MB: docs/performance.md sections 16 and 18.)"),
+            "on one machine down to 1 MiB, and a power of two keeps tensors of "
+            "1 MiB, 4 MiB, ... free of a small last piece: docs/performance.md "
+            "sections 16 and 18.)"),
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
             "Bytes a worker may have in flight to the servers at once; the "
             "priority queue decides what leaves next. 0 means 8 partitions."),

@@ -171,7 +171,7 @@ uint64_t Fnv1a64(const std::string& text) {
 
 bool KeepFreedBuffersInHeap() {
 #ifdef __GLIBC__
-  // Every message's buffer (up to a partition, 1 MB by default) is malloc'd
+  // Every message's buffer (up to a partition, 1 MiB by default) is malloc'd
   // by a ZeroMQ I/O thread and freed after use. Above glibc's mmap threshold,
   // or once the heap's free top passes the trim threshold, the pages go back
   // to the kernel and the next message faults in and zeroes fresh ones: a

@@ -117,7 +117,7 @@ constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;
 // BYTEPS_PARTITION_BYTES when the config text has none; bps_tf/config.py
 // sends the same default, so this is only a fallback for direct core users.
-constexpr int64_t kDefaultPartitionBytes = 1024000;
+constexpr int64_t kDefaultPartitionBytes = 1 << 20;
 inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key | part; }
 
 // Asynchronous keys (parameter-server training): the server holds the
