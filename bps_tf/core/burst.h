@@ -14,10 +14,12 @@ namespace bps {
 
 class EnqueueBurst {
  public:
+  EnqueueBurst() = default;  // never limits
   // limit_s: how long, from its first enqueue, a burst may limit the credit
   // (0: never); gap_s: an enqueue within this long of the previous one
   // continues the burst.
-  EnqueueBurst(double limit_s = 0, double gap_s = 0.001) : limit_s_(limit_s), gap_s_(gap_s) {}
+  EnqueueBurst(double limit_s, double gap_s) : limit_s_(limit_s), gap_s_(gap_s) {}
+  bool Enabled() const { return limit_s_ > 0; }
 
   // Times are seconds on one steady clock.
   void Enqueued(double now) {
@@ -30,12 +32,12 @@ class EnqueueBurst {
   // at the gap after its latest enqueue or at its limit, whichever is first.
   // 0: no burst limits it now.
   double LimitLeft(double now) const {
-    if (limit_s_ <= 0 || !seen_) return 0;
+    if (!Enabled() || !seen_) return 0;
     return std::max(0.0, std::min(last_ + gap_s_, start_ + limit_s_) - now);
   }
 
  private:
-  double limit_s_, gap_s_;
+  double limit_s_ = 0, gap_s_ = 0;
   bool seen_ = false;
   double start_ = 0, last_ = 0;
 };

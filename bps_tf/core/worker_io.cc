@@ -19,17 +19,18 @@ void WorkerEngine::IoLoop() {
   Message m;
   while (!stop_requested_) {
     long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
-    {
+    // Wake up when a hold on sending ends (a fusion cycle, a burst's limit
+    // on the credit), to send what it held.
+    if (cycle_s_ > 0 || burst_.Enabled()) {
+      auto wake_within = [&wait_ms](double s) {
+        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(s * 1000))));
+      };
       std::lock_guard<std::mutex> lock(mu_);
       if (cycle_s_ > 0 && hold_since_ != Clock::time_point{}) {
-        double left_ms = (cycle_s_ - SecondsSince(hold_since_)) * 1000;
-        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(left_ms))));
+        wake_within(cycle_s_ - SecondsSince(hold_since_));
       }
-      // Wake up when a burst stops limiting the credit, to send the rest.
       double burst_left = ready_.empty() ? 0 : BurstLeftLocked();
-      if (burst_left > 0) {
-        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(burst_left * 1000))));
-      }
+      if (burst_left > 0) wake_within(burst_left);
     }
     if (!channel_->Wait(wait_ms)) {
       Fatal(ZmqError("polling sockets"), BPS_ERR_INTERNAL);
