@@ -84,6 +84,15 @@ def build_model(keras, name: str, size: int, width: int = 512, depth: int = 8):
     return keras.Model(inputs, outputs)
 
 
+def cpu_sample():
+    """(this process's CPU seconds, the machine's busy and total jiffies):
+    where a step's time goes on a machine whose cores every process shares."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]   # idle + iowait
+    return time.process_time(), sum(fields) - idle, sum(fields)
+
+
 class StepTimer:
     """Wall-clock time at the end of every training batch."""
 
@@ -92,12 +101,15 @@ class StepTimer:
             def __init__(inner):
                 super().__init__()
                 inner.times = []
+                inner.cpu = []
 
             def on_train_begin(inner, logs=None):
                 inner.times.append(time.perf_counter())
+                inner.cpu.append(cpu_sample())
 
             def on_train_batch_end(inner, batch, logs=None):
                 inner.times.append(time.perf_counter())
+                inner.cpu.append(cpu_sample())
         self.callback = _Timer()
 
 
@@ -114,12 +126,13 @@ def communicate_only(model, steps):
         return [bps_tf.push_pull(grads[i], average=False, name=f"comm_only/{i}", priority=-i)
                 for i in reversed(range(n))]
 
-    times = [time.perf_counter()]
+    times, cpu = [time.perf_counter()], [cpu_sample()]
     for _ in range(steps):
         outs = step()
         _ = [o.numpy() for o in outs[:1]]
         times.append(time.perf_counter())
-    return times
+        cpu.append(cpu_sample())
+    return times, cpu
 
 
 def main():
@@ -150,18 +163,24 @@ def main():
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
     if spec.get("comm_only"):
-        times = communicate_only(model, steps)
+        times, cpu = communicate_only(model, steps)
     else:
         timer = StepTimer(keras).callback
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[timer])
-        times = timer.times
-    timed = times[1 + spec["warmup_steps"]:]
+        times, cpu = timer.times, timer.cpu
+    first = 1 + spec["warmup_steps"]
+    timed = times[first:]
     step_s = np.diff(timed).tolist()
+    (proc0, busy0, total0), (proc1, busy1, total1) = cpu[first], cpu[-1]
     result = {"rank": rank, "workers": workers, "batch_per_worker": per_worker,
               "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
               "gradients": len(model.trainable_variables), "step_s": step_s,
-              "first_step_s": times[1] - times[0]}
+              "first_step_s": times[1] - times[0],
+              # CPU seconds this process used per timed step, and the share
+              # of the machine's cores busy meanwhile (all processes).
+              "cpu_s_per_step": (proc1 - proc0) / len(step_s),
+              "machine_busy": (busy1 - busy0) / max(1, total1 - total0)}
     out = os.path.join(spec["out_dir"], f"worker{rank}.json")
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
