@@ -88,8 +88,10 @@ def cpu_sample():
     """(this process's CPU seconds, the machine's busy and total jiffies):
     where a step's time goes on a machine whose cores every process shares."""
     with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]   # idle + iowait
+        # user nice system idle iowait irq softirq steal (guest time is
+        # already inside user and nice)
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    idle = fields[3] + fields[4]
     return time.process_time(), sum(fields) - idle, sum(fields)
 
 
