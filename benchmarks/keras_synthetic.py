@@ -52,6 +52,9 @@ from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 
 SCRIPT = str(WORKERS_DIR / "keras_fit.py")
+# "fifo" is short for "bps_tf FIFO".
+RUN_NAMES = ("single", "independent", "bps_tf", "fifo", "bps_tf FIFO", "bps_tf CURVE off",
+             "comm only", "bps_tf overlap", "bps_tf overlap FIFO")
 
 
 def mean(values) -> float:
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
                     help="repeat every run this many times, interleaved; report medians")
     ap.add_argument("--quick", action="store_true", help="2 warm-up and 6 timed steps, 1 round")
     ap.add_argument("--skip", default="", help="comma-separated runs to leave out: "
-                    "single,independent,fifo")
+                    + ",".join(RUN_NAMES))
     ap.add_argument("--overlap", action="store_true",
                     help="also run BytePSStrategy(overlap=True), with priorities and FIFO")
     ap.add_argument("--unencrypted", action="store_true",
@@ -168,6 +171,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.warmup_steps, args.steps, args.rounds = 2, 6, 1
     skip = set(filter(None, args.skip.split(",")))
+    if skip - set(RUN_NAMES):
+        ap.error(f"--skip: no run named {', '.join(sorted(skip - set(RUN_NAMES)))}; "
+                 f"the runs are {', '.join(RUN_NAMES)}")
 
     spec = {"model": args.model, "image_size": args.image_size,
             "batch_per_worker": args.batch_per_worker, "warmup_steps": args.warmup_steps,
