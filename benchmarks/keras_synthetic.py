@@ -41,9 +41,9 @@ from the straggler cost of synchronous training on a contended machine.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+from statistics import fmean as mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -55,11 +55,6 @@ SCRIPT = str(WORKERS_DIR / "keras_fit.py")
 # "fifo" is short for "bps_tf FIFO".
 RUN_NAMES = ("single", "independent", "bps_tf", "fifo", "bps_tf FIFO", "bps_tf CURVE off",
              "comm only", "bps_tf overlap", "bps_tf overlap FIFO")
-
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def step_time(results) -> float:
@@ -287,11 +282,10 @@ def main(argv=None) -> int:
         # Where every process shares this machine's cores, compute and
         # communication can only hide behind each other while their CPU
         # work fits on the cores together: the step is at least their
-        # core-seconds over the core count.
-        cores = os.cpu_count() or 1
-        core_s = {name: by[name]["step_s"] * by[name]["machine_busy"] * cores
-                  for name in ("independent", "comm only")}
-        summary["cpu_bound_step_s"] = sum(core_s.values()) / cores
+        # core-seconds over the core count, i.e. the sum of each one's step
+        # times the share of the cores it kept busy.
+        summary["cpu_bound_step_s"] = sum(by[name]["step_s"] * by[name]["machine_busy"]
+                                          for name in ("independent", "comm only"))
         summary["overlap_over_cpu_bound"] = (by["bps_tf overlap"]["step_s"] /
                                              summary["cpu_bound_step_s"])
     if "bps_tf overlap" in by and "bps_tf overlap FIFO" in by:
