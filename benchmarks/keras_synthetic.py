@@ -165,6 +165,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup_steps, args.steps, args.rounds = 2, 6, 1
+    # A run's step is a mean over its timed steps: none would only fail
+    # after every run had been made.
+    for flag, value, least in (("--steps", args.steps, 1), ("--rounds", args.rounds, 1),
+                               ("--workers", args.workers, 1), ("--servers", args.servers, 1),
+                               ("--warmup-steps", args.warmup_steps, 0)):
+        if value < least:
+            ap.error(f"{flag} must be at least {least}, not {value}")
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(RUN_NAMES):
         ap.error(f"--skip: no run named {', '.join(sorted(skip - set(RUN_NAMES)))}; "
