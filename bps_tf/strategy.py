@@ -18,7 +18,8 @@ cannot drive: docs/strategy.md) and whose cross-device ops sum through push_pull
 
 * ``num_replicas_in_sync`` is global (Keras scales the loss by it);
 * datasets are sharded with ``InputContext(num_workers, rank)``, and every
-  ``get_next`` agrees across workers on the end of the data;
+  ``get_next`` agrees across workers on the end of the data (without holding
+  up a worker that has a batch: bps_tf.data_check);
 * every reduction -- nested structures, host tensors, int32/int64 values,
   SyncOnRead metric variables -- goes across workers, so epoch-end metrics
   and ``evaluate()`` are global and identical on every worker;
@@ -42,7 +43,6 @@ worker, so every weight is identical everywhere.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import weakref
 
@@ -54,8 +54,8 @@ from tensorflow.python.distribute import input_util, mirrored_strategy, reduce_u
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.trackable import base as trackable_base
 
-from bps_tf import (async_training, basics, cluster, collectives, config, keras_patches,
-                    naming, overlap_fit)
+from bps_tf import (async_training, basics, cluster, collectives, data_check,
+                    keras_patches, naming, overlap_fit, strategy_choices)
 from bps_tf import compression as compression_lib
 from bps_tf.cluster_resolver import make_cluster_resolver
 from bps_tf.compression import Compression
@@ -380,31 +380,6 @@ class AsyncBytePSExtended(BytePSExtended):
         return variable
 
 
-def _agreed_choices(is_async: bool, overlap) -> bool:
-    """The overlap choice; every worker must choose the same mode and overlap
-    (one push_pull of both votes), or they would wait for each other forever."""
-    if overlap is None and is_async and "BYTEPS_OVERLAP" not in os.environ:
-        overlap = False   # async mode has no barrier to overlap
-    overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
-    if overlap and is_async:
-        raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
-                         "barrier to overlap; unset one of them.")
-    size = basics.size()
-    if size == 1:
-        return overlap
-    votes = collectives.push_pull_sum(tf.constant([int(is_async), int(overlap)], tf.int32),
-                                      naming.strategy_key("mode"), collectives.BLOCKING_PRIORITY)
-    async_votes, overlap_votes = (int(v) for v in votes.numpy())
-    if async_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy: {async_votes} of {size} workers use mode='async' "
-                         "and the others mode='sync'; every worker must use the same mode "
-                         "(and the same BYTEPS_ENABLE_ASYNC).")
-    if overlap_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy overlap: {overlap_votes} of {size} workers chose overlap=True "
-                         "and the others False (BYTEPS_OVERLAP or overlap=); all must choose the same.")
-    return overlap
-
-
 class BytePSStrategy(tf.distribute.MirroredStrategy):
     """Synchronous (or, with ``mode="async"``, asynchronous parameter-server)
     data parallelism over bps_tf workers and their local devices.
@@ -470,7 +445,11 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_patches.install(_is_bps_strategy)
-        self.overlap = _agreed_choices(mode == "async", overlap)
+        self.overlap, early_check = strategy_choices.agreed(mode == "async", overlap)
+        # Workers with a batch of their own do not wait for the per-step
+        # end-of-data sum (bps_tf.data_check).
+        extended.bps_early_data_check = early_check and extended._in_multi_worker_mode()
+        data_check.install()
         if self.overlap:
             overlap_fit.install()
 

@@ -109,6 +109,51 @@ def test_reductions_go_across_workers(cluster):
         assert p["int32_sum"] == 4                          # int32 is not left local
 
 
+def _expected_uneven_sums(counts, replicas_per_worker=2):
+    # Step s: replica j of worker w takes element 2s+j of range(counts[w]),
+    # if there is one; the data ends when no worker has an element left.
+    steps = max(-(-n // replicas_per_worker) for n in counts)
+    return [sum(e for n in counts
+                for e in range(s * replicas_per_worker, (s + 1) * replicas_per_worker) if e < n)
+            for s in range(steps)]
+
+
+def test_uneven_datasets_run_until_every_worker_is_out_of_data(cluster):
+    """The per-step end-of-data sum (bps_tf.data_check): a worker whose own
+    data ran out feeds empty batches until the other's ends, traced and eager."""
+    proc, _, reports = cluster
+    expected = _expected_uneven_sums((3, 8))
+    assert expected == [(0 + 1) * 2, 2 + (2 + 3), 4 + 5, 6 + 7]   # worker 0 out after step 1
+    for rank, report in enumerate(reports):
+        data = report["uneven_data"]
+        assert "error" not in data, data.get("error")
+        assert data["traced"] == expected, (rank, data["traced"])
+        assert data["eager"] == expected, (rank, data["eager"])
+
+
+def test_workers_must_agree_on_the_early_data_check(cluster):
+    _, _, reports = cluster
+    for report in reports:
+        assert ("BYTEPS_EARLY_DATA_CHECK is 1 on 1 of 2 workers and 0 on the others"
+                in report["early_check_vote"]), report["early_check_vote"]
+
+
+def test_a_worker_with_a_batch_does_not_wait_for_the_end_of_data_sum(cluster):
+    """The end-of-data sum of a traced step was held from its wait until a
+    marker that follows the step's result: the marker ran (no timeout), so
+    the step did not need the sum."""
+    proc, _, reports = cluster
+    for rank, report in enumerate(reports):
+        data = report["uneven_data"]
+        assert "error" not in data, data.get("error")
+        assert len(data["pending_keys"]) == 1, data["pending_keys"]
+        key = data["pending_keys"][0]
+        assert key.startswith("bps.strategy/data_check/"), key
+        lines = data["hold_log"].splitlines()
+        assert len(lines) == 1 and lines[0].startswith(key + " "), lines
+        assert lines[0].split()[-1] == "marker", lines   # not "timeout"
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "dropout", "bn"])
 def test_workers_end_with_identical_weights(cluster, name):
     entries, arrays = _scenario(cluster, name)

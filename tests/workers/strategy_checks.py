@@ -153,6 +153,50 @@ def primitives(strategy, rank):
     return out
 
 
+DATA_COUNTS = (3, 8)   # elements of each worker's own dataset (uneven)
+
+
+def uneven_data(strategy, rank):
+    """A custom loop over datasets of different lengths per worker: the sums
+    of every step, traced and eager, and whether a traced step whose workers
+    all have a batch ran without waiting for the end-of-data sum."""
+    from bps_tf import collectives
+    out = {}
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.range(DATA_COUNTS[ctx.input_pipeline_id]).batch(1)
+
+    def step_sum(it):
+        batch = next(it)
+        local = strategy.run(lambda t: tf.reduce_sum(t), args=(batch,))
+        return strategy.reduce("SUM", local, axis=None)
+
+    def run_loop(step):
+        sums, it = [], iter(strategy.distribute_datasets_from_function(dataset_fn))
+        while len(sums) < 20:
+            try:
+                sums.append(int(step(it)))
+            except (tf.errors.OutOfRangeError, StopIteration):
+                break
+        return sums, it
+
+    out["traced"], _ = run_loop(tf.function(step_sum))
+    out["eager"], _ = run_loop(step_sum)
+
+    @tf.function
+    def marked_step(it):
+        return collectives.debug_marker(step_sum(it))
+
+    it = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    marked_step(it)   # leaves this site's end-of-data sum pending
+    keys = [k for k in collectives.pending_push_pulls() if "data_check" in k and "eager" not in k]
+    out["pending_keys"] = keys
+    collectives.debug_hold_push_pull(keys[0], 10000)
+    marked_step(it)   # both workers still have a batch
+    out["hold_log"] = collectives.debug_hold_log()
+    return out
+
+
 def replica_spread(model):
     """Largest difference between the local replicas' copies of any weight."""
     spread = 0.0
@@ -220,6 +264,20 @@ def main(out_dir):
         report["primitives"] = primitives(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
         report["primitives"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
+
+    # Workers that disagree on BYTEPS_EARLY_DATA_CHECK would wait for sums
+    # the others never start: the strategy refuses to start.
+    os.environ["BYTEPS_EARLY_DATA_CHECK"] = "1" if rank == 0 else "0"
+    try:
+        new_strategy()
+        report["early_check_vote"] = ""
+    except ValueError as exc:
+        report["early_check_vote"] = str(exc)
+    del os.environ["BYTEPS_EARLY_DATA_CHECK"]
+    try:
+        report["uneven_data"] = uneven_data(strategy, rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["uneven_data"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
 
     def write():
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:

@@ -1,0 +1,94 @@
+"""tf.distribute's per-step end-of-data sum, without holding up the step.
+
+Under a multi-worker strategy, the iterator of a distributed dataset sums
+over every worker, before each step, how many replicas still have a batch:
+a worker that ran out feeds an empty batch while the others finish, and the
+data ends when none has one. The step's body, forward pass included, used to
+wait for that sum; under cross-step overlap it queued behind the previous
+step's gradients on the links and at the servers, 35-52 ms of a 0.19 s step
+(docs/performance.md §20).
+
+Yet a worker that has a batch of its own needs no answer: the sum is at least
+its own count, so the step runs on its batch whatever the others say. Only a
+worker without a batch must know whether another still has one. So each step
+*starts* the sum (push_pull_start, which returns at once), a worker with a
+batch goes on, and a worker without one waits for the sum inside the branch
+that needs it. The started sum is taken out of the table by the next call of
+the same site (or by that branch), long after it finished. The choice made is
+the same as tf.distribute's in every case: the per-step sum still happens,
+and every worker contributes to it; only who waits for it changes.
+
+Each call site of a traced function has its own key; a site of an eager loop
+shares one. ``BYTEPS_EARLY_DATA_CHECK=0`` restores the blocking sum; every
+worker must choose the same (BytePSStrategy checks that when it starts).
+"""
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import input_lib
+
+from bps_tf import collectives, naming
+
+_lock = threading.Lock()
+_original = None
+
+
+def _key() -> str:
+    if tf.executing_eagerly():
+        return naming.strategy_key("data_check", "eager")
+    graph = tf.compat.v1.get_default_graph()
+    return naming.op_key(naming.strategy_key("data_check", naming.graph_path(graph)),
+                         "replicas_with_values")
+
+
+def _run_independently(tensor) -> None:
+    # Like push_pull_start itself: no program-order chaining with the step's
+    # other stateful ops (the forward pass must not wait behind it).
+    if not tf.executing_eagerly():
+        manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+        if manager is not None:
+            manager.run_independently(tensor.op)
+
+
+def replicas_with_values(local):
+    """The count of replicas that have a batch, as the step must see it:
+    ``local`` (this worker's count, int64 [1]) when it is above 0, else the
+    sum over every worker. The sum is started on every call."""
+    key = _key()
+    previous, _ = collectives.push_pull_wait(local, key)   # the last call's sum, if pending
+    _run_independently(previous)
+    with tf.control_dependencies([previous]):
+        token = collectives.push_pull_start(local, key, collectives.BLOCKING_PRIORITY)
+
+    def everyone():
+        with tf.control_dependencies([token]):
+            summed, valid = collectives.push_pull_wait(local, key)
+        with tf.control_dependencies([tf.debugging.Assert(
+                valid, [f"bps_tf: the end-of-data sum under {key} was not pending"])]):
+            return tf.identity(summed)
+
+    return tf.cond(local[0] > 0, lambda: local, everyone)
+
+
+def _patched(strategy, input_workers, optional_list):
+    if not getattr(strategy.extended, "bps_early_data_check", False):
+        return _original(strategy, input_workers, optional_list)
+    counts = []
+    for worker, optionals in zip(input_workers.worker_devices, optional_list):
+        with tf.device(worker):
+            counts += [tf.cast(o.has_value(), tf.int64) for o in optionals]
+    local = tf.reshape(tf.add_n(counts), [1])
+    return tf.reshape(replicas_with_values(local), [])
+
+
+def install() -> None:
+    """Routes tf.distribute's end-of-data count through
+    :func:`replicas_with_values` for strategies whose extended object sets
+    ``bps_early_data_check`` (once per process)."""
+    global _original
+    with _lock:
+        if _original is None:
+            _original = input_lib._calculate_replicas_with_values  # pylint: disable=protected-access
+            input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
