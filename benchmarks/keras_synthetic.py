@@ -22,7 +22,11 @@ Runs, one after the other, each worker alone in a namespace host of its own
                at best hide behind each other); --timeline also records
                the first overlapped run's timeline and draws two of its
                steps (benchmarks/timeline_svg.py);
-* with --unencrypted, also bps_tf CURVE off: bps_tf with BYTEPS_ENCRYPTION=0.
+* with --unencrypted, also bps_tf CURVE off: bps_tf with BYTEPS_ENCRYPTION=0;
+* with --overlap --blocking-check, also bps_tf overlap blocking check:
+               bps_tf overlap with BYTEPS_EARLY_DATA_CHECK=0 (every step waits for
+               tf.distribute's end-of-data sum across workers, as before
+               bps_tf/data_check.py).
 
 A run's step is its timed steps' wall time over their count (the throughput);
 each worker also reports the CPU seconds it used per step and the share of
@@ -54,7 +58,8 @@ from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 SCRIPT = str(WORKERS_DIR / "keras_fit.py")
 # "fifo" is short for "bps_tf FIFO".
 RUN_NAMES = ("single", "independent", "bps_tf", "fifo", "bps_tf FIFO", "bps_tf CURVE off",
-             "comm only", "bps_tf overlap", "bps_tf overlap FIFO")
+             "comm only", "bps_tf overlap", "bps_tf overlap FIFO",
+             "bps_tf overlap blocking check")
 
 
 def step_time(results) -> float:
@@ -153,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unencrypted", action="store_true",
                     help="also run bps_tf with BYTEPS_ENCRYPTION=0 (no CURVE between hosts, "
                          "as Horovod and BytePS send): what the encryption costs the step")
+    ap.add_argument("--blocking-check", action="store_true",
+                    help="with --overlap: also run overlap with BYTEPS_EARLY_DATA_CHECK=0 "
+                         "(every step waits for the cross-worker end-of-data sum)")
     ap.add_argument("--timeline", action="store_true",
                     help="with --overlap: record the first overlapped run's timeline and "
                          "draw two of its steps as an SVG next to the JSON")
@@ -217,6 +225,10 @@ def main(argv=None) -> int:
                          ("bps_tf overlap FIFO", lambda: run_cluster(
                              dict(spec, overlap=True, priority="off"), workers, servers,
                              args.timeout))]
+                if args.blocking_check:
+                    plan.append(("bps_tf overlap blocking check", lambda: run_cluster(
+                        dict(spec, overlap=True), workers, servers, args.timeout,
+                        env={"BYTEPS_EARLY_DATA_CHECK": "0"})))
             plan = [(name, run) for name, run in plan
                     if name not in skip and not (name == "bps_tf FIFO" and "fifo" in skip)]
             # Rounds interleave the runs, so a change in the machine's load
@@ -295,6 +307,9 @@ def main(argv=None) -> int:
                                           for name in ("independent", "comm only"))
         summary["overlap_over_cpu_bound"] = (by["bps_tf overlap"]["step_s"] /
                                              summary["cpu_bound_step_s"])
+    if "bps_tf overlap" in by and "bps_tf overlap blocking check" in by:
+        summary["early_check_speedup"] = (by["bps_tf overlap blocking check"]["step_s"] /
+                                          by["bps_tf overlap"]["step_s"])
     if "bps_tf overlap" in by and "bps_tf overlap FIFO" in by:
         summary["overlap_priority_speedup"] = (by["bps_tf overlap FIFO"]["step_s"] /
                                                by["bps_tf overlap"]["step_s"])

@@ -137,11 +137,6 @@ SETTINGS = (
             "forward pass in the next step, bit-identical to the barrier; models "
             "it cannot serve exactly keep the barrier with one log line "
             "(docs/overlap.md). 0: a barrier between steps. Must agree on every node."),
-    Setting("BYTEPS_SKIP_AGREED_DATA_CHECK", "", "1", _bool,
-            "When every worker's distributed dataset has the same known length "
-            "(agreed once when it is distributed), get_next leaves out "
-            "tf.distribute's per-step cross-worker end-of-data sum "
-            "(bps_tf/data_check.py). 0 on any worker: every worker sums."),
     Setting("BYTEPS_EARLY_DATA_CHECK", "", "1", _bool,
             "BytePSStrategy: a worker with a batch of its own starts tf.distribute's "
             "per-step end-of-data sum and goes on; only a worker without one waits "

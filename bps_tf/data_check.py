@@ -24,23 +24,26 @@ worker must choose the same (BytePSStrategy checks that when it starts).
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
 
-from bps_tf import collectives, naming
+from bps_tf import basics, collectives, naming
 
+log = logging.getLogger("bps_tf")
 _lock = threading.Lock()
 _original = None
+_PREFIX = naming.strategy_key("data_check") + "/"
 
 
 def _key() -> str:
     if tf.executing_eagerly():
-        return naming.strategy_key("data_check", "eager")
+        return _PREFIX + "eager"
     graph = tf.compat.v1.get_default_graph()
-    return naming.op_key(naming.strategy_key("data_check", naming.graph_path(graph)),
-                         "replicas_with_values")
+    return naming.op_key(_PREFIX + naming.graph_path(graph), "replicas_with_values")
 
 
 def _run_independently(tensor) -> None:
@@ -83,6 +86,20 @@ def _patched(strategy, input_workers, optional_list):
     return tf.reshape(replicas_with_values(local), [])
 
 
+def drain() -> None:
+    """Takes the sums still pending (at the process's exit). Every worker
+    started each of them, so they complete; a worker leaving before its own
+    part went out would leave the others' sum unfinished at the servers."""
+    if not basics.is_initialized():
+        return
+    for key in collectives.pending_push_pulls():
+        if key.startswith(_PREFIX):
+            try:
+                collectives.push_pull_wait(tf.zeros([1], tf.int64), key)
+            except Exception as exc:  # pylint: disable=broad-except
+                log.debug("bps_tf: end-of-data sum %s at exit: %s", key, exc)
+
+
 def install() -> None:
     """Routes tf.distribute's end-of-data count through
     :func:`replicas_with_values` for strategies whose extended object sets
@@ -92,3 +109,4 @@ def install() -> None:
         if _original is None:
             _original = input_lib._calculate_replicas_with_values  # pylint: disable=protected-access
             input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
+            atexit.register(drain)   # before basics' shutdown (registered earlier)
