@@ -180,6 +180,8 @@ def main(argv=None) -> int:
                                ("--warmup-steps", args.warmup_steps, 0)):
         if value < least:
             ap.error(f"{flag} must be at least {least}, not {value}")
+    if args.blocking_check and not args.overlap:
+        ap.error("--blocking-check adds an overlapped run: give --overlap too")
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(RUN_NAMES):
         ap.error(f"--skip: no run named {', '.join(sorted(skip - set(RUN_NAMES)))}; "
