@@ -106,7 +106,16 @@ def install() -> None:
     ``bps_early_data_check`` (once per process)."""
     global _original
     with _lock:
-        if _original is None:
-            _original = input_lib._calculate_replicas_with_values  # pylint: disable=protected-access
-            input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
-            atexit.register(drain)   # before basics' shutdown (registered earlier)
+        if _original is not None:
+            return
+        original = getattr(input_lib, "_calculate_replicas_with_values", None)
+        if original is None:
+            # A TensorFlow whose input_lib computes the count elsewhere: its
+            # own blocking sum stays, which is exact, only slower.
+            log.warning("bps_tf: this TensorFlow has no input_lib._calculate_replicas_with_"
+                        "values; every step waits for the cross-worker end-of-data sum.")
+            _original = False
+            return
+        _original = original
+        input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
+        atexit.register(drain)   # before basics' shutdown (registered earlier)

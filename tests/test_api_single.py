@@ -723,3 +723,37 @@ def test_overlapped_apply_refuses_an_unverified_optimizer_type_unless_allowed():
     overlap = OverlappedApply(model, MyAdam(0.01), prefix="allowed",
                               allow_unverified_optimizer=True)
     assert overlap.variables == model.trainable_variables
+
+
+def test_a_tensorflow_without_the_end_of_data_hook_keeps_its_own_sum(monkeypatch):
+    # data_check patches a private input_lib function; where a TensorFlow
+    # has none, tf.distribute's own (blocking, exact) sum must stay in place.
+    from tensorflow.python.distribute import input_lib
+    from bps_tf import data_check
+    monkeypatch.setattr(data_check, "_original", None)
+    monkeypatch.delattr(input_lib, "_calculate_replicas_with_values")
+    data_check.install()
+    assert data_check._original is False
+    assert not hasattr(input_lib, "_calculate_replicas_with_values")
+    data_check.install()   # once per process: nothing more happens
+    assert not hasattr(input_lib, "_calculate_replicas_with_values")
+
+
+def test_the_end_of_data_hook_is_installed_once_and_serves_other_strategies_unchanged(
+        monkeypatch):
+    from tensorflow.python.distribute import input_lib
+    from bps_tf import data_check
+    calls = []
+
+    def original(strategy, input_workers, optional_list):
+        calls.append(strategy)
+        return "tf's own"
+
+    monkeypatch.setattr(data_check, "_original", None)
+    monkeypatch.setattr(input_lib, "_calculate_replicas_with_values", original)
+    data_check.install()
+    data_check.install()
+    patched = input_lib._calculate_replicas_with_values
+    assert patched is data_check._patched and data_check._original is original
+    other = tf.distribute.get_strategy()     # not a BytePSStrategy
+    assert patched(other, None, []) == "tf's own" and calls == [other]
