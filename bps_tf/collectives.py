@@ -378,11 +378,18 @@ def push_pull_start(tensor, key: str, priority: int = 0):
     key that is still pending fails at run time, naming the key."""
     check_dtype(tensor, f"push_pull_start '{key}'")
     token = _ops().push_pull_start(tensor, tensor_name=key, priority=int(priority))
+    run_independently(token)
+    return token
+
+
+def run_independently(tensor) -> None:
+    """Inside a traced function: the op of ``tensor`` is not chained in
+    program order with the other stateful ops (nothing waits behind it), but
+    still runs before the function returns. Eager: nothing to do."""
     if not tf.executing_eagerly():
         manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
         if manager is not None:
-            manager.run_independently(token.op)
-    return token
+            manager.run_independently(tensor.op)
 
 
 def push_pull_wait(like, key: str):

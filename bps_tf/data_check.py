@@ -46,22 +46,14 @@ def _key() -> str:
     return naming.op_key(_PREFIX + naming.graph_path(graph), "replicas_with_values")
 
 
-def _run_independently(tensor) -> None:
-    # Like push_pull_start itself: no program-order chaining with the step's
-    # other stateful ops (the forward pass must not wait behind it).
-    if not tf.executing_eagerly():
-        manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
-        if manager is not None:
-            manager.run_independently(tensor.op)
-
-
 def replicas_with_values(local):
     """The count of replicas that have a batch, as the step must see it:
     ``local`` (this worker's count, int64 [1]) when it is above 0, else the
     sum over every worker. The sum is started on every call."""
     key = _key()
     previous, _ = collectives.push_pull_wait(local, key)   # the last call's sum, if pending
-    _run_independently(previous)
+    # Like the start: the forward pass must not wait behind it in program order.
+    collectives.run_independently(previous)
     with tf.control_dependencies([previous]):
         token = collectives.push_pull_start(local, key, collectives.BLOCKING_PRIORITY)
 

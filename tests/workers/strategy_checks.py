@@ -178,10 +178,10 @@ def uneven_data(strategy, rank):
                 sums.append(int(step(it)))
             except (tf.errors.OutOfRangeError, StopIteration):
                 break
-        return sums, it
+        return sums
 
-    out["traced"], _ = run_loop(tf.function(step_sum))
-    out["eager"], _ = run_loop(step_sum)
+    out["traced"] = run_loop(tf.function(step_sum))
+    out["eager"] = run_loop(step_sum)
 
     @tf.function
     def marked_step(it):
@@ -273,7 +273,8 @@ def main(out_dir):
         report["early_check_vote"] = ""
     except ValueError as exc:
         report["early_check_vote"] = str(exc)
-    del os.environ["BYTEPS_EARLY_DATA_CHECK"]
+    finally:
+        del os.environ["BYTEPS_EARLY_DATA_CHECK"]
     try:
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
