@@ -79,9 +79,12 @@ def _patched(strategy, input_workers, optional_list):
 
 
 def drain() -> None:
-    """Takes the sums still pending (at the process's exit). Every worker
-    started each of them, so they complete; a worker leaving before its own
-    part went out would leave the others' sum unfinished at the servers."""
+    """Takes the sums still pending (at the process's exit). When every
+    worker made the same get_next calls, each of them completes (a worker
+    leaving before its own part went out would leave the others' sum
+    unfinished at the servers). One that cannot complete is a get_next made
+    by this worker only: the blocking sum failed that call; here nobody
+    waited for it, so it is reported now rather than lost."""
     if not basics.is_initialized():
         return
     for key in collectives.pending_push_pulls():
@@ -89,7 +92,10 @@ def drain() -> None:
             try:
                 collectives.push_pull_wait(tf.zeros([1], tf.int64), key)
             except Exception as exc:  # pylint: disable=broad-except
-                log.debug("bps_tf: end-of-data sum %s at exit: %s", key, exc)
+                log.error("bps_tf: the end-of-data sum of this worker's last get_next (%s) "
+                          "was not matched by every worker: this worker called next() on a "
+                          "distributed iterator more often than another (%s)",
+                          key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def install() -> None:

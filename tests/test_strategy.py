@@ -138,6 +138,23 @@ def test_workers_must_agree_on_the_early_data_check(cluster):
                 in report["early_check_vote"]), report["early_check_vote"]
 
 
+def test_a_get_next_made_by_one_worker_only_is_reported(tmp_path):
+    """Nothing waits for the end-of-data sum of a worker that has a batch, so
+    an extra next() on rank 0 alone no longer fails in its step: the unmatched
+    sum is reported when rank 0 exits. BYTEPS_TIMEOUT bounds how long the
+    server waits for rank 0, which leaves after seeing rank 1 gone."""
+    env = dict(_env(), BYTEPS_TIMEOUT="5")
+    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", "2", "--servers", "1",
+           sys.executable, str(WORKERS / "data_check_extra_call.py")]
+    proc = subprocess.run(cmd, cwd=NEUTRAL_DIR, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert "rank 0: steps done" in out and "rank 1: steps done" in out, _tail(proc)
+    reported = [line for line in out.splitlines() if "was not matched by every worker" in line]
+    assert len(reported) == 1 and reported[0].startswith("[worker 0]"), _tail(proc)
+    assert "bps.strategy/data_check/" in reported[0], reported
+
+
 def test_a_worker_with_a_batch_does_not_wait_for_the_end_of_data_sum(cluster):
     """The end-of-data sum of a traced step was held from its wait until a
     marker that follows the step's result: the marker ran (no timeout), so
