@@ -58,6 +58,8 @@ _LAZY = {
     "reducescatter": "bps_tf.scatter_gather",
     "grouped_reducescatter": "bps_tf.scatter_gather",
     "alltoall": "bps_tf.scatter_gather",
+    "alltoall_cpu2gpu": "bps_tf.scatter_gather",
+    "alltoall_gpu2cpu": "bps_tf.scatter_gather",
     "barrier": "bps_tf.synchronization",
     "broadcast_": "bps_tf.synchronization",
     "size_op": "bps_tf.synchronization",

@@ -25,7 +25,7 @@ from bps_tf import process_sets
 from bps_tf.process_sets import global_process_set
 
 __all__ = ["grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
-           "scatter_rows"]
+           "alltoall_cpu2gpu", "alltoall_gpu2cpu", "scatter_rows"]
 
 
 def grouped_names(name, count):
@@ -181,6 +181,37 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     if byteps_form:
         return (received, sizes) if with_size else received
     return (received, sizes) if with_splits else received
+
+
+def alltoall_cpu2gpu(tensor, splits=None, recv_splits=None, name=None, with_size=False,
+                     compression=None, process_set=global_process_set):
+    """BytePS's alltoall whose result lands on this worker's first GPU (on the
+    CPU where there is none). The rows travel through host memory in every
+    case, so this is :func:`alltoall` (BytePS's form) plus the copy."""
+    return _placed(alltoall(tensor, splits, name, process_set=process_set,
+                            recv_splits=recv_splits, with_size=bool(with_size),
+                            compression=compression), "GPU")
+
+
+def alltoall_gpu2cpu(tensor, splits=None, recv_splits=None, name=None, with_size=False,
+                     compression=None, process_set=global_process_set):
+    """BytePS's alltoall whose result lands in host memory, wherever the
+    input is: :func:`alltoall` (BytePS's form) plus the copy."""
+    return _placed(alltoall(tensor, splits, name, process_set=process_set,
+                            recv_splits=recv_splits, with_size=bool(with_size),
+                            compression=compression), "CPU")
+
+
+def _placed(result, kind):
+    """``result`` (a tensor, or BytePS's ``(received, sizes)``) with the rows
+    copied to the first device of ``kind``; sizes stay in host memory."""
+    devices = tf.config.list_logical_devices(kind)
+    if not devices:
+        return result
+    received, *sizes = result if isinstance(result, tuple) else (result,)
+    with tf.device(devices[0].name):
+        received = tf.identity(received)
+    return (received, *sizes) if sizes else received
 
 
 def _checked_counts(counts, size, what):

@@ -182,6 +182,14 @@ def test_alltoall_splits_empty_and_errors(op_names):
         bps_tf.alltoall([x, x], splits=[3], recv_splits=[3])
     with pytest.raises(ValueError, match="compression is not supported"):
         bps_tf.alltoall(x, splits=[3], compression=api.Compression.fp16)
+    # BytePS's device variants move the same rows; without a GPU both land on the CPU.
+    for variant in (bps_tf.alltoall_cpu2gpu, bps_tf.alltoall_gpu2cpu):
+        got, sizes = variant(x, [3], recv_splits=[3], with_size=True)
+        np.testing.assert_array_equal(got.numpy(), x.numpy())
+        assert sizes.numpy().tolist() == [3]
+        with pytest.raises(NotImplementedError, match="call alltoall once per tensor"):
+            variant([x, x], [3], recv_splits=[3])
+    assert "CPU" in bps_tf.alltoall_gpu2cpu(x, [3]).device
 
 
 def test_grouped_allgather_names_each_tensor(op_names):

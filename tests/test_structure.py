@@ -27,6 +27,7 @@ DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size"
               "DistributedOptimizer", "BytePSStrategy", "gather_predictions",
               "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
               "grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
+              "alltoall_cpu2gpu", "alltoall_gpu2cpu",
               "barrier", "broadcast_", "size_op", "rank_op", "local_size_op", "local_rank_op",
               "SyncBatchNormalization", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
               "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled",

@@ -227,6 +227,14 @@ def check_byteps_alltoall(rank, size):
     got, sizes = bps_tf.alltoall(sent, splits=splits, with_size=True, name="parity/a2a/bps")
     expect_equal("byteps alltoall with_size", got.numpy(), want)
     expect_equal("byteps alltoall sizes", sizes.numpy(), expected)
+    # BytePS's device variants: the same rows; the result's device is the only difference.
+    got = bps_tf.alltoall_cpu2gpu(sent, splits, recv_splits=expected, name="parity/a2a/c2g")
+    expect_equal("byteps alltoall_cpu2gpu", got.numpy(), want)
+    got, sizes = bps_tf.alltoall_gpu2cpu(sent, splits, with_size=True, name="parity/a2a/g2c")
+    expect_equal("byteps alltoall_gpu2cpu", got.numpy(), want)
+    expect_equal("byteps alltoall_gpu2cpu sizes", sizes.numpy(), expected)
+    if "CPU" not in got.device:
+        raise AssertionError(f"alltoall_gpu2cpu left its result on {got.device}")
     for label, recv in (("negative", [-100] + expected[1:]),
                         ("not what was sent", [expected[0] + 1] + expected[1:])):
         try:
