@@ -204,7 +204,8 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
 
     # -- variables -----------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
-        if self._sync_state and self._num_replicas_in_sync > 1 and _unaggregated_state(kwargs):
+        if (self._sync_state and self._num_replicas_in_sync > 1 and _unaggregated_state(kwargs)
+                and not _an_optimizer_is_building()):
             # Keras 3 creates BatchNormalization's moving statistics (and any
             # add_weight(trainable=False)) with aggregation NONE: each replica
             # would keep its own. tf.keras declared them MEAN, which makes
@@ -255,6 +256,19 @@ def _unaggregated_state(kwargs) -> bool:
             and synchronization in (tf.VariableSynchronization.AUTO,
                                     tf.VariableSynchronization.ON_WRITE)
             and dtype is not None and tf.as_dtype(dtype).is_floating)
+
+
+def _an_optimizer_is_building() -> bool:
+    """True while a Keras optimizer creates its own variables. They are
+    updated in cross-replica context, or (the loss scale) identically on every
+    replica inside a cond, where a MEAN aggregation's merge_call cannot run."""
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.optimizers import base_optimizer
+    except ImportError:
+        return False
+    scopes = global_state.get_global_attribute("name_scope_stack") or []
+    return any(isinstance(s.caller, base_optimizer.BaseOptimizer) for s in scopes)
 
 
 def _is_state_variable(destinations, trainable_too: bool = False) -> bool:

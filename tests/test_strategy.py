@@ -171,6 +171,25 @@ def test_a_worker_with_a_batch_does_not_wait_for_the_end_of_data_sum(cluster):
         assert lines[0].split()[-1] == "marker", lines   # not "timeout"
 
 
+def test_mixed_precision_fit_trains_and_skips_an_overflow_on_every_worker(cluster):
+    """Under mixed_float16, Keras' LossScaleOptimizer checks each replica's
+    own gradients before the sum: the check is agreed (bps_tf.loss_scale), so
+    an overflow on one replica of rank 0 skips the step on all four replicas,
+    and every worker halves its scale."""
+    _, _, reports = cluster
+    for poisoned in (False, True):
+        runs = [report[f"mixed_precision_{poisoned}"] for report in reports]
+        for run in runs:
+            assert "error" not in run, run.get("error")
+            assert run["optimizer"] == "LossScaleOptimizer"
+            assert run["finite"] and run["replica_spread"] == 0.0, run
+            assert run["iterations"] == (3 if poisoned else 4), run
+            assert run["scale"] == run["initial_scale"] / (2 if poisoned else 1), run
+        assert runs[0]["weights"] == runs[1]["weights"]
+    clean, skipped = (reports[0][f"mixed_precision_{p}"]["weights"] for p in (False, True))
+    assert clean != skipped   # the skipped step really is one fewer update
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "dropout", "bn"])
 def test_workers_end_with_identical_weights(cluster, name):
     entries, arrays = _scenario(cluster, name)

@@ -49,7 +49,8 @@ def ranks(tmp_path_factory, legacy_env):
                                   "adam_predivide_fit", "warmup", "aggregated_fit_summed",
                                   "aggregated_fit_averaged", "local_var", "sync_batch_norm",
                                   "load_model", "momentum_correction",
-                                  "compression_under_strategy", "elastic_keras_state",
+                                  "compression_under_strategy", "mixed_precision",
+                                  "mixed_precision_legacy", "elastic_keras_state",
                                   "broadcast_unbuilt",
                                   "finished"])
 def test_tf_keras_check(ranks, name):

@@ -93,6 +93,12 @@ def test_fit_with_distributed_optimizer_keeps_workers_identical(ranks):
         assert float(detail.split()[-1]) <= 1e-5
 
 
+def test_mixed_precision_overflow_on_one_worker_skips_the_step_everywhere(ranks):
+    # Every rank: 4 batches, one skipped (rank 0's overflow), the scale halved once.
+    details = _check(ranks, "mixed_precision")
+    assert len(details) == 3 and all(d.startswith("iterations 3 scale ") for d in details)
+
+
 def test_shape_mismatch_error_names_tensor_and_both_shapes(ranks):
     for message in _check(ranks, "shape_mismatch"):
         assert "mismatch/w" in message, message

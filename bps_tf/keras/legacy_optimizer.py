@@ -115,6 +115,17 @@ class LegacyDistributedMixin(ReduceMixin):
     def _bps_already_reduced(self) -> bool:
         return bool(self.__dict__.pop("_bps_reduced_pending", False))
 
+    def aggregate_gradients(self, grads_and_vars):
+        # tf_keras' LossScaleOptimizer (mixed precision) sums the gradients
+        # here, before its inf/nan check, so that every worker checks the same
+        # sums and all skip or apply the step together. The base
+        # apply_gradients calls this too, after this wrapper has reduced.
+        grads_and_vars = super().aggregate_gradients(grads_and_vars)
+        if self.__dict__.get("_bps_applying"):
+            return grads_and_vars
+        self.__dict__.pop("_bps_reduced_pending", None)   # a skipped step's is stale
+        return self._bps_reduce_pairs(grads_and_vars)
+
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
         reduce = should_reduce(self._bps_compression)
@@ -133,7 +144,11 @@ class LegacyDistributedMixin(ReduceMixin):
         if not self._bps_already_reduced() and grads_and_vars and reduce:
             grads, variables = zip(*grads_and_vars)
             grads_and_vars = list(zip(self._bps_reduce(grads, variables), variables))
-        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        self.__dict__["_bps_applying"] = True
+        try:
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        finally:
+            self.__dict__.pop("_bps_applying", None)
 
 
 def check_supported(backward_passes_per_step) -> None:

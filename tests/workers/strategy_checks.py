@@ -197,6 +197,42 @@ def uneven_data(strategy, rank):
     return out
 
 
+def mixed_precision(rank, poisoned):
+    """model.fit under a mixed_float16 policy (Keras wraps the optimizer in
+    a LossScaleOptimizer), each worker on its own 4 batches. ``poisoned``:
+    rank 0's second batch overflows float16 on one of its replicas only, so
+    every replica of every worker must skip that step together."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(4 * GLOBAL_BATCH // 2, FEATURES)).astype("float32")
+        y = rng.normal(size=(len(x), 1)).astype("float32")
+        if poisoned and rank == 0:
+            x[GLOBAL_BATCH // 2:GLOBAL_BATCH // 2 + 2] *= 1e5   # replica 0 of step 1
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.OFF
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH // 2)
+        strategy = new_strategy()
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((FEATURES,)),
+                                      keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1, dtype="float32")])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model.fit(data.with_options(options), epochs=1, verbose=0)
+        optimizer = model.optimizer
+        weights = np.concatenate([v.numpy().ravel() for v in model.weights])
+        return {"optimizer": type(optimizer).__name__,
+                "iterations": int(optimizer.iterations.numpy()),
+                "scale": float(optimizer.dynamic_scale.numpy()),
+                "initial_scale": float(optimizer.initial_scale),
+                "finite": bool(np.isfinite(weights).all()),
+                "weights": weights.tolist(), "replica_spread": replica_spread(model)}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def replica_spread(model):
     """Largest difference between the local replicas' copies of any weight."""
     spread = 0.0
@@ -279,6 +315,12 @@ def main(out_dir):
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
         report["uneven_data"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
+    for poisoned in (False, True):
+        try:
+            report[f"mixed_precision_{poisoned}"] = mixed_precision(rank, poisoned)
+        except Exception as exc:  # recorded, asserted by the test
+            report[f"mixed_precision_{poisoned}"] = {
+                "error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
 
     def write():
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:

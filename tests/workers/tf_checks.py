@@ -267,6 +267,42 @@ def check_fit_with_distributed_optimizer(rank, size):
     return f"max difference {worst:.2e}"
 
 
+def check_mixed_precision_distributed_optimizer(rank, size):
+    """Keras 3 under mixed_float16 wraps the DistributedOptimizer in a
+    LossScaleOptimizer, whose inf/nan check sees each worker's own gradients:
+    an overflow on rank 0 alone must skip that step on every worker."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.RandomState(rank)
+        x = rng.randn(32, 5).astype("float32")
+        y = rng.randn(32, 1).astype("float32")
+        if rank == 0:
+            x[8:10] *= 1e5                     # step 1 overflows on rank 0 only
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                      loss="mse", jit_compile=False)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[bps_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+        optimizer = model.optimizer
+        state = {"class": type(optimizer).__name__, "iterations": int(optimizer.iterations.numpy()),
+                 "scale": float(optimizer.dynamic_scale.numpy()),
+                 "initial": float(optimizer.initial_scale)}
+        if state != {"class": "LossScaleOptimizer", "iterations": 3,
+                     "scale": state["initial"] / 2, "initial": state["initial"]}:
+            raise AssertionError(f"expected one skipped step of 4 and a halved scale: {state}")
+        weights = model.get_weights()
+        for got, want in zip(weights, api.broadcast_object(weights, root_rank=0,
+                                                           name="mixed/weights")):
+            expect_equal("weights equal to rank 0's", got, want)
+        if not all(np.isfinite(w).all() for w in weights):
+            raise AssertionError("non-finite weights")
+        return f"iterations {state['iterations']} scale {state['scale']:g}"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def check_shape_mismatch_is_reported(rank, size):
     """Horovod's error type on every rank; then the same name, now agreed on,
     works (a refused declaration is not kept)."""
@@ -347,6 +383,7 @@ def main(out_dir):
     checks.run("tape_training", lambda: check_tape_training_matches_single_process(rank, size))
     checks.run("fit_distributed_optimizer",
                lambda: check_fit_with_distributed_optimizer(rank, size))
+    checks.run("mixed_precision", lambda: check_mixed_precision_distributed_optimizer(rank, size))
     parity_checks.run_all(checks, rank, size)
     join_checks.run_all(checks, rank, size)
     checks.run("strategy_fp16", lambda: check_strategy_fp16_compression(rank, size))

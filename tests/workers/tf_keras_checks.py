@@ -281,6 +281,34 @@ def check_broadcast_callback_on_a_model_built_by_fit(rank):
     return len(model.get_weights())
 
 
+def check_mixed_precision_overflow_on_one_rank(rank, legacy):
+    """mixed_float16 wraps the wrapper in tf_keras' LossScaleOptimizer: an
+    overflow in rank 0's second batch alone must skip that step everywhere
+    (its inf/nan check runs on the sums, as Horovod's)."""
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = rank_data(rank)
+        if rank == 0:
+            x[BATCH:BATCH + 2] *= 1e5
+        model = make_model()
+        optimizer = (tf.keras.optimizers.legacy.SGD if legacy else tf.keras.optimizers.SGD)(0.01)
+        model.compile(optimizer=hvd.DistributedOptimizer(optimizer), loss="mse")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        scale = float(model.optimizer.loss_scale.numpy())
+        initial = float(model.optimizer.initial_scale)
+        if not scale < initial:
+            raise AssertionError(f"loss scale {scale}: no step was skipped")
+        weights = model.get_weights()
+        if not all(np.isfinite(w).all() for w in weights):
+            raise AssertionError("non-finite weights")
+        same_on_every_rank("loss scale", [scale])   # rank 1 skipped rank 0's overflow too
+        same_on_every_rank("weights", weights)
+        return f"scale {scale:g}"
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+
+
 def check_compression_under_a_strategy_is_refused():
     """The strategy reduces the gradients, so the wrapper's compression would
     be ignored: refused, not silently dropped."""
@@ -319,6 +347,9 @@ def main():
     checks.run("load_model", lambda: check_load_model(rank, size, out_dir))
     checks.run("momentum_correction", lambda: check_momentum_correction(rank))
     checks.run("compression_under_strategy", check_compression_under_a_strategy_is_refused)
+    checks.run("mixed_precision", lambda: check_mixed_precision_overflow_on_one_rank(rank, False))
+    checks.run("mixed_precision_legacy",
+               lambda: check_mixed_precision_overflow_on_one_rank(rank, True))
     checks.run("elastic_keras_state", lambda: check_elastic_keras_state(rank))
     checks.run("broadcast_unbuilt", lambda: check_broadcast_callback_on_a_model_built_by_fit(rank))
     checks.run("finished", lambda: None)

@@ -1,0 +1,75 @@
+"""Mixed precision across workers: one loss-scale decision for the whole job.
+
+Keras 3's ``LossScaleOptimizer`` (what ``compile`` uses under a
+``mixed_float16`` policy) checks the gradients for inf/nan *before* they are
+summed -- the sum happens later, inside the inner optimizer's ``apply`` -- and
+acts on that check alone (under a strategy, on the first local replica's).
+A worker whose own gradients overflowed would skip the step and halve its
+scale while the others apply it: their weights and scales part ways, or the
+others wait for a sum the skipping worker never sends.
+
+Here the check is agreed. Every worker (and every local replica) counts
+whether its gradients are finite, the counts are summed, and the step is
+applied only if every one of them was: all skip, or all apply, and every
+worker's scale stays the same, as in a single process training on the
+global batch. This holds under ``BytePSStrategy`` (the count goes through the
+replica context's all-reduce) and for ``bps_tf.keras.DistributedOptimizer``
+outside a strategy (one allreduce over the optimizer's process set).
+"""
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from bps_tf import api, basics
+
+NONFINITE_NAME = "bps.loss_scale/nonfinite"
+
+_predicates: list = []   # tell a BytePSStrategy (shared with keras_patches)
+
+
+def install(predicates: list) -> None:
+    """Wraps ``LossScaleOptimizer.check_finite`` (once); ``predicates`` is
+    the live list of functions that recognise a BytePSStrategy."""
+    global _predicates
+    _predicates = predicates
+    try:
+        from keras.src.optimizers import loss_scale_optimizer
+    except ImportError:
+        return
+    cls = loss_scale_optimizer.LossScaleOptimizer
+    original = cls.check_finite
+    if getattr(original, "_bps_agreed", False):
+        return
+
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        return agreed_finite(self, original(self, grads))
+
+    check_finite._bps_agreed = True
+    cls.check_finite = check_finite
+
+
+def agreed_finite(optimizer, finite):
+    """``finite`` (this replica's check) made the same on every replica."""
+    nonfinite = tf.cast(tf.logical_not(finite), tf.float32)
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        if not any(pred(strategy) for pred in _predicates):
+            return finite
+        if strategy.num_replicas_in_sync == 1 or tf.distribute.in_cross_replica_context():
+            return finite
+        total = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, nonfinite)
+        return tf.equal(total, 0.0)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not hasattr(inner, "_bps_process_set") or not basics.is_initialized():
+        return finite
+    process_set = inner._bps_process_set   # pylint: disable=protected-access
+    members = basics.size() if process_set is None else process_set.size()
+    if members <= 1 or (process_set is not None and not process_set.included()):
+        return finite
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    total = api.allreduce(nonfinite, op=api.Sum, name=NONFINITE_NAME, **kwargs)
+    return tf.equal(total, 0.0)
