@@ -163,15 +163,20 @@ SETTINGS = (
             "Seconds a node waits for the whole cluster to meet at start-up."),
     Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
             "Seconds one push_pull may wait for the other workers before it "
-            "fails (0: no limit; dead peers are caught by BYTEPS_TIMEOUT)."),
+            "fails (0: the stall settings below decide; dead peers are caught "
+            "by BYTEPS_TIMEOUT)."),
     Setting("BYTEPS_STALL_CHECK_TIME_SECONDS", "stall_check_s", "60", float,
             "Seconds after which a tensor that some workers declared (first "
             "push_pull of a name) and others did not is reported, on every "
-            "worker, with its name and the missing ranks (0: no check)."),
+            "worker, with its name and the missing ranks; and after which a "
+            "worker warns of its own push_pull of a name in use that the "
+            "others have not matched (0: no check)."),
     Setting("BYTEPS_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s", "600", float,
             "Seconds after which such a stalled tensor stops the job: every "
             "worker's pending push_pulls fail with the stall message and the "
-            "processes exit non-zero (0: never)."),
+            "processes exit non-zero; a push_pull of a name in use that waited "
+            "this long fails on its worker, unless BYTEPS_OP_TIMEOUT is set "
+            "(0: never)."),
     Setting("BYTEPS_FATAL_EXIT_GRACE", "fatal_exit_s", "15", float,
             "After a peer failure, seconds a worker waits for the program to "
             "react to the error before it exits with code 1 (0: never)."),

@@ -90,6 +90,25 @@ def test_a_stalled_push_pull_is_reported_then_stops_the_job(tmp_path):
     assert elapsed < 40
 
 
+def test_a_later_call_skipped_by_one_worker_is_reported_then_fails(tmp_path):
+    """Worker 1 calls 'shared' a second time, worker 0 does not: that push
+    waits at the server (not at the scheduler), so worker 1 itself warns
+    after BYTEPS_STALL_CHECK_TIME_SECONDS and fails the push_pull after
+    BYTEPS_STALL_SHUTDOWN_TIME_SECONDS, with no BYTEPS_OP_TIMEOUT set."""
+    env = dict(FAST_FAILURE, BYTEPS_STALL_CHECK_TIME_SECONDS="2",
+               BYTEPS_STALL_SHUTDOWN_TIME_SECONDS="5")
+    with ManualCluster(2, 1, [WORKER, "skip_round", str(tmp_path), "30"], env=env) as c:
+        assert c.wait_all([c.workers[1]], timeout=60)
+        log = c.log("worker1")
+        assert c.workers[1].returncode == 3, log
+        stalled = "push_pull 'shared' (call 2 of this name) has waited "
+        warning = log.index(stalled)
+        assert "BYTEPS_STALL_CHECK_TIME_SECONDS=2" in log[warning:], log
+        failure = log.index("push_pull failed: ")
+        assert warning < failure and stalled in log[failure:], log
+        assert "BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=5" in log[failure:], log
+
+
 def test_no_stall_check_when_it_is_off(tmp_path):
     """BYTEPS_STALL_CHECK_TIME_SECONDS=0: no report and no shutdown; the
     lone push_pulls still wait when the workers give up (after 6 s)."""

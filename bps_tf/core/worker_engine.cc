@@ -131,6 +131,8 @@ void WorkerEngine::Init(const Config& cfg) {
   timeout_s_ = cfg.GetDouble("timeout_s", 30);
   heartbeat_s_ = cfg.GetDouble("heartbeat_s", 1);
   op_timeout_s_ = cfg.GetDouble("op_timeout_s", 0);
+  stall_check_s_ = cfg.GetDouble("stall_check_s", 60);
+  stall_shutdown_s_ = cfg.GetDouble("stall_shutdown_s", 600);
   fatal_exit_s_ = cfg.GetDouble("fatal_exit_s", 15);
   double rendezvous_s = cfg.GetDouble("rendezvous_timeout_s", 120);
   scheduler_endpoint_ =

@@ -114,6 +114,7 @@ class WorkerEngine {
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
   void CheckTimers();
+  void CheckStalledPushes();
   void Leave();
   void CloseChannel();
 
@@ -142,6 +143,9 @@ class WorkerEngine {
   uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
   double cycle_s_ = 0;         // how long small partitions may wait for company
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
+  // A sent push whose round the other workers do not complete (a later call
+  // of a name that some worker skipped): warned about, then failed.
+  double stall_check_s_ = 60, stall_shutdown_s_ = 600;
   std::string scheduler_endpoint_;
 
   // Never destroyed (the engine is not): libzmq's release callbacks notify it

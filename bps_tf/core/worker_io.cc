@@ -249,15 +249,40 @@ void WorkerEngine::CheckTimers() {
           BPS_ERR_UNAVAILABLE);
     return;
   }
-  if (op_timeout_s_ > 0 && state == State::kReady) {
-    for (auto& kv : in_flight_) {
-      if (SecondsSince(kv.second.task->start) > op_timeout_s_) {
-        Fatal("push_pull '" + kv.second.task->name + "' did not complete within " +
-                  std::to_string(static_cast<int>(op_timeout_s_)) +
-                  " s (BYTEPS_OP_TIMEOUT): another worker did not push it",
-              BPS_ERR_TIMEOUT);
-        return;
-      }
+  if (state == State::kReady) CheckStalledPushes();
+}
+
+// A name's first push_pull waits at the scheduler, whose stall check names
+// the missing workers. A later round of a name is sent at once, so a worker
+// that skips it (a call under a rank-dependent branch) leaves the others'
+// pushes waiting at the servers: reported here from the waiting side.
+void WorkerEngine::CheckStalledPushes() {
+  for (auto& kv : in_flight_) {
+    Task* task = kv.second.task;
+    if (IsAsyncName(task->name)) continue;   // never waits for other workers
+    double age = SecondsSince(task->start);
+    if (op_timeout_s_ > 0 && age > op_timeout_s_) {
+      Fatal("push_pull '" + task->name + "' did not complete within " +
+                std::to_string(static_cast<int>(op_timeout_s_)) +
+                " s (BYTEPS_OP_TIMEOUT): another worker did not push it",
+            BPS_ERR_TIMEOUT);
+      return;
+    }
+    if (stall_check_s_ <= 0 || age < stall_check_s_) continue;
+    std::string what = "push_pull '" + task->name + "' (call " + std::to_string(task->round + 1) +
+                       " of this name) has waited " + std::to_string(static_cast<int>(age)) +
+                       " s for the other workers: a worker skipped this call (every worker must "
+                       "make the same push_pull/broadcast calls) or is stuck elsewhere";
+    if (op_timeout_s_ <= 0 && stall_shutdown_s_ > 0 && age >= stall_shutdown_s_) {
+      Fatal(what + "; stopping after BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=" +
+                std::to_string(static_cast<int>(stall_shutdown_s_)),
+            BPS_ERR_TIMEOUT);
+      return;
+    }
+    if (!task->stall_warned) {
+      task->stall_warned = true;
+      BPS_LOG(kWarning, what << " (BYTEPS_STALL_CHECK_TIME_SECONDS="
+                             << static_cast<int>(stall_check_s_) << ")");
     }
   }
 }

@@ -66,6 +66,7 @@ struct WorkerEngine::Task {
   int status = BPS_OK;     // with error
   Clock::time_point start = Clock::now();
   Clock::time_point scheduled{};
+  bool stall_warned = false;   // touched by the I/O thread only
   std::vector<PartTimes> times;  // filled only when this round is traced
 
   uint64_t PartOffset(uint32_t part) const { return part * info->part_bytes; }

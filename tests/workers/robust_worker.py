@@ -80,6 +80,22 @@ if MODE == "stall":
         sys.exit(3)
     sys.exit(0)
 
+if MODE == "skip_round":
+    # Both workers use 'shared' once; then worker 1 calls it again and
+    # worker 0 does not (a later round: sent at once, it waits at the server).
+    a = np.ones(10, np.float32)
+    core.push_pull_async("shared", a, np.empty_like(a), 0, "").wait(60)
+    if rank == 0:
+        time.sleep(N or 20)
+        sys.exit(0)
+    try:
+        core.push_pull_async("shared", a, np.empty_like(a), 0, "").wait(120)
+        print("push_pull returned", file=sys.stderr, flush=True)
+    except RuntimeError as exc:
+        print(f"push_pull failed: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
+    sys.exit(0)
+
 if MODE == "pattern":
     value = np.float32(os.environ["PATTERN_VALUE"])
     bad = []
