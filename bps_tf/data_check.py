@@ -36,6 +36,7 @@ from bps_tf import basics, collectives, naming
 log = logging.getLogger("bps_tf")
 _lock = threading.Lock()
 _original = None
+_original_enable = None
 _PREFIX = naming.strategy_key("data_check") + "/"
 
 
@@ -78,6 +79,18 @@ def _patched(strategy, input_workers, optional_list):
     return tf.reshape(replicas_with_values(local), [])
 
 
+def _enable_optional(strategy, dataset, cardinality):
+    if hasattr(strategy.extended, "bps_early_data_check") and \
+            strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+        # Keras reuses a train function traced for one dataset in later fit()
+        # calls. Traced for an infinite one (TensorFlow's own choice: no
+        # end-of-data check), it would let a worker whose finite dataset runs
+        # out end its epoch alone. On for every dataset, every traced step
+        # checks, and the workers end together.
+        return True
+    return _original_enable(strategy, dataset, cardinality)
+
+
 def drain() -> None:
     """Takes the sums still pending (at the process's exit). When every
     worker made the same get_next calls, each of them completes (a worker
@@ -102,7 +115,7 @@ def install() -> None:
     """Routes tf.distribute's end-of-data count through
     :func:`replicas_with_values` for strategies whose extended object sets
     ``bps_early_data_check`` (once per process)."""
-    global _original
+    global _original, _original_enable
     with _lock:
         if _original is not None:
             return
@@ -116,4 +129,6 @@ def install() -> None:
             return
         _original = original
         input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
+        _original_enable = input_lib._enable_get_next_as_optional  # pylint: disable=protected-access
+        input_lib._enable_get_next_as_optional = _enable_optional  # pylint: disable=protected-access
         atexit.register(drain)   # before basics' shutdown (registered earlier)

@@ -37,8 +37,8 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf import (api, async_training, basics, collectives, config, loss_scale, naming,
-                    predictions)
+from bps_tf import (api, async_training, basics, collectives, config, epoch_length, loss_scale,
+                    naming, predictions)
 
 _installed = False
 _lock = threading.Lock()
@@ -428,6 +428,7 @@ def install(is_ours=None) -> None:
         _patch_optimizer_apply(base_optimizer.BaseOptimizer)
         install_optimizer_variables()
         loss_scale.install(_is_ours)
+        epoch_length.install(_is_ours)
         from keras.src.backend.tensorflow import core as tf_core_module
         _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)

@@ -171,6 +171,20 @@ def test_a_worker_with_a_batch_does_not_wait_for_the_end_of_data_sum(cluster):
         assert lines[0].split()[-1] == "marker", lines   # not "timeout"
 
 
+def test_fit_on_each_workers_own_dataset_covers_every_row_and_ends_together(cluster):
+    """AutoShardPolicy.OFF datasets of 24 and 40 rows, then 40 and 40, after
+    a fit on an infinite dataset: 4 rows per worker and step, so every epoch
+    takes 10 steps on both workers (before: Keras counted 3 or 5 batches of
+    8, the longer worker waited for sums the other never sent, and with
+    equal lengths each epoch trained on half the rows)."""
+    _, _, reports = cluster
+    for report in reports:
+        data = report["own_datasets"]
+        assert "error" not in data, data.get("error")
+        assert data["uneven"] == [10, 10] and data["even"] == [10, 10], data
+    assert reports[0]["own_datasets"]["weights"] == reports[1]["own_datasets"]["weights"]
+
+
 def test_mixed_precision_fit_trains_and_skips_an_overflow_on_every_worker(cluster):
     """Under mixed_float16, Keras' LossScaleOptimizer checks each replica's
     own gradients before the sum: the check is agreed (bps_tf.loss_scale), so
@@ -183,7 +197,8 @@ def test_mixed_precision_fit_trains_and_skips_an_overflow_on_every_worker(cluste
             assert "error" not in run, run.get("error")
             assert run["optimizer"] == "LossScaleOptimizer"
             assert run["finite"] and run["replica_spread"] == 0.0, run
-            assert run["iterations"] == (3 if poisoned else 4), run
+            # 32 rows per worker, 4 per worker and step (OFF: a batch of 8 is global)
+            assert run["iterations"] == (7 if poisoned else 8), run
             assert run["scale"] == run["initial_scale"] / (2 if poisoned else 1), run
         assert runs[0]["weights"] == runs[1]["weights"]
     clean, skipped = (reports[0][f"mixed_precision_{p}"]["weights"] for p in (False, True))

@@ -197,11 +197,47 @@ def uneven_data(strategy, rank):
     return out
 
 
+def own_datasets(rank):
+    """fit on each worker's own dataset (AutoShardPolicy.OFF): a batch of 8
+    is a global batch, 2 rows per replica, 4 rows per worker and step. First
+    a fit on an infinite dataset (Keras keeps that traced step for the next
+    fits), then rank 0 24 rows / rank 1 40 rows, then 40 rows each: the
+    batches of each epoch, which must cover every worker's rows."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    strategy = new_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+
+    def data(rows):
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(rows, FEATURES)).astype("float32")
+        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).with_options(options)
+
+    class Batches(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen[-1] += 1
+
+    out = {}
+    model.fit(data(16).repeat(), steps_per_epoch=2, epochs=1, verbose=0)
+    for label, rows in (("uneven", 24 if rank == 0 else 40), ("even", 40)):
+        seen = []
+        model.fit(data(rows), epochs=2, verbose=0, callbacks=[Batches()])
+        out[label] = seen
+    out["weights"] = np.concatenate([v.numpy().ravel() for v in model.weights]).tolist()
+    return out
+
+
 def mixed_precision(rank, poisoned):
     """model.fit under a mixed_float16 policy (Keras wraps the optimizer in
-    a LossScaleOptimizer), each worker on its own 4 batches. ``poisoned``:
-    rank 0's second batch overflows float16 on one of its replicas only, so
-    every replica of every worker must skip that step together."""
+    a LossScaleOptimizer), each worker on its own 32 rows (8 steps of 4).
+    ``poisoned``: rank 0's third step overflows float16 on one of its
+    replicas only, so every replica of every worker must skip it together."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         rng = np.random.default_rng(rank)
@@ -315,6 +351,10 @@ def main(out_dir):
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
         report["uneven_data"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
+    try:
+        report["own_datasets"] = own_datasets(rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["own_datasets"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
     for poisoned in (False, True):
         try:
             report[f"mixed_precision_{poisoned}"] = mixed_precision(rank, poisoned)
