@@ -30,15 +30,15 @@ log = logging.getLogger("bps_tf")
 
 COUNTS_NAME = "bps.strategy/epoch_batches"
 
-_predicates: list = []   # tell a BytePSStrategy (shared with keras_patches)
+_is_bps = None   # keras_patches.is_bps_strategy, set before the iterator is wrapped
 _warned: set = set()
 
 
-def install(predicates: list) -> None:
-    """Wraps Keras' TensorFlow epoch iterator (once); ``predicates`` is the
-    live list of functions that recognise a BytePSStrategy."""
-    global _predicates
-    _predicates = predicates
+def install(is_bps) -> None:
+    """Wraps Keras' TensorFlow epoch iterator (once); ``is_bps(strategy)``
+    tells a BytePSStrategy."""
+    global _is_bps
+    _is_bps = is_bps
     try:
         from keras.src.backend.tensorflow import trainer as tf_trainer
     except ImportError:
@@ -51,7 +51,7 @@ def install(predicates: list) -> None:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        self._bps_unsized = _counts_differ(self)
+        self._bps_unsized = _unsized(self)
         if self._bps_unsized:
             self._num_batches = None
 
@@ -69,27 +69,29 @@ _OWN = -2   # a worker whose dataset is its own (not sharded by tf.distribute)
 
 
 def _own_data(iterator) -> bool:
-    try:
-        dataset = iterator.data_adapter.get_tf_dataset()
-        policy = dataset.options().experimental_distribute.auto_shard_policy
-    except (AttributeError, TypeError, ValueError, NotImplementedError):
+    # Only a user's tf.data.Dataset can carry the OFF policy (Keras shards the
+    # pipelines it builds from arrays by DATA); its adapter hands the dataset
+    # back as it was given, where others would build theirs again. A dataset
+    # the user distributed already has no options to read.
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+    if not isinstance(iterator.data_adapter, TFDatasetAdapter):
         return False
-    return policy == tf.data.experimental.AutoShardPolicy.OFF
+    dataset = iterator.data_adapter.get_tf_dataset()
+    return (isinstance(dataset, tf.data.Dataset) and
+            dataset.options().experimental_distribute.auto_shard_policy ==
+            tf.data.experimental.AutoShardPolicy.OFF)
 
 
-def _counts_differ(iterator) -> bool:
-    """Whether the workers' batch counts for this epoch iterator differ."""
+def _unsized(iterator) -> bool:
+    """Whether this epoch iterator must run until every worker is out of
+    data: a worker's dataset is its own, or the workers' counts differ."""
     strategy = getattr(iterator, "_distribute_strategy", None)
-    if strategy is None or not any(pred(strategy) for pred in _predicates):
-        return False
-    if strategy.num_workers <= 1 or getattr(strategy, "mode", "sync") == "async":
-        return False
-    if iterator.steps_per_epoch:
+    if (not _is_bps(strategy) or strategy.num_workers <= 1 or strategy.mode == "async"
+            or iterator.steps_per_epoch):
         return False
     local = iterator._num_batches   # pylint: disable=protected-access
-    own = _own_data(iterator)
-    mine = tf.constant([_OWN if own else -1 if local is None else int(local)], tf.int64)
-    counts = api.allgather(mine, name=COUNTS_NAME).numpy().tolist()
+    mine = _OWN if _own_data(iterator) else -1 if local is None else int(local)
+    counts = api.allgather(tf.constant([mine], tf.int64), name=COUNTS_NAME).numpy().tolist()
     if _OWN in counts:
         # AutoShardPolicy.OFF: each worker's batch is a global batch, split
         # over every replica, so a worker takes several steps per batch of its

@@ -46,12 +46,15 @@ _lock = threading.Lock()
 _is_ours = []
 
 
+def is_bps_strategy(strategy) -> bool:
+    """Whether ``strategy`` is a BytePSStrategy (by the registered predicates)."""
+    return strategy is not None and any(pred(strategy) for pred in _is_ours)
+
+
 def _bps_strategy(model):
     """The model's BytePSStrategy, or None."""
     strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None:
-        return None
-    return strategy if any(pred(strategy) for pred in _is_ours) else None
+    return strategy if is_bps_strategy(strategy) else None
 
 
 def _async(model):
@@ -427,8 +430,8 @@ def install(is_ours=None) -> None:
         from keras.src.optimizers import base_optimizer
         _patch_optimizer_apply(base_optimizer.BaseOptimizer)
         install_optimizer_variables()
-        loss_scale.install(_is_ours)
-        epoch_length.install(_is_ours)
+        loss_scale.install(is_bps_strategy)
+        epoch_length.install(is_bps_strategy)
         from keras.src.backend.tensorflow import core as tf_core_module
         _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)

@@ -23,17 +23,19 @@ import functools
 import tensorflow as tf
 
 from bps_tf import api, basics
+from bps_tf.process_sets import global_process_set
 
 NONFINITE_NAME = "bps.loss_scale/nonfinite"
 
-_predicates: list = []   # tell a BytePSStrategy (shared with keras_patches)
+
+_is_bps = None   # keras_patches.is_bps_strategy, set before check_finite is wrapped
 
 
-def install(predicates: list) -> None:
-    """Wraps ``LossScaleOptimizer.check_finite`` (once); ``predicates`` is
-    the live list of functions that recognise a BytePSStrategy."""
-    global _predicates
-    _predicates = predicates
+def install(is_bps) -> None:
+    """Wraps ``LossScaleOptimizer.check_finite`` (once); ``is_bps(strategy)``
+    tells a BytePSStrategy."""
+    global _is_bps
+    _is_bps = is_bps
     try:
         from keras.src.optimizers import loss_scale_optimizer
     except ImportError:
@@ -53,23 +55,27 @@ def install(predicates: list) -> None:
 
 def agreed_finite(optimizer, finite):
     """``finite`` (this replica's check) made the same on every replica."""
-    nonfinite = tf.cast(tf.logical_not(finite), tf.float32)
+    total_of = _summer(optimizer)
+    if total_of is None:
+        return finite
+    return tf.equal(total_of(tf.cast(tf.logical_not(finite), tf.float32)), 0.0)
+
+
+def _summer(optimizer):
+    """The sum of a per-replica count over every replica that must agree,
+    or None where this replica's check is already everyone's."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
-        if not any(pred(strategy) for pred in _predicates):
-            return finite
-        if strategy.num_replicas_in_sync == 1 or tf.distribute.in_cross_replica_context():
-            return finite
-        total = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, nonfinite)
-        return tf.equal(total, 0.0)
+        if (not _is_bps(strategy) or strategy.num_replicas_in_sync == 1
+                or tf.distribute.in_cross_replica_context()):
+            return None
+        context = tf.distribute.get_replica_context()
+        return lambda count: context.all_reduce(tf.distribute.ReduceOp.SUM, count)
     inner = getattr(optimizer, "inner_optimizer", None)
     if not hasattr(inner, "_bps_process_set") or not basics.is_initialized():
-        return finite
-    process_set = inner._bps_process_set   # pylint: disable=protected-access
-    members = basics.size() if process_set is None else process_set.size()
-    if members <= 1 or (process_set is not None and not process_set.included()):
-        return finite
-    kwargs = {} if process_set is None else {"process_set": process_set}
-    total = api.allreduce(nonfinite, op=api.Sum, name=NONFINITE_NAME, **kwargs)
-    return tf.equal(total, 0.0)
+        return None
+    process_set = inner._bps_process_set or global_process_set   # pylint: disable=protected-access
+    if process_set.size() <= 1 or not process_set.included():
+        return None
+    return lambda count: api.allreduce(count, op=api.Sum, name=NONFINITE_NAME,
+                                       process_set=process_set)

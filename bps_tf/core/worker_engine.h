@@ -146,6 +146,7 @@ class WorkerEngine {
   // A sent push whose round the other workers do not complete (a later call
   // of a name that some worker skipped): warned about, then failed.
   double stall_check_s_ = 60, stall_shutdown_s_ = 600;
+  Clock::time_point stall_scanned_{};  // I/O thread only: the scan runs at most every 0.25 s
   std::string scheduler_endpoint_;
 
   // Never destroyed (the engine is not): libzmq's release callbacks notify it

@@ -249,7 +249,11 @@ void WorkerEngine::CheckTimers() {
           BPS_ERR_UNAVAILABLE);
     return;
   }
-  if (state == State::kReady) CheckStalledPushes();
+  // The limits are seconds; the I/O loop wakes for every message.
+  if (state == State::kReady && SecondsSince(stall_scanned_) >= 0.25) {
+    stall_scanned_ = Clock::now();
+    CheckStalledPushes();
+  }
 }
 
 // A name's first push_pull waits at the scheduler, whose stall check names

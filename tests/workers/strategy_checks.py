@@ -197,14 +197,19 @@ def uneven_data(strategy, rank):
     return out
 
 
+def own_data(dataset):
+    """``dataset`` as this worker's own: not sharded across workers."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options)
+
+
 def own_datasets(rank):
     """fit on each worker's own dataset (AutoShardPolicy.OFF): a batch of 8
     is a global batch, 2 rows per replica, 4 rows per worker and step. First
     a fit on an infinite dataset (Keras keeps that traced step for the next
     fits), then rank 0 24 rows / rank 1 40 rows, then 40 rows each: the
     batches of each epoch, which must cover every worker's rows."""
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     strategy = new_strategy()
     with strategy.scope():
         keras.utils.set_random_seed(5)
@@ -214,7 +219,7 @@ def own_datasets(rank):
     def data(rows):
         rng = np.random.default_rng(rank)
         x = rng.normal(size=(rows, FEATURES)).astype("float32")
-        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).with_options(options)
+        return own_data(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8))
 
     class Batches(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -245,9 +250,6 @@ def mixed_precision(rank, poisoned):
         y = rng.normal(size=(len(x), 1)).astype("float32")
         if poisoned and rank == 0:
             x[GLOBAL_BATCH // 2:GLOBAL_BATCH // 2 + 2] *= 1e5   # replica 0 of step 1
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = \
-            tf.data.experimental.AutoShardPolicy.OFF
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH // 2)
         strategy = new_strategy()
         with strategy.scope():
@@ -256,7 +258,7 @@ def mixed_precision(rank, poisoned):
                                       keras.layers.Dense(8, activation="relu"),
                                       keras.layers.Dense(1, dtype="float32")])
             model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        model.fit(data.with_options(options), epochs=1, verbose=0)
+        model.fit(own_data(data), epochs=1, verbose=0)
         optimizer = model.optimizer
         weights = np.concatenate([v.numpy().ravel() for v in model.weights])
         return {"optimizer": type(optimizer).__name__,
