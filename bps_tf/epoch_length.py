@@ -19,7 +19,6 @@ is ``mode="async"``, where workers never wait for each other.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import tensorflow as tf
@@ -30,41 +29,7 @@ log = logging.getLogger("bps_tf")
 
 COUNTS_NAME = "bps.strategy/epoch_batches"
 
-_is_bps = None   # keras_patches.is_bps_strategy, set before the iterator is wrapped
 _warned: set = set()
-
-
-def install(is_bps) -> None:
-    """Wraps Keras' TensorFlow epoch iterator (once); ``is_bps(strategy)``
-    tells a BytePSStrategy."""
-    global _is_bps
-    _is_bps = is_bps
-    try:
-        from keras.src.backend.tensorflow import trainer as tf_trainer
-    except ImportError:
-        return
-    cls = tf_trainer.TFEpochIterator
-    if getattr(cls.__init__, "_bps_agreed", False):
-        return
-    original_init, original_reset = cls.__init__, cls.reset
-
-    @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self._bps_unsized = _unsized(self)
-        if self._bps_unsized:
-            self._num_batches = None
-
-    @functools.wraps(original_reset)
-    def reset(self):
-        original_reset(self)
-        if getattr(self, "_bps_unsized", False):
-            self._num_batches = None   # reset() reads the local count again
-
-    __init__._bps_agreed = True
-    cls.__init__, cls.reset = __init__, reset
-
-
 _OWN = -2   # a worker whose dataset is its own (not sharded by tf.distribute)
 
 
@@ -82,11 +47,13 @@ def _own_data(iterator) -> bool:
             tf.data.experimental.AutoShardPolicy.OFF)
 
 
-def _unsized(iterator) -> bool:
-    """Whether this epoch iterator must run until every worker is out of
-    data: a worker's dataset is its own, or the workers' counts differ."""
+def unsized(iterator, is_bps) -> bool:
+    """Whether Keras' epoch iterator must run until every worker is out of
+    data: a worker's dataset is its own, or the workers' counts differ
+    (keras_patches calls it as each iterator is made; ``is_bps(strategy)``
+    tells a BytePSStrategy)."""
     strategy = getattr(iterator, "_distribute_strategy", None)
-    if (not _is_bps(strategy) or strategy.num_workers <= 1 or strategy.mode == "async"
+    if (not is_bps(strategy) or strategy.num_workers <= 1 or strategy.mode == "async"
             or iterator.steps_per_epoch):
         return False
     local = iterator._num_batches   # pylint: disable=protected-access

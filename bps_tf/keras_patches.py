@@ -236,6 +236,35 @@ def _patch_optimizer_apply(optimizer_cls):
     optimizer_cls.apply = apply
 
 
+def _patch_loss_scale(loss_scale_cls):
+    original = loss_scale_cls.check_finite
+
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        return loss_scale.agreed_finite(self, original(self, grads), is_bps_strategy)
+
+    loss_scale_cls.check_finite = check_finite
+
+
+def _patch_epoch_length(iterator_cls):
+    original_init, original_reset = iterator_cls.__init__, iterator_cls.reset
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self._bps_unsized = epoch_length.unsized(self, is_bps_strategy)
+        if self._bps_unsized:
+            self._num_batches = None
+
+    @functools.wraps(original_reset)
+    def reset(self):
+        original_reset(self)
+        if self._bps_unsized:
+            self._num_batches = None   # reset() reads the local count again
+
+    iterator_cls.__init__, iterator_cls.reset = __init__, reset
+
+
 def _patch_async_evaluate(trainer_cls):
     original = trainer_cls.evaluate
 
@@ -427,11 +456,11 @@ def install(is_ours=None) -> None:
         _patch_predict(tf_trainer_module.TensorFlowTrainer)
         _patch_async_fit(tf_trainer_module.TensorFlowTrainer)
         _patch_async_evaluate(tf_trainer_module.TensorFlowTrainer)
-        from keras.src.optimizers import base_optimizer
+        _patch_epoch_length(tf_trainer_module.TFEpochIterator)
+        from keras.src.optimizers import base_optimizer, loss_scale_optimizer
         _patch_optimizer_apply(base_optimizer.BaseOptimizer)
+        _patch_loss_scale(loss_scale_optimizer.LossScaleOptimizer)
         install_optimizer_variables()
-        loss_scale.install(is_bps_strategy)
-        epoch_length.install(is_bps_strategy)
         from keras.src.backend.tensorflow import core as tf_core_module
         _patch_variable_path(tf_core_module.Variable)
         _patch_progress_bar(keras.callbacks.ProgbarLogger)

@@ -18,8 +18,6 @@ outside a strategy (one allreduce over the optimizer's process set).
 """
 from __future__ import annotations
 
-import functools
-
 import tensorflow as tf
 
 from bps_tf import api, basics
@@ -28,45 +26,22 @@ from bps_tf.process_sets import global_process_set
 NONFINITE_NAME = "bps.loss_scale/nonfinite"
 
 
-_is_bps = None   # keras_patches.is_bps_strategy, set before check_finite is wrapped
-
-
-def install(is_bps) -> None:
-    """Wraps ``LossScaleOptimizer.check_finite`` (once); ``is_bps(strategy)``
-    tells a BytePSStrategy."""
-    global _is_bps
-    _is_bps = is_bps
-    try:
-        from keras.src.optimizers import loss_scale_optimizer
-    except ImportError:
-        return
-    cls = loss_scale_optimizer.LossScaleOptimizer
-    original = cls.check_finite
-    if getattr(original, "_bps_agreed", False):
-        return
-
-    @functools.wraps(original)
-    def check_finite(self, grads):
-        return agreed_finite(self, original(self, grads))
-
-    check_finite._bps_agreed = True
-    cls.check_finite = check_finite
-
-
-def agreed_finite(optimizer, finite):
-    """``finite`` (this replica's check) made the same on every replica."""
-    total_of = _summer(optimizer)
+def agreed_finite(optimizer, finite, is_bps):
+    """``finite`` (this replica's check) made the same on every replica;
+    ``is_bps(strategy)`` tells a BytePSStrategy. keras_patches routes
+    ``LossScaleOptimizer.check_finite`` here."""
+    total_of = _summer(optimizer, is_bps)
     if total_of is None:
         return finite
     return tf.equal(total_of(tf.cast(tf.logical_not(finite), tf.float32)), 0.0)
 
 
-def _summer(optimizer):
+def _summer(optimizer, is_bps):
     """The sum of a per-replica count over every replica that must agree,
     or None where this replica's check is already everyone's."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
-        if (not _is_bps(strategy) or strategy.num_replicas_in_sync == 1
+        if (not is_bps(strategy) or strategy.num_replicas_in_sync == 1
                 or tf.distribute.in_cross_replica_context()):
             return None
         context = tf.distribute.get_replica_context()
