@@ -7,7 +7,7 @@ that loads it (its C++ ABI changes every release), so it is built here only
 when the building Python can import TensorFlow (`pip install
 --no-build-isolation .`), and stamped with that TensorFlow's key; otherwise,
 or after a TensorFlow upgrade, bps_tf compiles it at first import into a
-per-user cache (bps_tf/op_build.py). A stale build is never loaded.
+per-user cache (bps_tf/runtime/op_build.py). A stale build is never loaded.
 """
 import importlib.util
 import os
@@ -32,7 +32,7 @@ WARNINGS = ["-Wall", "-Wno-sign-compare"]
 def _load_op_build():
     # By path: importing the bps_tf package here would need its native parts.
     spec = importlib.util.spec_from_file_location(
-        "bps_tf_op_build", os.path.join(HERE, "bps_tf", "op_build.py"))
+        "bps_tf_op_build", os.path.join(HERE, "bps_tf", "runtime", "op_build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -113,7 +113,7 @@ class BuildNative(build_ext):
 
         core_lib = os.path.join(pkg, "libbps_core.so")
         if _newer(core_lib, objs["core"]):
-            # libzmq is deliberately not linked: bps_tf/_loader.py supplies it.
+            # libzmq is deliberately not linked: bps_tf/runtime/loader.py supplies it.
             _run(base + ["-shared", "-Wl,-soname,libbps_core.so", "-o", core_lib]
                  + objs["core"])
         ext = sysconfig.get_config_var("EXT_SUFFIX")
@@ -167,6 +167,6 @@ setup(
     install_requires=["numpy", "pyzmq>=22", "grpcio", "grpcio-health-checking"],
     ext_modules=[Extension("bps_tf._core", sources=[])],  # built by BuildNative
     cmdclass={"build_ext": BuildNative},
-    entry_points={"console_scripts": ["bpslaunch = bps_tf.launcher:main"]},
+    entry_points={"console_scripts": ["bpslaunch = bps_tf.launch.launcher:main"]},
     zip_safe=False,
 )

@@ -40,7 +40,7 @@ def _env() -> dict:
 
 def run(mode: str, steps: int, rounds: int) -> dict:
     out = tempfile.mkdtemp(prefix=f"bps_async_throttle_{mode}_")
-    cmd = [PYTHON, "-m", "bps_tf.launcher", "-np", "2", "--servers", "1", "--timeout", "500",
+    cmd = [PYTHON, "-m", "bps_tf.launch", "-np", "2", "--servers", "1", "--timeout", "500",
            PYTHON, SCRIPT, out, mode, str(steps), str(rounds)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560,
                           cwd=tempfile.gettempdir(), env=_env())

@@ -26,7 +26,7 @@ Runs, one after the other, each worker alone in a namespace host of its own
 * with --overlap --blocking-check, also bps_tf overlap blocking check:
                bps_tf overlap with BYTEPS_EARLY_DATA_CHECK=0 (every step waits for
                tf.distribute's end-of-data sum across workers, as before
-               bps_tf/data_check.py).
+               bps_tf/strategy/data_check.py).
 
 A run's step is its timed steps' wall time over their count (the throughput);
 each worker also reports the CPU seconds it used per step and the share of

@@ -29,7 +29,7 @@ def main():
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(args.workers), "--servers",
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", str(args.workers), "--servers",
            str(args.servers), "--timeout", "600", sys.executable,
            str(ROOT / "benchmarks" / "workers" / "reduce_ops_worker.py"), args.sizes,
            str(args.reps)]

@@ -7,17 +7,18 @@ functions; there is no MPI behind them, the module's name is Horovod's.
 """
 from __future__ import annotations
 
-from bps_tf import basics, process_sets
-from bps_tf.api import Adasum, Average, Max, Min, Product, Sum, allgather, broadcast
-from bps_tf.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized,
-                           local_rank, local_size, rank, shutdown, size, start_timeline,
-                           stop_timeline)
-from bps_tf.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                               mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                               rocm_built, sycl_built)
-from bps_tf.scatter_gather import alltoall, reducescatter
-from bps_tf.synchronization import (barrier, join, local_rank_op, local_size_op,
-                                    process_set_included_op, rank_op, size_op)
+from bps_tf.horovod.api import Adasum, Average, Max, Min, Product, Sum, allgather, broadcast
+from bps_tf.horovod.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                       rocm_built, sycl_built)
+from bps_tf.horovod.lifecycle import init  # noqa: F401
+from bps_tf.horovod.scatter_gather import alltoall, reducescatter
+from bps_tf.horovod.synchronization import (barrier, join, local_rank_op, local_size_op,
+                                            process_set_included_op, rank_op, size_op)
+from bps_tf.runtime import basics, process_sets
+from bps_tf.runtime.basics import (cross_rank, cross_size, is_homogeneous, is_initialized,
+                                   local_rank, local_size, rank, shutdown, size, start_timeline,
+                                   stop_timeline)
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "alltoall",
            "barrier", "broadcast", "ccl_built", "cross_rank", "cross_size", "cuda_built",
@@ -30,7 +31,7 @@ __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "al
 
 class _Basics:
     """The part of Horovod's ``HorovodBasics`` that code calls directly; any
-    other attribute is bps_tf.basics' (``init``, ``size``, ``rank``, ...)."""
+    other attribute is bps_tf.runtime.basics' (``init``, ``size``, ``rank``, ...)."""
 
     @staticmethod
     def _get_process_set_ids_and_ranks():

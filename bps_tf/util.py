@@ -3,12 +3,7 @@
 Horovod path asks before choosing eager or graph code)."""
 from __future__ import annotations
 
-
-def tf_keras_enabled() -> bool:
-    """True when ``tf.keras`` is tf_keras (Keras 2): ``TF_USE_LEGACY_KERAS``
-    set to one of the values TensorFlow itself accepts."""
-    import os
-    return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
+from bps_tf.runtime.config import tf_keras_enabled  # noqa: F401  (hvd.util's users)
 
 
 def _executing_eagerly():

@@ -18,7 +18,7 @@ def launch(num_workers, num_servers, script_args, env=None, timeout=120):
     full_env.update(env or {})
     # The launcher's own timeout stops the job in order (and names it) before
     # subprocess.run's hard limit would kill the launcher.
-    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(num_workers), "--servers",
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", str(num_workers), "--servers",
            str(num_servers), "--timeout", str(max(timeout - 15, 10)), sys.executable] + list(script_args)
     # Run from a neutral directory: `python -m` puts the working directory on
     # sys.path, and the source tree must not shadow the installed package.

@@ -1,4 +1,4 @@
-"""bps_tf.api and bps_tf.keras in one process (size 1, no cluster).
+"""bps_tf.horovod.api and bps_tf.keras in one process (size 1, no cluster).
 
 At size 1 the op is a copy, so tests that need a real reduction pretend to a
 larger job by patching ``basics.size`` (the op still copies): that checks the
@@ -18,10 +18,10 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import bps_tf  # noqa: E402
-import bps_tf.basics as basics  # noqa: E402
+import bps_tf.runtime.basics as basics  # noqa: E402
 import bps_tf.ops as bps_ops  # noqa: E402
-from bps_tf import api  # noqa: E402
-from bps_tf.tape import DistributedGradientTape  # noqa: E402
+from bps_tf.horovod import api  # noqa: E402
+from bps_tf.horovod.tape import DistributedGradientTape  # noqa: E402
 import bps_tf.keras as bps_keras  # noqa: E402
 from bps_tf.keras import callbacks as bps_callbacks  # noqa: E402
 
@@ -31,7 +31,7 @@ DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
 
 @pytest.fixture(scope="module", autouse=True)
 def initialized():
-    basics.init()
+    bps_tf.init()
     assert basics.size() == 1
     yield
     basics.shutdown()
@@ -199,7 +199,7 @@ def _run_alone(code):
 
 def test_calls_before_init_fail_clearly():
     code = ("import tensorflow as tf\n"
-            "from bps_tf import api\n"
+            "from bps_tf.horovod import api\n"
             "try:\n"
             "    api.push_pull(tf.ones([2]))\n"
             "except RuntimeError as e:\n"
@@ -603,7 +603,7 @@ def test_async_mode_refuses_what_cannot_exchange_weights(monkeypatch):
     # weight changes: averaging gradients instead would not be async training.
     monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
     from bps_tf.strategy import BytePSStrategy
-    from bps_tf.tape import DistributedGradientTape
+    from bps_tf.horovod.tape import DistributedGradientTape
     w = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * w)
@@ -701,7 +701,7 @@ def test_backward_passes_per_step_must_be_a_whole_number_of_passes(passes):
 
 def test_a_negative_overlap_read_timeout_is_refused(monkeypatch):
     # It once meant "wait forever" without a word.
-    from bps_tf import config
+    from bps_tf.runtime import config
     monkeypatch.setenv("BYTEPS_OVERLAP_READ_TIMEOUT", "-5")
     with pytest.raises(ValueError, match="BYTEPS_OVERLAP_READ_TIMEOUT='-5' is not valid: it "
                                          "must be 0"):
@@ -729,7 +729,7 @@ def test_a_tensorflow_without_the_end_of_data_hook_keeps_its_own_sum(monkeypatch
     # data_check patches a private input_lib function; where a TensorFlow
     # has none, tf.distribute's own (blocking, exact) sum must stay in place.
     from tensorflow.python.distribute import input_lib
-    from bps_tf import data_check
+    from bps_tf.strategy import data_check
     monkeypatch.setattr(data_check, "_original", None)
     monkeypatch.delattr(input_lib, "_calculate_replicas_with_values")
     data_check.install()
@@ -742,7 +742,7 @@ def test_a_tensorflow_without_the_end_of_data_hook_keeps_its_own_sum(monkeypatch
 def test_the_end_of_data_hook_is_installed_once_and_serves_other_strategies_unchanged(
         monkeypatch):
     from tensorflow.python.distribute import input_lib
-    from bps_tf import data_check
+    from bps_tf.strategy import data_check
     calls = []
 
     def original(strategy, input_workers, optional_list):

@@ -1,4 +1,4 @@
-"""Asynchronous parameter-server training (bps_tf.async_training), on one
+"""Asynchronous parameter-server training (bps_tf.comm.async_training), on one
 cluster of 2 workers x 2 servers started without BYTEPS_ENABLE_ASYNC:
 tests/workers/async_checks.py runs the phases and this file checks them."""
 import json
@@ -134,7 +134,7 @@ def test_a_worker_that_left_does_not_stop_the_other(cluster):
 
 
 def test_async_name_prefix_matches_the_core():
-    from bps_tf import naming
+    from bps_tf.comm import naming
     with open(os.path.join(ROOT, "bps_tf", "core", "protocol.h")) as f:
         assert f'kAsyncNamePrefix[] = "{naming.ASYNC_PREFIX}"' in f.read()
 

@@ -140,7 +140,7 @@ def test_bazel_op_library_registers_the_ops(bazel_bin, tmp_path):
         assert os.path.isfile(os.path.join(bazel_bin, path)), path
     seen = _python(f"""
         import ctypes, json
-        from bps_tf._loader import preload_libzmq
+        from bps_tf.runtime.loader import preload_libzmq
         # The core leaves libzmq undefined, and the op library needs the core's
         # symbols: load both globally first, as bps_tf.ops does.
         preload_libzmq()
@@ -170,7 +170,7 @@ def test_bazel_outputs_work_as_the_package(bazel_bin, tmp_path):
         shutil.copy(os.path.join(bazel_bin, path), stage / path)
     # Bazel built the op library against this TensorFlow: say so, as a
     # packaging step would, or bps_tf rightly refuses to trust it.
-    stamp = subprocess.run([sys.executable, "-m", "bps_tf.op_build", "--stamp", str(stage / OPS)],
+    stamp = subprocess.run([sys.executable, "-m", "bps_tf.runtime.op_build", "--stamp", str(stage / OPS)],
                            cwd=str(tmp_path), capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
                            env=dict(os.environ, PYTHONPATH=str(stage), TF_CPP_MIN_LOG_LEVEL="2"))
     assert stamp.returncode == 0, stamp.stderr
@@ -178,7 +178,8 @@ def test_bazel_outputs_work_as_the_package(bazel_bin, tmp_path):
         import json, os
         import tensorflow as tf
         import bps_tf
-        from bps_tf import basics, ops
+        from bps_tf import ops
+        from bps_tf.runtime import basics
         bps_tf.init()
         out = ops.push_pull_sum(tf.constant([1.5, -2.0, 3.25]), "bazel_smoke")
         with open("/proc/self/maps") as f:

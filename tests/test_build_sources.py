@@ -29,12 +29,12 @@ def _literal(path, names):
 
 
 def _setup_lists():
-    """setup.py's core sources; the op sources come from bps_tf/op_build.py,
+    """setup.py's core sources; the op sources come from bps_tf/runtime/op_build.py,
     which setup.py and the build at first import share."""
     core = _literal(os.path.join(ROOT, "setup.py"), {"CORE_SOURCES"})
     assert "CORE_SOURCES" in core, "setup.py no longer names its sources"
     ops = _literal(os.path.join(ROOT, "bps_tf", "op_build.py"), {"OP_SOURCES"})
-    assert "OP_SOURCES" in ops, "bps_tf/op_build.py no longer names the op sources"
+    assert "OP_SOURCES" in ops, "bps_tf/runtime/op_build.py no longer names the op sources"
     return core["CORE_SOURCES"], ["bps_tf/" + s for s in ops["OP_SOURCES"]]
 
 

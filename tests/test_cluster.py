@@ -1,10 +1,10 @@
-"""bps_tf.cluster.resolve: DMLC_*, TF_CONFIG and no configuration at all."""
+"""bps_tf.runtime.cluster.resolve: DMLC_*, TF_CONFIG and no configuration at all."""
 import json
 import socket
 
 import pytest
 
-from bps_tf.cluster import ClusterConfig, ClusterSpecError, describe, join_host_port, resolve, split_host_port
+from bps_tf.runtime.cluster import ClusterConfig, ClusterSpecError, describe, join_host_port, resolve, split_host_port
 
 CORE_KEYS = {"role", "rank", "num_workers", "num_servers", "scheduler_host", "scheduler_port",
              "server_id", "advertise_host", "port", "bind_host", "host_scheduler", "ready_file",

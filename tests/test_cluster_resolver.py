@@ -2,7 +2,7 @@
 cluster_spec()) from the same source that placed the process in the job."""
 import json
 
-from bps_tf.cluster_resolver import make_cluster_resolver
+from bps_tf.strategy.cluster_resolver import make_cluster_resolver
 
 
 def test_no_cluster_is_worker_zero_of_one():

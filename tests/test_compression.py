@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from bps_tf import basics
+from bps_tf.runtime import basics
 
 HEADER = 24
 MASK = (1 << 64) - 1
@@ -306,7 +306,8 @@ def test_direct_compress_decompress_gives_the_cores_quantization():
 
 def test_check_supported_takes_the_cores_compressors_only():
     pytest.importorskip("tensorflow")
-    from bps_tf import Compression, compression
+    from bps_tf import Compression
+    from bps_tf.comm import compression
 
     class Custom(compression.Compressor):
         pass

@@ -11,7 +11,7 @@ def _read(*parts):
 
 
 def test_shared_settings_name_the_variables_python_reads():
-    from bps_tf import config  # no TensorFlow, no native code
+    from bps_tf.runtime import config  # no TensorFlow, no native code
 
     table = re.search(r"kSharedSettings\[\]\s*=\s*\{(.*?)\};", _read("bps_tf", "core", "protocol.h"),
                       re.S).group(1)
@@ -23,7 +23,7 @@ def test_shared_settings_name_the_variables_python_reads():
         if key in by_key:
             assert env == by_key[key], f"{key}: protocol.h says {env}, config.py {by_key[key]}"
         else:  # placement settings come from the cluster spec
-            assert f'"{env}"' in cluster, f"{key}: {env} is not read by bps_tf/cluster.py"
+            assert f'"{env}"' in cluster, f"{key}: {env} is not read by bps_tf/runtime/cluster.py"
 
 
 def test_one_dtype_table():

@@ -26,7 +26,7 @@ def run_checks(tmp_path, mode, workers=3, servers=2, env=None, expect_ok=True):
 
 
 def _unix_sockets_visible():
-    from bps_tf._loader import load_core
+    from bps_tf.runtime.loader import load_core
     return bool(load_core().machine_netns_id()) and os.path.exists("/proc/net/unix")
 
 
@@ -186,7 +186,7 @@ def test_no_wake_up_of_an_io_thread_is_lost():
     # made a small model's fit step 20x slower. 200,000 notifications with
     # a consumer that polls, drains and takes the queue, as the loops do:
     # none of its polls may time out while an item is queued.
-    from bps_tf._loader import load_core
+    from bps_tf.runtime.loader import load_core
     assert load_core().wakeup_lost_count(200_000, 50) == 0
 
 
@@ -198,7 +198,7 @@ def test_a_unix_socket_counts_as_local_only_when_it_listens_here():
     import uuid
 
     import zmq
-    from bps_tf._loader import load_core
+    from bps_tf.runtime.loader import load_core
     core = load_core()
     ident = core.machine_netns_id()
     with open("/proc/sys/kernel/random/boot_id") as f:
@@ -233,7 +233,7 @@ def test_the_last_to_join_is_the_latest_notice_no_other_worker_saw_join():
     # its results had counted workers 1 and 2 as joined (seen = 0b110):
     # worker 0 joined last. Workers whose joins nothing ordered: the later
     # arrival is last.
-    from bps_tf._loader import load_core
+    from bps_tf.runtime.loader import load_core
     core = load_core()
     assert core.last_to_join([(2, 0), (0, 0b110), (1, 0b100)]) == 0
     assert core.last_to_join([(1, 0b001), (0, 0)]) == 1

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_runner import ROOT, passed_details, run_checks  # noqa: E402
-from bps_tf import config  # noqa: E402
+from bps_tf.runtime import config  # noqa: E402
 
 WORKERS, SERVERS = 2, 2
 CHECKS = os.path.join(ROOT, "tests", "workers", "fusion_checks.py")

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from bps_tf import health, launcher
+from bps_tf.runtime import health
+from bps_tf.launch import launcher
 
 # Looked up, not imported: see above.
 if importlib.util.find_spec("grpc_health") is None:
@@ -54,8 +55,9 @@ while True:
 
 WORKER = r'''
 import os, sys, time
-from bps_tf import basics
-basics.init()
+import bps_tf
+from bps_tf.runtime import basics
+bps_tf.init()
 print("JOINED", flush=True)
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
@@ -99,7 +101,7 @@ def test_statuses_follow_the_core_state():
 
 FOLLOW = r"""
 import os, sys, time
-from bps_tf import health
+from bps_tf.runtime import health
 path = sys.argv[1]
 def state():
     with open(path) as f:
@@ -211,7 +213,7 @@ def test_a_finished_job_closes_the_health_port(cluster, tmp_path):
     script.write_text(WORKER)
     (tmp_path / "go").touch()
     # Through bpslaunch: its --health-port reaches the one server.
-    proc = subprocess.run([sys.executable, "-m", "bps_tf.launcher", "-np", "1", "--servers", "1",
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "1", "--servers", "1",
                            "--health-port", str(port), "--timeout", "60", sys.executable,
                            str(script), str(tmp_path / "go")],
                           capture_output=True, text=True, timeout=90, cwd=tempfile.gettempdir(),

@@ -6,7 +6,7 @@ in (block mappings and sequences, scalars, JSON-style flow lists, comments);
 PyYAML is not a dependency of bps_tf. When both are present they must agree.
 
 For each pod, the test writes the TF_CONFIG that Kubeflow's training operator
-would inject and checks what ``bps_tf.cluster.resolve`` makes of it.
+would inject and checks what ``bps_tf.runtime.cluster.resolve`` makes of it.
 """
 import json
 import os
@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from bps_tf import cluster
+from bps_tf.runtime import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "examples", "k8s", "tfjob.yaml")
@@ -274,7 +274,7 @@ def test_servers_have_grpc_health_probes_on_their_health_port(tfjob):
     reach ps-0 through its Service, which lists only ready pods, so such a
     probe would keep the job from ever meeting.
     """
-    from bps_tf import config, health
+    from bps_tf.runtime import config, health
     for name, spec in tfjob["spec"]["tfReplicaSpecs"].items():
         container = _tensorflow_container(spec)
         env = {e["name"]: e.get("value") for e in container.get("env", [])}

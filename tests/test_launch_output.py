@@ -1,7 +1,7 @@
 """bpslaunch's output: every line tagged with its process, never two processes
 within one line; one start line and one end line; --no-prefix.
 
-These run the real CLI (`python -m bps_tf.launcher`) with real servers and
+These run the real CLI (`python -m bps_tf.launch`) with real servers and
 numpy-only workers (no TensorFlow), from a neutral working directory.
 """
 import os
@@ -12,15 +12,16 @@ import tempfile
 
 import pytest
 
-from bps_tf import launch_output, launcher
+from bps_tf.launch import output as launch_output, launcher
 
 LINES = 400
 LONG = 6000      # longer than a pipe's atomic write (4096): must still stay whole
 
 CHATTY = r'''
 import os, sys
-from bps_tf import basics
-basics.init()
+import bps_tf
+from bps_tf.runtime import basics
+bps_tf.init()
 rank = basics.rank()
 lines, long = int(sys.argv[1]), int(sys.argv[2])
 out = sys.stdout
@@ -51,7 +52,7 @@ def _bpslaunch(args, tmp_path, **env):
     full.pop("BYTEPS_JOB_TOKEN", None)
     full.pop("TF_CPP_MIN_LOG_LEVEL", None)
     full.update(env)
-    cmd = [sys.executable, "-m", "bps_tf.launcher", "--timeout", "60", *args,
+    cmd = [sys.executable, "-m", "bps_tf.launch", "--timeout", "60", *args,
            sys.executable, str(script), str(LINES), str(LONG)]
     return subprocess.run(cmd, env=full, capture_output=True, timeout=90,
                           cwd=tempfile.gettempdir())
@@ -113,7 +114,7 @@ def test_a_failure_is_named_in_the_end_line(tmp_path):
                       "time.sleep(30)\n")
     env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
     env["BYTEPS_JOB_TOKEN"] = "secret-value-never-shown"
-    proc = subprocess.run([sys.executable, "-m", "bps_tf.launcher", "-np", "2", "--timeout",
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "2", "--timeout",
                            "60", sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=90, cwd=tempfile.gettempdir())
     assert proc.returncode == 3

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bps_tf import launcher
+from bps_tf.launch import launcher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -294,7 +294,7 @@ def test_stuck_servers_are_killed_after_the_workers_succeed(job, capsys):
 
 @pytest.mark.parametrize("prefix", [False, True])
 def test_sigterm_to_the_launcher_stops_everything(job, prefix):
-    script = (f"import sys; from bps_tf import launcher; sys.exit(launcher.run_local("
+    script = (f"import sys; from bps_tf.launch import launcher; sys.exit(launcher.run_local("
               f"2, 1, {job.worker({'0': 'hang', '1': 'hang'})!r}, "
               f"server_command={job.server('ignore-term')!r}, grace=0.5, "
               f"prefix_output={prefix}))")
@@ -372,11 +372,11 @@ def test_cli_as_a_module(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
     env["PYTHONPATH"] = str(REPO)
     check = "import os, sys; sys.exit(7 if 'DMLC_ROLE' not in os.environ else 9)"
-    done = subprocess.run([sys.executable, "-m", "bps_tf.launcher", "-np", "1", "--",
+    done = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "1", "--",
                            sys.executable, "-c", check], env=dict(env, DMLC_ROLE="worker"),
                           cwd=tmp_path, timeout=20)
     assert done.returncode == 7
-    done = subprocess.run([sys.executable, "-m", "bps_tf.launcher", sys.executable, "-c", "1"],
+    done = subprocess.run([sys.executable, "-m", "bps_tf.launch", sys.executable, "-c", "1"],
                           env=env, cwd=tmp_path, timeout=20, capture_output=True, text=True)
     assert done.returncode == launcher.EXIT_USAGE and "pass -np N" in done.stderr
 

@@ -92,7 +92,7 @@ def test_off_switch_every_worker_pushes(tmp_path):
 
 
 def test_setting_parses_auto_and_refuses_garbage():
-    from bps_tf import config
+    from bps_tf.runtime import config
     assert config.value("BYTEPS_LOCAL_REDUCE", {}) == -1
     assert config.value("BYTEPS_LOCAL_REDUCE", {"BYTEPS_LOCAL_REDUCE": "0"}) == 0
     assert config.value("BYTEPS_LOCAL_REDUCE", {"BYTEPS_LOCAL_REDUCE": "on"}) == 1

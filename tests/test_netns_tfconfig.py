@@ -131,7 +131,7 @@ def _bpslaunch():
     script = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
     if os.access(script, os.X_OK):
         return [script]
-    return [sys.executable, "-m", "bps_tf.launcher"]    # the same entry point
+    return [sys.executable, "-m", "bps_tf.launch"]    # the same entry point
 
 
 def _stop(procs):

@@ -1,5 +1,5 @@
 """Cross-step overlap under an unchanged model.fit (BytePSStrategy(overlap=True),
-bps_tf/overlap_fit.py) across real processes: one bpslaunch cluster (2 workers,
+bps_tf/overlap/fit.py) across real processes: one bpslaunch cluster (2 workers,
 2 servers) runs tests/workers/overlap_fit_checks.py, which trains every case
 with overlap off and on and compares them bit for bit; the tests read what each
 worker recorded. About 1-2 minutes."""

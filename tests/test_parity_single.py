@@ -10,10 +10,10 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import bps_tf  # noqa: E402
-import bps_tf.basics as basics  # noqa: E402
+import bps_tf.runtime.basics as basics  # noqa: E402
 import bps_tf.ops as bps_ops  # noqa: E402
 import bps_tf.keras as bps_keras  # noqa: E402
-from bps_tf import api, scatter_gather  # noqa: E402
+from bps_tf.horovod import api, scatter_gather  # noqa: E402
 
 REDUCE_DTYPES = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64,
                  tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -22,7 +22,7 @@ OPS = [api.Sum, api.Average, api.Min, api.Max, api.Product]
 
 @pytest.fixture(scope="module", autouse=True)
 def initialized():
-    basics.init()
+    bps_tf.init()
     assert basics.size() == 1
     yield
     basics.shutdown()
@@ -122,7 +122,7 @@ def test_min_max_product_keys_scaling_and_graph_mode(op_names):
 
 
 def test_min_max_product_refused_in_async_mode(monkeypatch):
-    from bps_tf import async_training
+    from bps_tf.comm import async_training
     monkeypatch.setattr(async_training, "enabled", lambda: True)
     with pytest.raises(NotImplementedError, match="asynchronous"):
         api.allreduce(tf.constant([1.0]), op=api.Min, name="async/min")

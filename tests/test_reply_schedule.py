@@ -4,7 +4,7 @@ handed to libzmq at once. Driven through a probe in the core module: no
 server, no network, no TensorFlow."""
 import pytest
 
-from bps_tf._loader import load_core
+from bps_tf.runtime.loader import load_core
 
 core = load_core()
 
@@ -91,7 +91,7 @@ def test_workers_start_each_group_of_partitions_at_a_different_server(parts, gro
     ("BYTEPS_SCHEDULING_BURST_MS", "-1", "number of milliseconds"),
     ("BYTEPS_SCHEDULING_BURST_GAP_MS", "inf", "number of milliseconds")])
 def test_a_bad_queue_setting_is_refused_not_silently_turned_off(env, text, why):
-    from bps_tf import config
+    from bps_tf.runtime import config
     with pytest.raises(ValueError, match=f"{env}='{text}' is not valid") as err:
         config.core_settings({env: text})
     assert why in str(err.value)

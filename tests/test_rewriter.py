@@ -1,5 +1,5 @@
 """Priorities from the graph (the C++ priority pass, read back as the kernels
-receive them) and bps_tf.tf1_rewriter's push_pull insertion into GraphDefs.
+receive them) and bps_tf.compat.tf1_rewriter's push_pull insertion into GraphDefs.
 
 Runs in the test process (one worker, no cluster: push_pull is a copy).
 Variables are always created in the reverse of the order the forward pass
@@ -10,13 +10,14 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from bps_tf import basics, tf1_rewriter  # noqa: E402
+from bps_tf.runtime import basics  # noqa: E402
+from bps_tf.compat import tf1_rewriter
 
 
 @pytest.fixture(scope="module", autouse=True)
 def initialized():
     import bps_tf.ops  # noqa: F401  (registers BytepsPushPull for import_graph_def)
-    basics.init()
+    bps_tf.init()
     assert basics.size() == 1
     yield
 

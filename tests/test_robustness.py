@@ -139,7 +139,7 @@ def _join_the_job(sock, token, encryption):
     import zmq
     from zmq.utils import z85
 
-    from bps_tf import security
+    from bps_tf.runtime import security
     if encryption == "1":
         sock.curve_serverkey = zmq.curve_public(
             z85.encode(security.derive(token, "curve_server_secret")))
@@ -159,7 +159,7 @@ def _outsiders_are_refused(port, token, encryption):
     import zmq
     from zmq.utils import z85
 
-    from bps_tf import security
+    from bps_tf.runtime import security
 
     def knows_the_server_key(sock):
         if encryption == "1":
@@ -218,7 +218,7 @@ def _local_link_admits_only_the_job(server_pid, port, token, encryption):
     captured on a network without encryption opens no local link, and the
     local one (never sent over a network) opens nothing on the TCP port."""
     import zmq
-    from bps_tf import security
+    from bps_tf.runtime import security
     local = _local_endpoint(server_pid)
     tcp = f"tcp://127.0.0.1:{port}"
     right = security.derive(token, "local_credential").hex().encode()

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from manual_cluster import ROOT, ManualCluster  # noqa: E402
 
-from bps_tf import config, security  # noqa: E402
+from bps_tf.runtime import config, security  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "workers", "robust_worker.py")
 PATTERN_VALUE = 1234.5678
@@ -65,7 +65,7 @@ def test_the_core_refuses_malformed_keys():
     # In a fresh process: a core another test of this session has already
     # initialized would not look at a new config at all.
     script = """
-from bps_tf import basics
+from bps_tf.runtime import basics
 core = basics.core()
 text = ("role=worker\\nnum_workers=2\\nnum_servers=1\\nscheduler_port=1\\n"
         "link_security=curve\\ncurve_server_secret=xyz\\n")

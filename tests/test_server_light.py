@@ -15,7 +15,7 @@ PROBE = ("import sys\n"
 
 
 def test_server_serves_a_tensorflow_worker_without_importing_tensorflow():
-    from bps_tf import launcher
+    from bps_tf.launch import launcher
     worker = [sys.executable, os.path.join(ROOT, "tests", "workers", "tf_one_op.py")]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     # The launcher's server command is injectable: wrap the real server in a
@@ -42,7 +42,7 @@ def test_server_serves_a_tensorflow_worker_without_importing_tensorflow():
 def test_servers_ignore_a_bps_tf_checkout_in_the_working_directory(tmp_path, monkeypatch):
     """bpslaunch is often run from a source checkout whose bps_tf has no built
     libraries; the servers it starts must still import the installed one."""
-    from bps_tf import launcher
+    from bps_tf.launch import launcher
     decoy = tmp_path / "bps_tf"
     decoy.mkdir()
     (decoy / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")

@@ -44,7 +44,7 @@ def _env():
 
 
 def _launch(script, args, workers=2, servers=2):
-    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", str(workers), "--servers", str(servers),
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", str(workers), "--servers", str(servers),
            sys.executable, str(WORKERS / script), *map(str, args)]
     return subprocess.run(cmd, cwd=NEUTRAL_DIR, env=_env(), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
@@ -119,7 +119,7 @@ def _expected_uneven_sums(counts, replicas_per_worker=2):
 
 
 def test_uneven_datasets_run_until_every_worker_is_out_of_data(cluster):
-    """The per-step end-of-data sum (bps_tf.data_check): a worker whose own
+    """The per-step end-of-data sum (bps_tf.strategy.data_check): a worker whose own
     data ran out feeds empty batches until the other's ends, traced and eager."""
     proc, _, reports = cluster
     expected = _expected_uneven_sums((3, 8))
@@ -144,7 +144,7 @@ def test_a_get_next_made_by_one_worker_only_is_reported(tmp_path):
     sum is reported when rank 0 exits. BYTEPS_TIMEOUT bounds how long the
     server waits for rank 0, which leaves after seeing rank 1 gone."""
     env = dict(_env(), BYTEPS_TIMEOUT="5")
-    cmd = [sys.executable, "-m", "bps_tf.launcher", "-np", "2", "--servers", "1",
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", "2", "--servers", "1",
            sys.executable, str(WORKERS / "data_check_extra_call.py")]
     proc = subprocess.run(cmd, cwd=NEUTRAL_DIR, env=env, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
@@ -187,7 +187,7 @@ def test_fit_on_each_workers_own_dataset_covers_every_row_and_ends_together(clus
 
 def test_mixed_precision_fit_trains_and_skips_an_overflow_on_every_worker(cluster):
     """Under mixed_float16, Keras' LossScaleOptimizer checks each replica's
-    own gradients before the sum: the check is agreed (bps_tf.loss_scale), so
+    own gradients before the sum: the check is agreed (bps_tf.strategy.loss_scale), so
     an overflow on one replica of rank 0 skips the step on all four replicas,
     and every worker halves its scale."""
     _, _, reports = cluster

@@ -1,4 +1,4 @@
-"""Regenerates the settings table of docs/configuration.md from bps_tf/config.py.
+"""Regenerates the settings table of docs/configuration.md from bps_tf/runtime/config.py.
 
     python tools/gen_config_doc.py          # rewrite the table
     python tools/gen_config_doc.py --check  # exit 1 if the doc is stale
@@ -8,7 +8,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bps_tf import config  # noqa: E402  (no TensorFlow, no native code)
+from bps_tf.runtime import config  # noqa: E402  (no TensorFlow, no native code)
 
 DOC = os.path.join(ROOT, "docs", "configuration.md")
 HEADER = "| variable | default | meaning |"

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 
 
 def run_case(core, rank, size, case, wait_s):
@@ -47,7 +48,7 @@ def run_case(core, rank, size, case, wait_s):
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    basics.init()
+    bps_tf.init()
     core, rank, size = basics.core(), basics.rank(), basics.size()
     results = [run_case(core, rank, size, case, spec.get("wait_s", 300.0))
                for case in spec["cases"]]

@@ -10,7 +10,8 @@ import time
 
 import tensorflow as tf
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 from bps_tf import ops as bps_ops
 
 
@@ -36,7 +37,7 @@ def make_step(label, names, priorities, tensors):
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    basics.init()
+    bps_tf.init()
     rank, size = basics.rank(), basics.size()
     results = []
     for case in spec["cases"]:

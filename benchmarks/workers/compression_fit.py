@@ -44,7 +44,7 @@ def main():
     tf.config.threading.set_inter_op_parallelism_threads(max(2, spec["threads"]))
     import keras
     import bps_tf
-    from bps_tf import basics
+    from bps_tf.runtime import basics
 
     strategy = bps_tf.BytePSStrategy(compression=compressor(spec["compression"]))
     rank, workers = bps_tf.rank(), bps_tf.size()

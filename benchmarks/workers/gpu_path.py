@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
@@ -170,7 +171,7 @@ def time_size(dev, kernels, core, rank, nbytes, warmup, reps):
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    basics.init()
+    bps_tf.init()
     core, rank, size = basics.core(), basics.rank(), basics.size()
     dev = Device(spec.get("emulate", False))
     kernels = harness.Kernels(spec["lib"], prefix="bps_host" if dev.emulate else "bps_gpu")

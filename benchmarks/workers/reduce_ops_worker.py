@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import bps_tf
-from bps_tf import api
+from bps_tf.horovod import api
 
 
 def timed(fn, reps):

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import api, async_training, basics, collectives, process_sets
-from bps_tf.pass_aggregation import PassAggregator, passes_count
+from bps_tf.comm import async_training, collectives
+from bps_tf.compat.pass_aggregation import PassAggregator, passes_count
+from bps_tf.horovod import api
+from bps_tf.runtime import basics, process_sets
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 

@@ -22,7 +22,7 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
-// "key=value\n" text, as built by bps_tf/config.py.
+// "key=value\n" text, as built by bps_tf/runtime/config.py.
 class Config {
  public:
   static Config Parse(const std::string& text);

@@ -1,7 +1,7 @@
 // Names a person recognises for tensor keys.
 //
 // The key of a push_pull made by BytePSStrategy is a stable name that every
-// worker derives the same way (bps_tf/naming.py), not the variable it
+// worker derives the same way (bps_tf/comm/naming.py), not the variable it
 // carries. The Python side tells the core which variable that is, so error
 // messages, logs and the timeline can say "dense_1/kernel" as well. Labels
 // never travel and never take part in matching tensors across workers.

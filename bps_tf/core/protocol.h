@@ -84,7 +84,7 @@ const char* RoleName(Role role);
 
 // Settings every node must agree on; sent in each HELLO and compared by the
 // scheduler, whose error names the variable that sets each. The variables
-// are bps_tf/config.py's and bps_tf/cluster.py's; tests/test_core_tables.py
+// are bps_tf/runtime/config.py's and bps_tf/runtime/cluster.py's; tests/test_core_tables.py
 // holds this list to them.
 struct SharedSetting {
   const char* key;  // in the core's config text
@@ -115,7 +115,7 @@ const char* ReduceOpName(uint8_t op);  // "sum", "min", ...; "unknown" past kMax
 // Partition keys: the tensor key's low 16 bits hold the part index.
 constexpr uint64_t kPartBits = 16;
 constexpr uint64_t kMaxParts = 1ULL << kPartBits;
-// BYTEPS_PARTITION_BYTES when the config text has none; bps_tf/config.py
+// BYTEPS_PARTITION_BYTES when the config text has none; bps_tf/runtime/config.py
 // sends the same default, so this is only a fallback for direct core users.
 constexpr int64_t kDefaultPartitionBytes = 1 << 20;
 inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key | part; }
@@ -123,7 +123,7 @@ inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key 
 // Asynchronous keys (parameter-server training): the server holds the
 // value, adds each push to it and answers that push at once with the value
 // after the addition -- no rounds, no waiting for other workers. The tensor
-// name says which keys are (bps_tf/naming.py forms these names); a push
+// name says which keys are (bps_tf/comm/naming.py forms these names); a push
 // carries it in its header's request_id, which pushes do not use otherwise,
 // so one server serves synchronous and asynchronous keys side by side.
 constexpr char kAsyncNamePrefix[] = "bps_async/";

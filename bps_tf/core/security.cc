@@ -27,7 +27,7 @@ std::string HexSetting(const Config& cfg, const std::string& key) {
   for (char c : hex) ok = ok && HexDigit(c) >= 0;
   if (!ok) {
     throw Error("the core's config needs " + key +
-                " as 64 hex digits (bps_tf/security.py derives it from BYTEPS_JOB_TOKEN)");
+                " as 64 hex digits (bps_tf/runtime/security.py derives it from BYTEPS_JOB_TOKEN)");
   }
   return hex;
 }

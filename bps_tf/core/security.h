@@ -2,7 +2,7 @@
 // connection, with the mechanisms ZeroMQ specifies (ZMTP CURVE and PLAIN,
 // authentication requests over ZAP), never by code of ours.
 //
-// Three modes, chosen by bps_tf/security.py from BYTEPS_JOB_TOKEN and
+// Three modes, chosen by bps_tf/runtime/security.py from BYTEPS_JOB_TOKEN and
 // BYTEPS_ENCRYPTION, which derives every secret below from the token:
 //   curve  every link is CURVE: encrypted and authenticated both ways. The
 //          listening side holds the server key pair; connecting sides the

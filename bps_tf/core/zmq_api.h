@@ -1,6 +1,6 @@
 // The part of the libzmq C API bps_tf uses, declared here so the build needs
 // no ZeroMQ headers. libzmq itself is loaded at run time (pyzmq's bundled
-// copy, see bps_tf/_loader.py), so nothing links against it at build time.
+// copy, see bps_tf/runtime/loader.py), so nothing links against it at build time.
 // The values below are the documented, stable libzmq 4.x ABI; a test checks
 // them against pyzmq's constants.
 #ifndef BPS_TF_CORE_ZMQ_API_H_

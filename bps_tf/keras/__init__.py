@@ -9,29 +9,30 @@
 """
 from __future__ import annotations
 
-from bps_tf.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized,
-                           local_rank, local_size, rank, shutdown, size, start_timeline,
-                           stop_timeline)
-from bps_tf.api import (Average, Compression, Sum, allgather, allgather_object, broadcast,
-                        broadcast_object, broadcast_variables, push_pull)
-from bps_tf.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                               mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                               rocm_built)
-from bps_tf.scatter_gather import reducescatter as _tensor_reducescatter
-from bps_tf.api import allreduce as _tensor_allreduce
+from bps_tf.comm.naming import model_variables
+from bps_tf.horovod import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
+from bps_tf.horovod.api import Average, Compression, Sum, allgather, allgather_object
+from bps_tf.horovod.api import allreduce as _tensor_allreduce
+from bps_tf.horovod.api import broadcast, broadcast_object, broadcast_variables, push_pull
+from bps_tf.horovod.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                       rocm_built)
+from bps_tf.horovod.lifecycle import init  # noqa: F401
+from bps_tf.horovod.scatter_gather import reducescatter as _tensor_reducescatter
+from bps_tf.horovod.sync_batch_norm import SyncBatchNormalization
 from bps_tf.keras import callbacks
-from bps_tf import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
 from bps_tf.keras.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
                                     make_distributed_in_place)
-from bps_tf import keras_patches
-from bps_tf.naming import model_variables
-from bps_tf.process_sets import (ProcessSet, add_process_set, global_process_set,
-                                 remove_process_set)
-from bps_tf.sync_batch_norm import SyncBatchNormalization
+from bps_tf.runtime.basics import (cross_rank, cross_size, is_homogeneous, is_initialized,
+                                   local_rank, local_size, rank, shutdown, size, start_timeline,
+                                   stop_timeline)
+from bps_tf.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                         remove_process_set)
+from bps_tf.strategy import keras_hooks
 
 # Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
-keras_patches.install()
-keras_patches.give_tf_keras_a_version()
+keras_hooks.install()
+keras_hooks.give_tf_keras_a_version()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -80,7 +81,7 @@ def broadcast_global_variables(root_rank):
             "variables. Use bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(root_rank) "
             "with fit, or bps_tf.keras.broadcast_model(model, root_rank) / "
             "broadcast_variables(variables, root_rank) in a custom loop.")
-    from bps_tf import tf1_session
+    from bps_tf.compat import tf1_session
     op = tf1_session.broadcast_global_variables(root_rank)
     # tf_keras' session holds the model's variables; a plain TF1 script's
     # default session otherwise.
@@ -99,7 +100,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     DistributedOptimizer, with its saved state. ``custom_optimizers`` (a list
     of classes) are added to ``custom_objects``. With ``TF_USE_LEGACY_KERAS=1``
     it is tf_keras' ``load_model`` (a Keras 2 model and optimizer)."""
-    from bps_tf.util import tf_keras_enabled
+    from bps_tf.runtime.config import tf_keras_enabled
     if tf_keras_enabled():
         import tensorflow as tf
         keras = tf.keras

@@ -20,8 +20,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from bps_tf import api, basics
-from bps_tf.naming import model_variables
+from bps_tf.comm.naming import model_variables
+from bps_tf.horovod import api
+from bps_tf.runtime import basics
 
 
 class _KerasCallback(keras.callbacks.Callback):

@@ -17,10 +17,10 @@ import logging
 
 import tensorflow as tf
 
-from bps_tf import api
-from bps_tf.async_training import refuse_gradient_exchange
-from bps_tf.pass_aggregation import PassAggregator, passes_count
-from bps_tf.tape import source_key, reduce_except_local
+from bps_tf.comm.async_training import refuse_gradient_exchange
+from bps_tf.compat.pass_aggregation import PassAggregator, passes_count
+from bps_tf.horovod import api
+from bps_tf.horovod.tape import reduce_except_local, source_key
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:

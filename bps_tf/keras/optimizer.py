@@ -23,7 +23,7 @@ gradients (Keras calls its all-reduce), so the wrapper passes them through.
 Under ``BYTEPS_ENABLE_ASYNC=1`` (outside a strategy) nothing is averaged:
 ``apply`` runs the wrapped optimizer on this worker's gradients, then pushes
 each trainable variable's change and assigns the servers' value
-(bps_tf.async_training.exchange_all). The servers' copy must be started from
+(bps_tf.comm.async_training.exchange_all). The servers' copy must be started from
 rank 0 first (``BroadcastGlobalVariablesCallback(0)`` or
 ``broadcast_variables``); tracing a step without it raises.
 """
@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf import api, async_training
+from bps_tf.comm import async_training
+from bps_tf.compat.pass_aggregation import passes_count
+from bps_tf.horovod import api
 from bps_tf.keras import legacy_optimizer
-from bps_tf.pass_aggregation import passes_count
 
 
 class _DistributedMixin(legacy_optimizer.ReduceMixin):
@@ -148,7 +149,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``jit_compile=False`` (the op refuses XLA with a message saying so).
     """
     from bps_tf.compat import v1
-    from bps_tf.process_sets import resolve
+    from bps_tf.runtime.process_sets import resolve
     resolve(process_set, "DistributedOptimizer", members_only=False)
     del num_groups, groups
     if v1.is_v1_optimizer(optimizer):   # a TF1 optimizer: Horovod's TF1 wrapper

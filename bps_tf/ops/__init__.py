@@ -1,4 +1,5 @@
-"""TensorFlow ops of bps_tf: loading, Python wrappers and gradients.
+"""TensorFlow ops of bps_tf: loading and Python wrappers (their gradients:
+bps_tf.comm.gradients, registered when bps_tf.comm.collectives loads the ops).
 
 `push_pull_sum` sums a tensor across workers; `broadcast_raw` returns the
 root's value. Both run as asynchronous kernels on the core's engine.
@@ -10,8 +11,8 @@ import os
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
 
-from bps_tf import basics, naming, op_build
-from bps_tf._loader import preload_libzmq
+from bps_tf.runtime import basics, op_build
+from bps_tf.runtime.loader import preload_libzmq
 
 OP_TYPES = ("BytepsPushPull", "BytepsBroadcast", "BytepsPushPullStart", "BytepsPushPullWait")
 
@@ -85,72 +86,3 @@ def push_pull_debug_hold(x, command: str, tensor_name: str = "", timeout_ms: int
 
 tf.no_gradient("BytepsPushPullStart")
 tf.no_gradient("BytepsPushPullWait")
-
-
-@tf.RegisterGradient("BytepsPushPullDebugHold")
-def _debug_hold_grad(op, grad, _log_grad):
-    return [grad]   # y is x
-
-
-@tf.RegisterGradient("BytepsPushPull")
-def _push_pull_grad(op, grad):
-    # The output is the sum of every worker's input, so each input's
-    # gradient is the sum of every worker's output gradient.
-    name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    agreement = op.get_attr("agreement").decode()
-    summed = push_pull_sum(grad, name, op.get_attr("priority"), agreement=agreement)
-    try:
-        kind = op.get_attr("reduce_op").decode()
-    except ValueError:  # a node built without the attr (e.g. an older graph): a sum
-        kind = "sum"
-    if kind == "sum":
-        return [summed]
-    return [_reduce_op_grad(op, kind, summed, name, agreement)]
-
-
-def _set_rank_size(agreement):
-    """This worker's rank and the size of the process set an agreement names
-    ("set=0,2"), or of every worker when it names none."""
-    rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
-    for term in agreement.split():
-        if term.startswith("set="):
-            members = [int(r) for r in term[4:].split(",")]
-            return members.index(rank), len(members)
-    return rank, size
-
-
-def _reduce_op_grad(op, kind, summed, name, agreement):
-    """The gradient of min/max/product through one worker's input, as the
-    gradient of TensorFlow's reduce_min/max/prod over the stack of every
-    worker's input: a min/max's gradient is shared among the workers that
-    hold the extreme value, a product's is the product of the others."""
-    x, y = op.inputs[0], op.outputs[0]
-    priority = op.get_attr("priority")
-    if kind in ("min", "max"):
-        held = tf.cast(tf.equal(x, y), summed.dtype)
-        holders = push_pull_sum(held, naming.part_key(name, "holders"), priority,
-                                agreement=agreement)
-        return summed * held / holders
-    rank, size = _set_rank_size(agreement)
-    # Every worker's input, gathered exactly (x + 0 == x), in rank order.
-    rows = tf.scatter_nd([[rank]], tf.expand_dims(x, 0),
-                         tf.concat([[size], tf.shape(x)], 0))
-    every = push_pull_sum(rows, naming.part_key(name, "factors"), priority, agreement=agreement)
-    others = tf.tensor_scatter_nd_update(every, [[rank]], tf.expand_dims(tf.ones_like(x), 0))
-    return summed * tf.reduce_prod(others, axis=0)
-
-
-@tf.RegisterGradient("BytepsBroadcast")
-def _broadcast_grad(op, grad):
-    # Only the root's input reaches the output: it receives the summed
-    # gradient, the others none.
-    name = naming.gradient_key(op.get_attr("tensor_name").decode())
-    summed = push_pull_sum(grad, name, op.get_attr("priority"),
-                           agreement=op.get_attr("agreement").decode())
-    if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
-        # The zeros must still wait for the push_pull: the root waits for
-        # this worker's share, and in a TF1 session (or after Grappler folds
-        # zeros of a known shape) nothing else would make it run.
-        with tf.control_dependencies([summed]):
-            return [tf.zeros_like(grad)]
-    return [summed]

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_record import Checks  # noqa: E402
 
 import bps_tf  # noqa: E402
-from bps_tf import async_training  # noqa: E402
+from bps_tf.comm import async_training  # noqa: E402
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 
 OUT = sys.argv[1]

@@ -17,8 +17,9 @@ import tensorflow as tf
 import keras
 
 import bps_tf
-from bps_tf import api, basics
-from bps_tf.tape import DistributedGradientTape
+from bps_tf.horovod import api
+from bps_tf.runtime import basics
+from bps_tf.horovod.tape import DistributedGradientTape
 from check_record import Checks  # noqa: E402
 
 PART = 1024        # float32 elements per partition

@@ -18,11 +18,12 @@ if MODE == "settings":
     if os.environ.get("DMLC_WORKER_ID") == "1":
         os.environ["BYTEPS_PARTITION_BYTES"] = "1024"
 
-from bps_tf import basics  # noqa: E402
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics  # noqa: E402
 
 result = {}
 try:
-    basics.init()
+    bps_tf.init()
 except Exception as exc:  # the test asserts on the message
     print(f"bps_tf.init() failed: {exc}", file=sys.stderr, flush=True)
     result["init_error"] = str(exc)

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 from bps_tf import ops as bps_ops
 from check_record import Checks  # noqa: E402
 
@@ -154,7 +155,7 @@ def check_free_buffer_is_reused(rank, size):
 
 def main():
     out_dir = sys.argv[1]
-    basics.init()
+    bps_tf.init()
     rank, size = basics.rank(), basics.size()
     checks = Checks(out_dir, rank, size)
     with tf.device("/cpu:0"):

@@ -15,9 +15,9 @@ import tensorflow as tf
 import keras
 
 import bps_tf
-import bps_tf.basics  # noqa: F401  (stats)
-from bps_tf import api
-from bps_tf.tape import DistributedGradientTape
+import bps_tf.runtime.basics  # noqa: F401  (stats)
+from bps_tf.horovod import api
+from bps_tf.horovod.tape import DistributedGradientTape
 
 
 def expect_equal(what, got, want):
@@ -64,7 +64,7 @@ def _uneven_epoch(rank, size, steps_of, tag, join_in_function=False):
 
 
 def _expect_join_seen(what, ranks):
-    seen = bps_tf.basics.stats()["join_seen_sent"]
+    seen = bps_tf.runtime.basics.stats()["join_seen_sent"]
     if seen != sum(1 << k for k in ranks):
         raise AssertionError(f"{what}: this worker's notice said it saw the joins of "
                              f"{bin(seen)}, want ranks {ranks}")

@@ -23,10 +23,10 @@ if MODE in ("on", "off"):
     os.environ["BYTEPS_LOCAL_RANK"] = str(RANK % 2)
     os.environ["BYTEPS_LOCAL_SIZE"] = "2"
 
-from bps_tf import basics  # noqa: E402
+from bps_tf.runtime import basics  # noqa: E402
 from check_record import Checks  # noqa: E402
 
-basics.init()
+bps_tf.init()
 core = basics.core()
 rank, size = basics.rank(), basics.size()
 checks = Checks(OUT, rank, size)

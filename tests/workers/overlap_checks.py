@@ -14,9 +14,9 @@ import tensorflow as tf
 import keras
 
 import bps_tf
-from bps_tf import collectives
+from bps_tf.comm import collectives
 from bps_tf.overlap import OverlappedApply
-from bps_tf.tape import DistributedGradientTape
+from bps_tf.horovod.tape import DistributedGradientTape
 from check_record import Checks  # noqa: E402
 
 STEPS = 6

@@ -22,7 +22,8 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import bps_tf  # noqa: E402
-from bps_tf import collectives, overlap_fit  # noqa: E402
+from bps_tf.comm import collectives  # noqa: E402
+from bps_tf.overlap import fit as overlap_fit
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 from check_record import Checks  # noqa: E402
 

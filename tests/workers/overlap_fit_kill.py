@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import bps_tf  # noqa: E402
-from bps_tf import overlap_fit  # noqa: E402
+from bps_tf.overlap import fit as overlap_fit  # noqa: E402
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 
 OUT = sys.argv[1]

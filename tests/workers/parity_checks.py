@@ -15,7 +15,7 @@ import keras
 
 import bps_tf
 import bps_tf.keras  # noqa: F401  (bps_tf.keras.callbacks)
-from bps_tf import api
+from bps_tf.horovod import api
 import gradient_checks
 
 INTS = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64]

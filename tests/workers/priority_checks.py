@@ -101,7 +101,7 @@ def tape_scenario():
 
     for _ in range(3):
         step()
-    names = {v.name.split(":")[0]: f"PushPull/DistributedGradientTape/{bps_tf.api.variable_name(v)}"
+    names = {v.name.split(":")[0]: f"PushPull/DistributedGradientTape/{bps_tf.horovod.api.variable_name(v)}"
              for v in variables}
     return {"tensors": {k: [v] for k, v in names.items()}, "call_order": ["w1", "w2", "w3"]}
 

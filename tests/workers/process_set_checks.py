@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import bps_tf
-from bps_tf import api, scatter_gather, synchronization
+from bps_tf.horovod import api, scatter_gather, synchronization
 from check_record import Checks  # noqa: E402
 
 A_RANKS, B_RANKS, D_RANKS = [0, 1], [1, 2], [2]

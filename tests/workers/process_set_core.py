@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 from check_record import Checks  # noqa: E402
 
 ROUNDS = 20
@@ -117,7 +118,7 @@ def check_stall(core, rank):
 
 
 def main(out_dir):
-    basics.init()
+    bps_tf.init()
     core = basics.core()
     rank, size = basics.rank(), basics.size()
     checks = Checks(out_dir, rank, size)

@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from bps_tf import basics
+import bps_tf  # noqa: E402
+from bps_tf.runtime import basics
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 0
@@ -31,7 +32,7 @@ def rss_mb():
                 return int(line.split()[1]) / 1024.0
 
 
-basics.init()
+bps_tf.init()
 core = basics.core()
 rank, size = basics.rank(), basics.size()
 open(os.path.join(OUT, f"joined{rank}"), "w").close()

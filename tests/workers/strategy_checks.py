@@ -160,7 +160,7 @@ def uneven_data(strategy, rank):
     """A custom loop over datasets of different lengths per worker: the sums
     of every step, traced and eager, and whether a traced step whose workers
     all have a batch ran without waiting for the end-of-data sum."""
-    from bps_tf import collectives
+    from bps_tf.comm import collectives
     out = {}
 
     def dataset_fn(ctx):

@@ -20,8 +20,9 @@ import tensorflow as tf
 import keras
 
 import bps_tf
-from bps_tf import api, basics, config
-from bps_tf.tape import DistributedGradientTape
+from bps_tf.horovod import api
+from bps_tf.runtime import basics, config
+from bps_tf.horovod.tape import DistributedGradientTape
 import bps_tf.keras as bps_keras
 import join_checks
 import parity_checks

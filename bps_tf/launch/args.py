@@ -1,0 +1,103 @@
+"""bpslaunch's command line: the options, their checks and the help text."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from bps_tf.launch.output import PROG
+
+_DESCRIPTION = """\
+Start a bps_tf training job and supervise it.
+
+Local mode (-np N): starts a whole cluster on 127.0.0.1: the servers (the
+scheduler runs inside server 0) and N workers that run COMMAND, each with
+DMLC_WORKER_ID / BYTEPS_LOCAL_RANK set to its rank.
+
+Cluster mode (no -np): starts this host's one process of a larger job, whose
+place is read from TF_CONFIG (e.g. a Kubeflow TFJob) or from DMLC_ROLE and the
+other DMLC_* variables. Workers, chief and evaluator run COMMAND; ps, server
+and scheduler run the bps_tf server and ignore COMMAND.
+
+Every line the processes print comes out tagged with its origin, e.g.
+"[worker 1] loss: 0.25" (--no-prefix: untouched, straight to the terminal).
+TensorFlow's C++ start-up messages are hidden (TF_CPP_MIN_LOG_LEVEL=2) unless
+TF_CPP_MIN_LOG_LEVEL is set. bpslaunch prints one line when the job starts and
+one when it ends, with every process's exit code and time.
+"""
+
+_EPILOG = """\
+examples:
+  bpslaunch -np 4 python train.py --epochs 3
+  bpslaunch -np 2 --servers 2 --timeout 600 -- python train.py
+  bpslaunch -np 2 --health-port 8081 python train.py   # probe with grpc_health_probe
+  TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' bpslaunch python train.py
+
+On failure (a process exits non-zero or is killed, a server dies early, the
+timeout passes, or the launcher gets SIGINT/SIGTERM) every process group is sent
+SIGTERM, then SIGKILL after 5 s, and bpslaunch exits non-zero naming the cause.
+Exit codes: the failed process's code (1 if it was killed by a signal), 124 on
+--timeout, 128+N on signal N, 2 for usage or configuration errors.
+"""
+
+
+def _number(text: str, kind, lowest, inclusive: bool = True):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < lowest or (not inclusive and value == lowest):
+        bound = f"at least {lowest}" if inclusive else f"more than {lowest}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _number(text, int, 0)
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, 0, inclusive=False)
+
+
+def _health_port(text: str) -> int:
+    port = _number(text, int, 0)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port (at most 65535), got {text}")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int, metavar="N",
+                        help="local mode: run N workers on this machine (omit for cluster mode)")
+    parser.add_argument("-ns", "--servers", dest="servers", type=_non_negative_int, metavar="S",
+                        help="local mode: number of servers (default 1 when N > 1, 0 when N "
+                             "is 1; 0 with N = 1 runs COMMAND alone with no cluster)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                        help="stop the whole job and fail if it runs longer than this")
+    parser.add_argument("--no-prefix", dest="prefix", action="store_false",
+                        help="do not tag output lines with [worker N] / [server N]: the "
+                             "processes write straight to this terminal")
+    parser.add_argument("--health-port", type=_health_port, metavar="PORT",
+                        help="servers serve the gRPC health service (grpc.health.v1) on this "
+                             "port (local mode: server i on PORT+i); default "
+                             "BYTEPS_HEALTH_PORT; 0: off")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log what the launcher starts and decides")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help="the program each worker runs, with its arguments; a '--' "
+                             "before it is optional")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    return args

@@ -1,0 +1,443 @@
+"""bpslaunch: start a bps_tf job and supervise it until it ends.
+
+Two modes:
+
+* local (``-np N``): a whole cluster on 127.0.0.1 -- servers, with the
+  scheduler inside server 0, and N workers running the user's command;
+* cluster (no ``-np``): this machine's one process of a larger job, its role
+  read from ``TF_CONFIG`` or ``DMLC_*`` by ``bps_tf.runtime.cluster``.
+
+Either way the launcher owns its children: each runs in its own process group
+(so their own children are reached too), the first failure stops all of them,
+and the launcher's exit code says what happened. Their output is tagged line by
+line with the process it came from (output.py). See docs/launcher.md.
+
+procs.py holds the children and how they are stopped, args.py
+the command line.
+
+No TensorFlow here: the launcher must start quickly and run on server hosts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from bps_tf.launch.args import build_parser, parse_args  # noqa: F401 (the CLI's API)
+from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health_ports,
+                                  hides_tf_startup, plural, say, token_source)
+from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
+                                 POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
+                                 catch_stop_signals, exit_code_of, signal_name)
+from bps_tf.runtime import cluster, config
+
+LOCALHOST = "127.0.0.1"
+DEFAULT_READY_TIMEOUT_S = 60.0     # for server 0 to report the scheduler port
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # for one side to follow the other out at the end
+DEFAULT_GRACE_S = 5.0              # between SIGTERM and SIGKILL
+OUTPUT_DRAIN_S = 5.0               # for the last output of the children at the end
+
+EXIT_USAGE = 2
+
+# What horovodrun (Gloo) tells each worker, for scripts and tests that read
+# their place from the environment; a local job is one host.
+HOROVOD_PLACEMENT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                     "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+# Variables that place a process in a cluster. A child gets only those the
+# launcher sets for it, so a stale value in the caller's shell cannot leak in.
+PLACEMENT_VARIABLES = (
+    "TF_CONFIG", "DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_WORKER_ID",
+    "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST", "BYTEPS_SERVER_ID",
+    "BYTEPS_SERVER_PORT", "BYTEPS_BIND_HOST", "BYTEPS_HOST_SCHEDULER", "BYTEPS_READY_FILE",
+    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE",
+    *HOROVOD_PLACEMENT,
+)
+
+
+def default_server_command() -> List[str]:
+    return [sys.executable, "-m", "bps_tf.server"]
+
+
+class UsageError(ValueError):
+    """Options that cannot describe a job; nothing was started."""
+
+
+# ------------------------------------------------------------- environment
+
+def _clean_env(environ: Mapping[str, str]) -> Dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in PLACEMENT_VARIABLES}
+
+
+def _job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> Dict[str, str]:
+    """What every process of a local job shares."""
+    env = _clean_env(environ)
+    # One token per job: the connections are encrypted with keys derived from
+    # it, and processes of another job are refused.
+    env.setdefault("BYTEPS_JOB_TOKEN", secrets.token_hex(16))
+    env.update({
+        "DMLC_NUM_WORKER": str(num_workers),
+        "DMLC_NUM_SERVER": str(num_servers),
+        "DMLC_PS_ROOT_URI": LOCALHOST,
+        "DMLC_NODE_HOST": LOCALHOST,
+        "BYTEPS_BIND_HOST": LOCALHOST,
+    })
+    return env
+
+
+def _server_env(job_env: Mapping[str, str], server_id: int, scheduler_port: int,
+                ready_file: str = "", health_port: int = 0) -> Dict[str, str]:
+    env = dict(job_env)
+    env.update({
+        "DMLC_ROLE": "server",
+        "BYTEPS_SERVER_ID": str(server_id),
+        "BYTEPS_HOST_SCHEDULER": "1" if ready_file else "0",
+        "DMLC_PS_ROOT_PORT": str(scheduler_port),
+        "BYTEPS_SERVER_PORT": "0",
+        # One port per server on this host: server i gets the base port + i.
+        "BYTEPS_HEALTH_PORT": str(health_port + server_id if health_port else 0),
+    })
+    if ready_file:
+        env["BYTEPS_READY_FILE"] = ready_file
+    return env
+
+
+def _worker_env(job_env: Mapping[str, str], rank: int, num_workers: int,
+                scheduler_port: int) -> Dict[str, str]:
+    env = dict(job_env)
+    env.update({
+        "DMLC_ROLE": "worker",
+        "DMLC_WORKER_ID": str(rank),
+        "BYTEPS_LOCAL_RANK": str(rank),
+        "BYTEPS_LOCAL_SIZE": str(num_workers),
+        "DMLC_PS_ROOT_PORT": str(scheduler_port),
+    })
+    env.update(zip(HOROVOD_PLACEMENT, (str(rank), str(num_workers), str(rank),
+                                       str(num_workers), "0", "1")))
+    env.pop("BYTEPS_HEALTH_PORT", None)     # workers serve no health service
+    return env
+
+
+def _health_base(health_port: Optional[int], environ: Mapping[str, str]) -> int:
+    """The first server's gRPC health port in a local job (0: off)."""
+    if health_port is None:
+        try:
+            health_port = config.value("BYTEPS_HEALTH_PORT", environ)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if not 0 <= health_port < 65536:
+        raise UsageError(f"the gRPC health port must be 1-65535 (0: off), got {health_port}")
+    return health_port
+
+
+def _server_argv(server_command: Optional[Sequence[str]], env: Dict[str, str]) -> List[str]:
+    if server_command is not None:
+        return list(server_command)
+    # The server must import the same bps_tf as this launcher, even when the
+    # launcher runs from a source tree that is not installed.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in paths if p != package_root])
+    return default_server_command()
+
+
+# --------------------------------------------------------------- local mode
+
+def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[str], *,
+              server_command: Optional[Sequence[str]] = None,
+              timeout: Optional[float] = None,
+              ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+              shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+              grace: float = DEFAULT_GRACE_S,
+              environ: Optional[Mapping[str, str]] = None,
+              prefix_output: bool = False,
+              health_port: Optional[int] = None) -> int:
+    """Run ``command`` as ``num_workers`` workers plus ``num_servers`` servers on 127.0.0.1.
+
+    Returns 0 when every worker exits 0, otherwise a non-zero code (see
+    docs/launcher.md). ``server_command`` replaces ``python -m bps_tf.server``
+    (tests use a fake one). ``prefix_output`` tags every line of the
+    children's output with ``[worker N]``/``[server N]`` (the CLI's default);
+    otherwise they share this process's stdout and stderr. ``health_port``
+    (default: BYTEPS_HEALTH_PORT) turns on the servers' gRPC health service,
+    server i on port ``health_port + i``. Every started process is gone when
+    this returns.
+    """
+    if num_servers is None:
+        num_servers = 1 if num_workers > 1 else 0
+    _check_local_sizes(num_workers, num_servers, command)
+    environ = os.environ if environ is None else environ
+    health = _health_base(health_port, environ)
+    job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
+    deadline = time.monotonic() + timeout if timeout else None
+    workdir = tempfile.mkdtemp(prefix="bpslaunch-")
+    try:
+        with catch_stop_signals(job), _Ending(job) as ending:
+            if num_servers == 0:
+                say(f"starting 1 worker and no servers: {' '.join(command)} runs alone")
+                env = child_env(_clean_env(environ), environ, job.output is not None)
+                ending.code = _run_one(job, "worker 0", "worker", command, env, deadline,
+                                       timeout)
+            else:
+                ending.code = _run_local_cluster(
+                    job, num_workers, num_servers, command, server_command, environ, workdir,
+                    deadline, timeout, ready_timeout, shutdown_timeout, health)
+        return ending.code
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _Ending:
+    """Ends a launch: turns Stop into its code, stops every process group
+    (grandchildren included), lets the last output through, prints the end line."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.code = 1
+        self.started = time.monotonic()
+
+    def __enter__(self) -> "_Ending":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, Stop):
+            self.code = exc.code
+        self.job.stop()   # nothing may outlive the launch
+        if self.job.output is not None:
+            self.job.output.wait(OUTPUT_DRAIN_S)
+        say(end_line(self.job.children, self.code, time.monotonic() - self.started))
+        return isinstance(exc, Stop)
+
+
+def _check_local_sizes(num_workers: int, num_servers: int, command: Sequence[str]) -> None:
+    if num_workers < 1:
+        raise UsageError(f"-np must be at least 1, got {num_workers}")
+    if num_servers < 0:
+        raise UsageError(f"--servers must be at least 0, got {num_servers}")
+    if num_workers > 1 and num_servers == 0:
+        raise UsageError(f"-np {num_workers} needs at least one server to sum gradients; "
+                         f"pass --servers 1 or more")
+    if not command:
+        raise UsageError("no command to run; put it after the options, e.g. "
+                         "bpslaunch -np 2 python train.py")
+
+
+def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Sequence[str],
+                     server_command: Optional[Sequence[str]], environ: Mapping[str, str],
+                     workdir: str, deadline: Optional[float], timeout: Optional[float],
+                     ready_timeout: float, shutdown_timeout: float, health: int) -> int:
+    shared = child_env(_job_env(environ, num_workers, num_servers), environ,
+                       job.output is not None)
+    ready_file = os.path.join(workdir, "scheduler.port")
+
+    env0 = _server_env(shared, 0, 0, ready_file, health)
+    server0 = job.start("server 0", "server", _server_argv(server_command, env0), env0)
+    port = _wait_for_scheduler_port(job, server0, ready_file, ready_timeout, deadline, timeout)
+    say(f"starting {plural(num_workers, 'worker')} and {plural(num_servers, 'server')} on "
+        f"{LOCALHOST}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
+        f"{token_source(environ, local=True)}")
+
+    for server_id in range(1, num_servers):
+        env = _server_env(shared, server_id, port, health_port=health)
+        job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
+    for rank in range(num_workers):
+        job.start(f"worker {rank}", "worker", command,
+                  _worker_env(shared, rank, num_workers, port))
+    return _supervise(job, deadline, timeout, shutdown_timeout)
+
+
+def _wait_for_scheduler_port(job: Job, server0: Child, ready_file: str, ready_timeout: float,
+                             deadline: Optional[float], timeout: Optional[float]) -> int:
+    give_up = time.monotonic() + ready_timeout
+    last_text = ""
+    while True:
+        port, last_text = _read_port(ready_file, last_text)
+        if port:
+            return port
+        job.check(deadline, timeout)
+        if server0.poll() is not None:
+            say(f"{server0.label()} {server0.exit_text()} before it reported the scheduler "
+                 f"port; stopping the other processes")
+            raise Stop(server0.returncode if server0.returncode > 0 else 1)
+        if time.monotonic() >= give_up:
+            seen = f" (it holds {last_text!r})" if last_text else ""
+            say(f"{server0.label()} did not write the scheduler port to {ready_file} within "
+                 f"{ready_timeout:g} s{seen}; stopping it")
+            raise Stop(1)
+        time.sleep(POLL_INTERVAL_S)
+
+
+def _read_port(path: str, last_text: str):
+    """The port in the ready file, or None while it is absent or not a port yet."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None, last_text
+    if text.isdigit() and 1 <= int(text) <= 65535:
+        return int(text), text
+    return None, text
+
+
+def _supervise(job: Job, deadline: Optional[float], timeout: Optional[float],
+               shutdown_timeout: float) -> int:
+    """Wait for the job to end; the first failure stops everything.
+
+    At the end of a healthy job one side leaves first: the workers finish and
+    the scheduler then tells the servers to exit, or the servers exit while the
+    last workers are still tearing down. Either way the other side gets
+    ``shutdown_timeout`` seconds to follow before it counts as stuck.
+    """
+    exited: set = set()
+    workers_done_at: Optional[float] = None
+    server_left: Optional[tuple] = None       # (when, which) a server exited 0 early
+    while True:
+        job.check(deadline, timeout)
+        now = time.monotonic()
+        for child in job.newly_exited(exited):
+            if child.returncode != 0:
+                say(f"{child.label()} {child.exit_text()}; stopping the other processes")
+                raise Stop(child.returncode if child.returncode > 0 else 1)
+            if child.kind == "server" and job.running("worker") and server_left is None:
+                server_left = (now, child)
+        workers = job.running("worker")
+        servers = job.running("server")
+        if not workers and not servers:
+            return 0
+        if not workers:
+            workers_done_at = workers_done_at or now
+            if now - workers_done_at >= shutdown_timeout:
+                names = ", ".join(s.label() for s in servers)
+                say(f"{names} did not exit within {shutdown_timeout:g} s after all workers "
+                     f"finished; stopping them (the workers succeeded)")
+                job.stop(servers)
+                return 0
+        elif server_left is not None and now - server_left[0] >= shutdown_timeout:
+            names = ", ".join(w.label() for w in workers)
+            say(f"{server_left[1].label()} exited while workers were still running, and "
+                 f"{names} did not finish within {shutdown_timeout:g} s; stopping the other "
+                 f"processes")
+            raise Stop(1)
+        time.sleep(POLL_INTERVAL_S)
+
+
+# ------------------------------------------------------- one process, cluster mode
+
+def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str]] = None,
+                timeout: Optional[float] = None, grace: float = DEFAULT_GRACE_S,
+                environ: Optional[Mapping[str, str]] = None,
+                prefix_output: bool = False, health_port: Optional[int] = None) -> int:
+    """Run this host's one process of a cluster described by TF_CONFIG or DMLC_*.
+
+    Workers and evaluators run ``command``; servers and schedulers run
+    ``server_command`` (default ``python -m bps_tf.server``). The environment
+    is passed through unchanged (the child resolves its own place again), but
+    for TF_CPP_MIN_LOG_LEVEL (see launch_output.child_env) and, when given,
+    ``health_port`` as the server's BYTEPS_HEALTH_PORT.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        cfg = cluster.resolve(environ)
+    except cluster.ClusterSpecError as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    LOG.info("%s", cluster.describe(cfg))
+    if cfg.role == "local":
+        say("no cluster is configured: pass -np N to start a local job, or set TF_CONFIG "
+            "(or DMLC_ROLE and the other DMLC_* variables) to give this process its place "
+            "in a cluster")
+        return EXIT_USAGE
+    job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
+    env = child_env(environ, environ, job.output is not None)
+    health = ""
+    if cfg.role in ("server", "scheduler"):
+        if command:
+            LOG.info("this process is the %s; running the bps_tf server instead of %r",
+                     cfg.role, " ".join(command))
+        if health_port is not None:
+            env["BYTEPS_HEALTH_PORT"] = str(health_port)
+        port = env.get("BYTEPS_HEALTH_PORT", "0").strip()
+        health = f", gRPC health on port {port}" if port not in ("", "0") else ""
+        argv = _server_argv(server_command, env)
+        name = f"server {cfg.server_id}" if cfg.role == "server" and cfg.server_id >= 0 else cfg.role
+        kind = "server"
+    else:
+        if not command:
+            say(f"this process is a {cfg.role} but no command was given; put it after the "
+                f"options, e.g. bpslaunch python train.py")
+            return EXIT_USAGE
+        argv = list(command)
+        name = f"worker {cfg.rank}" if cfg.role == "worker" else cfg.role
+        kind = "worker"
+
+    deadline = time.monotonic() + timeout if timeout else None
+    with catch_stop_signals(job), _Ending(job) as ending:
+        say(f"starting {name}: {cluster.describe(cfg)}{health}; {token_source(environ, local=False)}")
+        ending.code = _run_one(job, name, kind, argv, env, deadline, timeout)
+    return ending.code
+
+
+def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str],
+             deadline: Optional[float], timeout: Optional[float]) -> int:
+    """Run one child to its end, passing stop signals on; return its exit code."""
+    child = job.start(name, kind, argv, env)
+    while child.poll() is None:
+        if job.stop_signal is not None:
+            # Pass the very signal on (SIGINT stays SIGINT) so the program can
+            # react as it would in a terminal; then report how it ended.
+            LOG.info("received %s; passing it to %s", signal_name(job.stop_signal), child.label())
+            job.stop([child], first_signal=job.stop_signal)
+            break
+        job.check(deadline, timeout)
+        time.sleep(POLL_INTERVAL_S)
+    if child.returncode:
+        say(f"{child.label()} {child.exit_text()}")
+    return exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- CLI
+
+class _StderrHandler(logging.Handler):
+    # Writes to the current sys.stderr, not the one at set-up time.
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+def _configure_logging(verbose: bool) -> None:
+    if not any(isinstance(h, _StderrHandler) for h in LOG.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        LOG.addHandler(handler)
+        LOG.propagate = False
+    LOG.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:      # argparse already printed usage or help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    _configure_logging(args.verbose)
+    if args.num_proc is None:
+        if args.servers is not None:
+            say("--servers only applies with -np (local mode); in cluster mode the servers "
+                "come from TF_CONFIG or DMLC_NUM_SERVER")
+            return EXIT_USAGE
+        return run_cluster(args.command, timeout=args.timeout, prefix_output=args.prefix,
+                           health_port=args.health_port)
+    try:
+        return run_local(args.num_proc, args.servers, args.command, timeout=args.timeout,
+                         prefix_output=args.prefix, health_port=args.health_port)
+    except UsageError as exc:
+        say(str(exc))
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Cross-step overlap for custom training loops: a deferred, per-layer apply.
+
+Without overlap a step ends with every gradient's push_pull and the
+optimizer update, and the next step starts only when all of them are done.
+:class:`OverlappedApply` splits that in two:
+
+* at the end of step k, :meth:`OverlappedApply.start` *starts* the push_pull
+  of each gradient (``BytepsPushPullStart``, which returns at once) and the
+  step function returns;
+* in step k+1, right before each layer's forward pass, a hook waits for the
+  sums of that layer's own variables (``BytepsPushPullWait``) and applies the
+  optimizer update to those variables only. The first layers get their
+  weights (and start computing) while the later layers' sums are still on
+  the wire; the priorities (earlier variables first) send them first.
+* :meth:`OverlappedApply.flush` waits for and applies everything still
+  pending: call it before evaluating, saving, reading the weights, and at the
+  end of training.
+
+Usage::
+
+    model = ...                       # a built keras.Model (or Layer)
+    optimizer = keras.optimizers.Adam(1e-3)
+    overlap = bps_tf.overlap.OverlappedApply(model, optimizer)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:            # a plain tape
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        overlap.start(grads)                       # instead of optimizer.apply
+        return loss
+
+    for x, y in dataset:
+        train_step(x, y)
+    overlap.flush()                                # before evaluate / save / end
+
+Exactness: after ``flush()`` the weights, the optimizer's slots and
+``optimizer.iterations`` are bit-identical to the non-overlapped loop
+(``DistributedGradientTape`` + ``optimizer.apply``) with the same data: each
+variable receives the same averaged gradient (sum / size, as ``Average``)
+and is updated with the same iteration count (bias correction, learning-rate
+schedules). ``optimizer.iterations`` counts *started* steps: it is
+incremented by ``start`` and each deferred update runs with the count of the
+step its gradient came from. Between steps the weights lag one step behind
+(they hold step k-1's update until the next forward or ``flush``).
+
+Not supported (``ValueError`` at construction, see :func:`unsupported_reason`):
+anything that needs every reduced gradient at once -- ``global_clipnorm``,
+EMA (``use_ema``), loss scaling (``LossScaleOptimizer``'s finite check),
+gradient accumulation. ``clipnorm`` and ``clipvalue`` act per gradient and are
+exact. Sparse gradients (``IndexedSlices``) are sent dense.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from bps_tf.comm import async_training, collectives, naming
+from bps_tf.overlap import guard as overlap_guard
+from bps_tf.runtime import basics
+
+log = logging.getLogger("bps_tf")
+
+try:  # keeps the deferred updates out of the user's GradientTape
+    from tensorflow.python.eager import record as _record
+    _stop_recording = _record.stop_recording
+except (ImportError, AttributeError):  # pragma: no cover
+    import contextlib
+    _stop_recording = contextlib.nullcontext
+
+
+def unsupported_reason(optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot be applied per layer exactly, or None."""
+    if getattr(optimizer, "global_clipnorm", None):
+        return "global_clipnorm needs the norm of all reduced gradients"
+    return overlap_guard.needs_the_whole_step(optimizer)
+
+
+def _own_variables(layer) -> list:
+    return list(getattr(layer, "_trainable_variables", []) or [])
+
+
+class OverlappedApply:
+    """Deferred per-layer optimizer update with split push_pulls.
+
+    ``model``: a built Keras model or layer; its layers (recursively) get a
+    hook in front of ``call``. ``variables``: the variables trained (default
+    ``model.trainable_variables``), in the order ``start`` receives their
+    gradients; earlier ones get higher push_pull priority. Variables no
+    layer owns directly are updated at the start of ``model``'s own call.
+    ``prefix`` separates the keys of several instances (``naming.overlap_keys``);
+    it must be the same on every worker. ``average``: divide the sums by the
+    number of workers (as ``Average``) or not (``Sum``).
+    ``allow_unverified_optimizer``: accept an optimizer type (a subclass, a
+    third-party one) whose per-variable update is not verified exact; only
+    for one whose update of a variable reads nothing but that variable, its
+    slots, the learning rate and ``iterations`` (no state shared across
+    variables, advanced once per ``apply``).
+    """
+
+    def __init__(self, model, optimizer, variables: Optional[Sequence] = None,
+                 prefix: str = "default", average: bool = True,
+                 allow_unverified_optimizer: bool = False):
+        collectives.require_init()
+        async_training.refuse_gradient_exchange("OverlappedApply")
+        reason = unsupported_reason(optimizer)
+        if reason is not None:
+            raise ValueError(f"OverlappedApply cannot defer this optimizer's update exactly: "
+                             f"{reason}. Use DistributedGradientTape + optimizer.apply instead.")
+        # An update that reads state shared by all variables (as Nadam's
+        # schedule product) would silently change when applied per layer.
+        unverified = overlap_guard.unverified_reason(optimizer)
+        if unverified and not allow_unverified_optimizer:
+            raise ValueError(f"OverlappedApply: {unverified}. Pass allow_unverified_optimizer=True "
+                             f"if its update of a variable reads only that variable, its slots, "
+                             f"the learning rate and iterations; else use "
+                             f"DistributedGradientTape + optimizer.apply.")
+        self.model = model
+        self.optimizer = optimizer
+        self.variables = list(model.trainable_variables if variables is None else variables)
+        if not self.variables:
+            raise ValueError("OverlappedApply: no trainable variables (build the model first).")
+        self.average = average
+        self.keys = naming.overlap_keys(self.variables, prefix)
+        self._index = {id(v): i for i, v in enumerate(self.variables)}
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        # graph -> {variable index: op of its deferred update in that graph}
+        self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # graph -> {variable index: token of its start in that graph}
+        self._tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._flush_fn = None
+        self.step_lock = overlap_guard.StepLock("OverlappedApply(prefix=" + repr(prefix) + ")")
+        self._install_hooks()
+        # Reads between steps (an eager numpy(), a tf.function reading the
+        # weights directly) apply the pending updates first.
+        self.dirty = False
+        overlap_guard.watch(self.variables, overlap_guard.resource_handles(self.variables), self)
+        overlap_guard.install_flushes()
+
+    # ------------------------------------------------------------------
+    def _install_hooks(self):
+        owner: Dict[int, object] = {}
+        layers = [self.model]
+        flatten = getattr(self.model, "_flatten_layers", None)
+        if flatten is not None:
+            layers += [l for l in flatten(include_self=False, recursive=True)]
+        # Deepest owner wins: the layer whose own variables hold it.
+        for layer in layers:
+            for v in _own_variables(layer):
+                if id(v) in self._index:
+                    owner[id(v)] = layer
+        groups: Dict[int, List[int]] = {}
+        by_id = {}
+        for i, v in enumerate(self.variables):
+            layer = owner.get(id(v), self.model)
+            groups.setdefault(id(layer), []).append(i)
+            by_id[id(layer)] = layer
+        self.groups = [(by_id[k], idx) for k, idx in groups.items()]
+        for layer, indices in self.groups:
+            self._hook(layer, tuple(indices))
+
+    def _hook(self, layer, indices):
+        original = layer.call
+        if getattr(original, "_bps_overlap", None) is self:
+            return
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            self._apply(indices)
+            return original(*args, **kwargs)
+
+        call._bps_overlap = self
+        object.__setattr__(layer, "call", call)
+
+    # ------------------------------------------------------------------
+    def _graph(self):
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+    def _apply(self, indices) -> int:
+        """Waits for and applies the pending sums of ``indices`` (once per
+        traced graph). Returns how many were applied (eager only; 0 in a graph)."""
+        graph = self._graph()
+        applied = 0
+        with _stop_recording():
+            for i in indices:
+                if graph is not None:
+                    done = self._applied.setdefault(graph, {})
+                    if i in done:
+                        continue
+                    done[i] = self._apply_one(i, graph)
+                else:
+                    applied += int(self._apply_one(i, None))
+        return applied
+
+    def _apply_one(self, i, graph):
+        var, key = self.variables[i], self.keys[i]
+        deps = []
+        if graph is not None:
+            token = self._tokens.get(graph, {}).get(i)
+            if token is not None:   # a start of this key earlier in this graph
+                deps = [token]
+        with tf.control_dependencies(deps):
+            like = tf.zeros(var.shape, var.dtype)
+            summed, valid = collectives.push_pull_wait(like, key)
+        grad = collectives.divide(summed, basics.size()) if self.average else summed
+        if graph is None:
+            if bool(valid):
+                self._update(grad, var)
+                return True
+            return False
+        return tf.cond(valid, lambda: self._update(grad, var), lambda: tf.constant(False))
+
+    def _update(self, grad, var):
+        # start() counted this step already; the update must see the count
+        # of the step the gradient came from, and apply() adds it back.
+        self.optimizer.iterations.assign_sub(1)
+        self.optimizer.apply([grad], [var])
+        return tf.constant(True)
+
+    # ------------------------------------------------------------------
+    def start(self, grads, variables: Optional[Sequence] = None):
+        """Starts the push_pulls of ``grads`` (one per variable, in the order
+        of ``variables``, default the constructor's) and counts the step in
+        ``optimizer.iterations``. Variables whose pending update no hook
+        applied in this step are applied first. ``None`` gradients are
+        skipped. Returns the start tokens."""
+        variables = self.variables if variables is None else list(variables)
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(f"start: {len(grads)} gradients for {len(variables)} variables.")
+        indices = []
+        for v in variables:
+            if id(v) not in self._index:
+                raise ValueError(f"start: variable {naming.variable_name(v)} is not one of "
+                                 f"this OverlappedApply's variables.")
+            indices.append(self._index[id(v)])
+        # Anything still pending under these keys must be applied before
+        # the same keys are started again.
+        self._apply(indices)
+        graph = self._graph()
+        if graph is not None:
+            overlap_guard.mark_train_graph(graph, self)
+        else:
+            self.dirty = True
+        done = self._applied.get(graph, {}) if graph is not None else {}
+        updates = list(done.values())
+        tokens = []
+        for i, grad in zip(indices, grads):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                grad = tf.convert_to_tensor(grad)
+            # A start may not overtake the wait of the same key.
+            deps = [done[i]] if i in done else []
+            with tf.control_dependencies(deps):
+                token = collectives.push_pull_start(grad, self.keys[i], priority=-i)
+            if graph is not None:
+                self._tokens.setdefault(graph, {})[i] = token
+                done.pop(i, None)   # a later step in this graph waits again
+            tokens.append(token)
+        with tf.control_dependencies(updates):
+            self.optimizer.iterations.assign_add(1)
+        return tokens
+
+    def flush(self) -> int:
+        """Waits for and applies every pending update. Returns how many
+        variables were updated (eager; 0 when traced). A second flush is a
+        no-op. Call it before evaluation, saving or reading the weights."""
+        if tf.executing_eagerly():
+            with self.step_lock.held(), overlap_guard.flushing.scope():
+                self.dirty = False
+                return int(self._traced_flush()())
+        # In a graph each key is applied once per graph; a flush must wait
+        # again even for keys a hook already applied in this graph.
+        graph = self._graph()
+        self._applied.setdefault(graph, {})
+        for i in range(len(self.variables)):
+            self._applied[graph].pop(i, None)
+        self._apply(range(len(self.variables)))
+        return 0
+
+    def _traced_flush(self):
+        """The eager flush runs traced: Grappler rewrites a graph's update
+        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), so an eager
+        update would differ from the train step's by an ulp."""
+        if self._flush_fn is None:
+            def flush_graph():
+                graph = self._graph()
+                self._apply(range(len(self.variables)))
+                done = self._applied.pop(graph, {})
+                self._tokens.pop(graph, None)
+                return tf.add_n([tf.cast(done[i], tf.int32) for i in range(len(self.variables))])
+            self._flush_fn = tf.function(flush_graph, autograph=False)
+        return self._flush_fn
+
+    def pending(self) -> List[str]:
+        """This instance's keys still pending (eager)."""
+        mine = set(self.keys)
+        return [k for k in collectives.pending_push_pulls() if k in mine]

@@ -1,0 +1,219 @@
+"""Process-level state without TensorFlow: the core, joining, shutdown, size, rank, ...
+
+Servers and tools import this module; it must never import TensorFlow.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import time
+
+from bps_tf.runtime import cluster, config
+from bps_tf.runtime.loader import load_core
+
+_core = None
+_atexit_registered = False
+log = logging.getLogger("bps_tf")
+
+
+class NotInitializedError(RuntimeError):
+    pass
+
+
+def core():
+    global _core
+    if _core is None:
+        _core = load_core()
+    return _core
+
+
+def join(environ=None) -> None:
+    """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1),
+    unless joined already. ``bps_tf.init()`` (bps_tf.horovod.lifecycle) is
+    the public call; it also registers the process sets.
+
+    Blocks until every worker and server has met; raises with the reason if
+    they disagree or do not all arrive in BYTEPS_RENDEZVOUS_TIMEOUT seconds.
+    """
+    c = core()
+    if c.is_initialized():
+        return
+    _join(c, environ)
+    _speed_window_start()
+
+
+def _join(c, environ) -> None:
+    spec = cluster.resolve(environ)
+    if spec.role in ("server", "scheduler"):
+        raise RuntimeError(
+            f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
+            "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
+    values = dict(config.core_settings(environ))
+    values.update(spec.core_values())
+    c.worker_init(config.to_core_text(values))
+    _configure_logging(values.get("log_level", "WARNING"), c.rank())
+    log.info("initialized: rank %d of %d, local rank %d of %d", c.rank(), c.size(),
+             c.local_rank(), c.local_size())
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(shutdown)
+        _atexit_registered = True
+
+
+def _configure_logging(level: str, rank: int) -> None:
+    # One level for the core and Python (BYTEPS_LOG_LEVEL), and the rank in
+    # every line, as the core writes its own lines.
+    fmt = logging.Formatter(f"[%(asctime)s %(levelname)s bps_tf worker {rank}] %(message)s",
+                            datefmt="%H:%M:%S")
+    handler = next((h for h in log.handlers if getattr(h, "_bps_tf", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler._bps_tf = True
+        log.addHandler(handler)
+        log.propagate = False
+    handler.setFormatter(fmt)
+    log.setLevel(getattr(logging, str(level).upper(), logging.WARNING))
+
+
+def shutdown() -> None:
+    """Leaves the cluster; pending operations fail. Safe to call twice."""
+    if _core is not None:
+        _core.worker_shutdown()
+
+
+def suspend() -> None:
+    """BytePS's elastic-training call: refused, with what to do instead."""
+    raise NotImplementedError(
+        "suspend()/resume(): elastic training is not available in bps_tf; a lost worker "
+        "fails the job with an error, and the job restarts from a checkpoint "
+        "(BackupAndRestore / ModelCheckpoint, docs/reliability.md).")
+
+
+def resume(num_workers=None, num_servers=None) -> None:
+    """BytePS's elastic-training call: refused (see :func:`suspend`)."""
+    del num_workers, num_servers
+    suspend()
+
+
+def is_initialized() -> bool:
+    return _core is not None and _core.is_initialized()
+
+
+def _require_init() -> None:
+    if not is_initialized():
+        raise NotInitializedError("bps_tf is not initialized: call bps_tf.init() first")
+
+
+def size() -> int:
+    _require_init()
+    return _core.size()
+
+
+def rank() -> int:
+    _require_init()
+    return _core.rank()
+
+
+def local_size() -> int:
+    _require_init()
+    return _core.local_size()
+
+
+def local_rank() -> int:
+    _require_init()
+    return _core.local_rank()
+
+
+def cross_rank() -> int:
+    """Horovod's: this worker's host among the hosts that have a worker of
+    this local rank (hosts in the scheduler's order)."""
+    _require_init()
+    return _core.cross_rank()
+
+
+def cross_size() -> int:
+    """Horovod's: the number of hosts that have a worker of this local rank
+    (the number of hosts when each runs as many workers)."""
+    _require_init()
+    return _core.cross_size()
+
+
+def is_homogeneous() -> bool:
+    """Horovod's: whether every host runs the same number of workers."""
+    _require_init()
+    return bool(_core.is_homogeneous())
+
+
+_TIMELINE_NOT_INITIALIZED = "bps_tf has not been initialized; use bps_tf.init()."
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    """Horovod's: records this worker's timeline (Chrome trace JSON, see
+    docs/timeline.md) from now until :func:`stop_timeline` or shutdown,
+    into ``file_path``. ``mark_cycles`` is accepted for Horovod's scripts:
+    bps_tf has no negotiation cycles to mark. A ValueError if bps_tf is not
+    initialized or a timeline records already (``BYTEPS_TRACE_ON=1`` or an
+    earlier call)."""
+    del mark_cycles
+    # Horovod raises ValueError (not NotInitializedError) before init().
+    code = _core.start_timeline(os.fspath(file_path)) if is_initialized() else -1
+    if code == -1:
+        raise ValueError(_TIMELINE_NOT_INITIALIZED)
+    if code == -2:
+        raise ValueError("a timeline is being recorded already (BYTEPS_TRACE_ON=1 or an earlier "
+                         "start_timeline()); call stop_timeline() first.")
+
+
+def stop_timeline():
+    """Horovod's: writes the timeline and stops recording; returns the file's
+    path, or None if no timeline was recording. An OSError if the file could
+    not be written (recording stops all the same)."""
+    if not is_initialized():
+        raise ValueError(_TIMELINE_NOT_INITIALIZED)
+    try:
+        return _core.stop_timeline()
+    except RuntimeError as exc:
+        raise OSError(str(exc)) from None
+
+
+def stats() -> dict:
+    """Engine counters (bytes sent/received, dropped frames, ops done)."""
+    return json.loads(core().stats_json())
+
+
+# get_pushpull_speed: BytePS measures its push_pull speed over windows of
+# 10 s; here a window closes at the first call after 10 s have passed.
+SPEED_WINDOW_S = 10.0
+_speed = {"start": 0.0, "bytes": 0, "latest": (0, 0.0)}
+
+
+def _bytes_moved() -> int:
+    s = stats()
+    return int(s["bytes_sent"]) + int(s["bytes_received"])
+
+
+def _speed_window_start() -> None:
+    _speed.update(start=time.monotonic(), bytes=_bytes_moved(), latest=(0, 0.0))
+
+
+def get_pushpull_speed() -> tuple:
+    """BytePS's: (milliseconds since the epoch, MB/s) of this worker's
+    push_pull traffic (bytes sent to and received from the servers, 1 MB =
+    10**6 bytes) over the latest window of at least 10 s, closed by the
+    first call after its 10 s; (0, 0.0) until the first window closes. The
+    first window starts at init()."""
+    _require_init()
+    now = time.monotonic()
+    if now - _speed["start"] >= SPEED_WINDOW_S:
+        moved = _bytes_moved()
+        mbps = (moved - _speed["bytes"]) / (now - _speed["start"]) / 1e6
+        _speed.update(start=now, bytes=moved, latest=(int(time.time() * 1000), mbps))
+    return _speed["latest"]
+
+
+def debug_send_log() -> list:
+    """(tensor name, partition, priority) in the order partitions left this
+    worker; recorded only with BYTEPS_DEBUG_SEND_LOG=1."""
+    return [tuple(x) for x in stats()["send_log"]]

@@ -1,0 +1,291 @@
+"""Every bps_tf setting read from the environment, with its default.
+
+One table so the launcher, the worker, the server and the docs agree. The C++
+core receives the resolved values as a ``key=value`` text (see
+``to_core_text``); it never reads the environment itself, which keeps it
+testable and keeps the defaults in one place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Optional
+
+from bps_tf.runtime import security
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str            # environment variable
+    core_key: str       # key in the core's config text ("" = Python only)
+    default: str
+    parse: Callable[[str], object]
+    doc: str
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def _nonnegative_int(text: str) -> int:
+    n = int(text, 0)
+    if n < 0:
+        raise ValueError("it must be 0 (off) or a number of bytes")
+    return n
+
+
+def _nonnegative_float(text: str) -> float:
+    x = float(text)
+    if not x >= 0:
+        raise ValueError("it must be 0 (no limit) or a number of seconds")
+    return x
+
+
+def _milliseconds(text: str) -> float:
+    x = float(text)
+    if not 0 <= x < float("inf"):
+        raise ValueError("it must be 0 (off) or a number of milliseconds")
+    return x
+
+
+def _credit_int(text: str) -> int:
+    n = int(text, 0)
+    if n < -1:
+        raise ValueError("it must be -1 (no limit), 0 (the default) or a number of bytes")
+    return n
+
+
+def _auto_bool(text: str) -> int:
+    """0/1, or -1 for "auto" (the core decides)."""
+    return -1 if text.strip().lower() == "auto" else _bool(text)
+
+
+def _bool(text: str) -> int:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return 1
+    if low in ("0", "false", "no", "off", ""):
+        return 0
+    raise ValueError(f"expected 0/1, got {text!r}")
+
+
+SETTINGS = (
+    # -- the data path --
+    Setting("BYTEPS_PARTITION_BYTES", "partition_bytes", "1048576", _int,
+            "Largest piece a tensor is cut into before it is pushed; each piece "
+            "goes to one server. Must agree on every node. (BytePS uses 4096000; "
+            "smaller pieces cross a bandwidth-limited step sooner, with no loss "
+            "on one machine down to 1 MiB, and a power of two keeps tensors of "
+            "1 MiB, 4 MiB, ... free of a small last piece: docs/performance.md "
+            "sections 16 and 18.)"),
+    Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
+            "Bytes a worker may have in flight to the servers at once; the "
+            "priority queue decides what leaves next. 0 means 8 partitions."),
+    Setting("BYTEPS_SERVER_CREDIT", "server_credit_bytes", "0", _credit_int,
+            "Bytes of sums a server may have handed to ZeroMQ for one worker "
+            "and not yet written; the rest waits in a queue ordered by the "
+            "pushes' priority, so an urgent sum overtakes bulk ones on the "
+            "way back. 0 means 4 partitions; -1 no limit (every sum leaves "
+            "at once, in the order it is ready)."),
+    Setting("BYTEPS_FUSION_THRESHOLD", "fusion_threshold", "262144", _int,
+            "Tensor fusion: partitions bound for one server that are ready at "
+            "the same time travel in one message of at most this many bytes "
+            "(and the servers' replies likewise); only partitions that fit "
+            "twice in it are fused. Capped at max(BYTEPS_PARTITION_BYTES, "
+            "1 MiB). 0: every partition in its own message. "
+            "HOROVOD_FUSION_THRESHOLD is read when this is not set."),
+    Setting("BYTEPS_FUSION_CYCLE_TIME_MS", "fusion_cycle_ms", "0", float,
+            "Tensor fusion: milliseconds a small partition may wait in the queue "
+            "for others to share its message (the wait ends early once a full "
+            "message is ready). 0: send what is ready at once. "
+            "HOROVOD_CYCLE_TIME is read when this is not set."),
+    Setting("BYTEPS_SCHEDULING_BURST_MS", "burst_ms", "10", _milliseconds,
+            "While operations arrive in a burst (as a train step's push_pulls "
+            "do, in an order that differs from worker to worker), a worker "
+            "keeps one partition in flight instead of the full credit, for at "
+            "most this many milliseconds from the burst's start, so the "
+            "priority queue orders the burst before its bytes are committed "
+            "to the link (docs/performance.md section 18). 0: the full "
+            "credit at once."),
+    Setting("BYTEPS_SCHEDULING_BURST_GAP_MS", "burst_gap_ms", "1", _milliseconds,
+            "An operation enqueued within this many milliseconds of the "
+            "previous one continues its burst (BYTEPS_SCHEDULING_BURST_MS); "
+            "the burst stops limiting the credit this long after its last "
+            "operation."),
+    Setting("BYTEPS_MALLOC_KEEP_BUFFERS", "malloc_keep_buffers", "1", _bool,
+            "Workers and servers ask glibc to keep freed buffers of up to 32 MiB "
+            "in the heap (mallopt M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD "
+            "512 MiB) so that each message reuses pages instead of mapping "
+            "fresh ones and faulting them in (64 MiB push_pull on loopback: "
+            "about 25 % faster). Freed memory up to the process's peak stays "
+            "mapped. 0: leave glibc's settings (and your GLIBC_TUNABLES) alone."),
+    Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
+            "Threads a server uses to sum the partitions it owns."),
+    Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
+            "Asynchronous parameter-server training: BytePSStrategy defaults to "
+            "mode='async' and the Keras DistributedOptimizer pushes weight "
+            "deltas and pulls weights instead of averaging gradients. Must "
+            "agree on every node. The servers need no switch: a key is "
+            "asynchronous by its name (bps_async/...)."),
+    Setting("BYTEPS_ASYNC_LOG_STEPS", "", "100", _int,
+            "Asynchronous training: every this many steps a worker logs (INFO) "
+            "its staleness, the other workers' updates folded in between two "
+            "of its own pulls (0: never)."),
+    Setting("BYTEPS_OVERLAP", "overlap", "1", _bool,
+            "BytePSStrategy's default for overlap=: model.fit starts each step's "
+            "gradient push_pulls and applies each layer's update right before its "
+            "forward pass in the next step, bit-identical to the barrier; models "
+            "it cannot serve exactly keep the barrier with one log line "
+            "(docs/overlap.md). 0: a barrier between steps. Must agree on every node."),
+    Setting("BYTEPS_EARLY_DATA_CHECK", "", "1", _bool,
+            "BytePSStrategy: a worker with a batch of its own starts tf.distribute's "
+            "per-step end-of-data sum and goes on; only a worker without one waits "
+            "for it (bps_tf/strategy/data_check.py). 0: every worker waits. Must agree on every node."),
+    Setting("BYTEPS_OVERLAP_READ_TIMEOUT", "", "600", _nonnegative_float,
+            "Seconds a read of an overlapped model's weights from another "
+            "thread waits for the train step running now to end (it then "
+            "applies the step's pending updates and reads the barrier's "
+            "weights) before it fails with an error (0: no limit)."),
+    Setting("BYTEPS_MIN_COMPRESS_BYTES", "min_compress_bytes", "4096", _int,
+            "Tensors smaller than this many bytes travel uncompressed whatever "
+            "compressor is chosen (they gain nothing). Must agree on every node."),
+    Setting("BYTEPS_LOCAL_REDUCE", "local_reduce", "auto", _auto_bool,
+            "Workers of one host sum through shared memory first and one of "
+            "them pushes the host's sum (docs/engine.md#local-reduce). auto: "
+            "when the job spans several hosts and one has several workers; 1: "
+            "also when every worker is on one host; 0: every worker pushes its "
+            "own. Must agree on every node."),
+    # -- failures, stalls and time limits --
+    Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
+            "Seconds without a heartbeat after which a peer is declared dead "
+            "and every process stops with an error naming it."),
+    Setting("BYTEPS_RENDEZVOUS_TIMEOUT", "rendezvous_timeout_s", "120", float,
+            "Seconds a node waits for the whole cluster to meet at start-up."),
+    Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
+            "Seconds one push_pull may wait for the other workers before it "
+            "fails (0: the stall settings below decide; dead peers are caught "
+            "by BYTEPS_TIMEOUT)."),
+    Setting("BYTEPS_STALL_CHECK_TIME_SECONDS", "stall_check_s", "60", float,
+            "Seconds after which a tensor that some workers declared (first "
+            "push_pull of a name) and others did not is reported, on every "
+            "worker, with its name and the missing ranks; and after which a "
+            "worker warns of its own push_pull of a name in use that the "
+            "others have not matched (0: no check)."),
+    Setting("BYTEPS_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s", "600", float,
+            "Seconds after which such a stalled tensor stops the job: every "
+            "worker's pending push_pulls fail with the stall message and the "
+            "processes exit non-zero; a push_pull of a name in use that waited "
+            "this long fails on its worker, unless BYTEPS_OP_TIMEOUT is set "
+            "(0: never)."),
+    Setting("BYTEPS_FATAL_EXIT_GRACE", "fatal_exit_s", "15", float,
+            "After a peer failure, seconds a worker waits for the program to "
+            "react to the error before it exits with code 1 (0: never)."),
+    Setting("BYTEPS_HEARTBEAT_INTERVAL", "heartbeat_s", "1", float,
+            "Seconds between heartbeats each node sends to the scheduler."),
+    # -- transport and security --
+    Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
+            "ZeroMQ I/O threads per process."),
+    Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _nonnegative_int,
+            "Bytes each TCP connection may hold in the kernel not yet sent "
+            "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "
+            "where an urgent partition can overtake it; the kernel's default "
+            "takes megabytes, all of which an urgent partition would wait "
+            "behind. 0 leaves the kernel's default."),
+    Setting("BYTEPS_ENABLE_IPC", "enable_ipc", "1", _bool,
+            "Workers reach the servers of their own machine (same kernel and "
+            "network namespace) over Unix sockets instead of loopback TCP: "
+            "the kernel moves bulk data through them 1.4-1.9x as fast. With a "
+            "token these links are authenticated with a credential of their "
+            "own but not encrypted, whatever BYTEPS_ENCRYPTION says: no "
+            "network carries them (docs/reliability.md#security). 0: TCP "
+            "everywhere, so BYTEPS_ENCRYPTION=1 encrypts these links too."),
+    Setting("BYTEPS_JOB_TOKEN", "", "", str,
+            "Per-job secret. Every ZeroMQ connection is authenticated with keys "
+            "derived from it, so a process without it cannot connect; with "
+            "BYTEPS_ENCRYPTION=1 (the default) the connections are also "
+            "encrypted (ZeroMQ CURVE). bpslaunch generates one for local "
+            "clusters; set the same value on every node of a multi-host job. "
+            "Empty: no authentication and no encryption."),
+    Setting("BYTEPS_ENCRYPTION", "encryption", "1", _bool,
+            "With a job token: 1 encrypts and authenticates every network "
+            "connection (CURVE; the Unix-socket links of BYTEPS_ENABLE_IPC are "
+            "authenticated, not encrypted); 0, for a trusted network, sends in "
+            "clear and only checks a credential derived from the token (it "
+            "keeps jobs apart, not an eavesdropper out). Must agree on every node."),
+    # -- timeline and logs --
+    Setting("BYTEPS_TRACE_ON", "trace_on", "0", _bool,
+            "Write a timeline (Chrome trace / Perfetto JSON) per worker: one "
+            "event per tensor and per partition per stage."),
+    Setting("BYTEPS_TRACE_DIR", "trace_dir", ".", str,
+            "Folder for the timeline files bps_trace_rank<r>.json."),
+    Setting("BYTEPS_TRACE_START_STEP", "trace_start_step", "0", _int,
+            "First step recorded; a step is one push_pull of a tensor."),
+    Setting("BYTEPS_TRACE_END_STEP", "trace_end_step", "20", _int,
+            "Last step recorded (-1: no limit; memory grows with the steps)."),
+    Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
+            "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
+    # -- read by Python only (strategy, launcher, server) --
+    Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,
+            "Rank gradient push_pulls by the forward pass's topological order "
+            "(earliest layer first); 0 sends them first come, first served."),
+    Setting("BYTEPS_PROGRESS_ALL_RANKS", "", "0", _bool,
+            "Draw Keras' progress bar on every worker, not only on rank 0."),
+    Setting("BYTEPS_HEALTH_PORT", "", "0", _int,
+            "Port on which a server or scheduler serves the gRPC health service "
+            "(grpc.health.v1, for Kubernetes `grpc` probes): NOT_SERVING until "
+            "the cluster has met, SERVING while healthy, NOT_SERVING after a "
+            "lost peer. 0: off. bpslaunch -np gives server i this port + i."),
+    # -- for tests and tuning --
+    Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,
+            "Record the order partitions leave a worker (read with "
+            "bps_tf.runtime.basics.debug_send_log()); for tests and tuning."),
+)
+
+BY_ENV: Dict[str, Setting] = {s.env: s for s in SETTINGS}
+
+# Horovod's names for the same knobs, read when the BytePS name is not set.
+ALIASES: Dict[str, str] = {
+    "BYTEPS_FUSION_THRESHOLD": "HOROVOD_FUSION_THRESHOLD",
+    "BYTEPS_FUSION_CYCLE_TIME_MS": "HOROVOD_CYCLE_TIME",
+}
+
+
+def value(env: str, environ: Optional[Mapping[str, str]] = None):
+    """The parsed value of one setting, raising a clear error on bad input."""
+    environ = os.environ if environ is None else environ
+    setting = BY_ENV[env]
+    name = env
+    if env not in environ and env in ALIASES and ALIASES[env] in environ:
+        name = ALIASES[env]
+    text = environ.get(name, setting.default)
+    try:
+        parsed = setting.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}={text!r} is not valid: {exc}") from None
+    if env in ALIASES and parsed < 0:
+        raise ValueError(f"{name}={text!r} is not valid: it must not be negative")
+    return parsed
+
+
+def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+    values = {s.core_key: value(s.env, environ) for s in SETTINGS if s.core_key}
+    # The core gets the keys derived from the token, never the token.
+    values.update(security.core_values(value("BYTEPS_JOB_TOKEN", environ), values["encryption"]))
+    return values
+
+
+def to_core_text(values: Mapping[str, object]) -> str:
+    """Encode settings as the core's ``key=value`` lines."""
+    lines = []
+    for key, val in values.items():
+        text = str(val)
+        if "\n" in text or "=" in key:
+            raise ValueError(f"setting {key!r} holds a newline")
+        lines.append(f"{key}={text}")
+    return "\n".join(lines) + "\n"
+
+
+def tf_keras_enabled() -> bool:
+    """True when ``tf.keras`` is tf_keras (Keras 2): ``TF_USE_LEGACY_KERAS``
+    set to one of the values TensorFlow itself accepts."""
+    return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")

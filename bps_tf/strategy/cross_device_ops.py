@@ -1,0 +1,319 @@
+"""PushPullCrossDeviceOps: BytePSStrategy's reductions across devices and workers.
+
+Every reduction the strategy makes (gradients, SyncBatchNorm statistics,
+metrics, the end-of-data agreement of distributed iterators, ...) comes here:
+
+1. the local replicas' values are summed on one device first (``add_n``), so
+   a worker sends ONE push_pull per tensor, whatever its device count;
+2. that sum goes through ``push_pull_sum`` (the cross-worker sum);
+3. MEAN divides by the global replica count; the result is copied to each
+   destination device (a ``Mirrored`` value).
+
+``IndexedSlices`` (Embedding gradients) are never densified: values and
+indices are concatenated over the local replicas, then gathered from all
+workers, which is exactly the sum a single process would have computed.
+
+Names. Workers match push_pulls by name, so names must come out the same on
+every worker without any agreement step: ``naming.StrategyNamer`` numbers the
+reduced tensors of each traced graph (``bps.strategy/<graph path>/<n>``, or
+``bps.strategy/eager/<i>`` in eager mode: eager calls run one after the
+other, and a name may be reused once the previous use finished). Nothing
+depends on layer or variable names, which Keras numbers per process and
+which therefore differ between a worker that built an extra model and one
+that did not. See ``bps_tf.comm.naming``.
+
+Priorities. Reductions that are not gradients block their step
+(``collectives.BLOCKING_PRIORITY``); updates of non-trainable state go last
+(``collectives.STATE_PRIORITY``); a gradient's priority is set by the C++
+priority pass (bps_tf/ops/priority_pass.cc) from the first read of its
+variable in the graph TensorFlow runs.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cdo_lib
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.distribute import values as values_lib
+from tensorflow.python.framework import indexed_slices
+
+from bps_tf.comm import collectives
+from bps_tf.comm import compression as compression_lib
+from bps_tf.comm import naming
+
+# Tensors smaller than this travel uncompressed: they gain nothing, and they
+# are the scalars (metrics, loss) whose exact values users read.
+FP16_MIN_ELEMENTS = 1024
+
+
+def _push_pull(tensor, key: str, priority: int = collectives.BLOCKING_PRIORITY):
+    """Cross-worker sum of any numeric tensor (sent first by default);
+    returns (sum, op)."""
+    summed = collectives.push_pull_sum(tensor, key, priority, widen=True)
+    return summed, collectives.push_pull_op(summed)
+
+
+def allgather_rows(tensor, key: str, rank: int, size: int):
+    """Rows of all workers in rank order, sent first; returns (rows, ops)."""
+    return collectives.allgather(tensor, key, rank, size, collectives.BLOCKING_PRIORITY,
+                                 widen=True, key_per_size=True)
+
+
+# --------------------------------------------------------------------------
+# CrossDeviceOps
+# --------------------------------------------------------------------------
+class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
+    """Reduces local replicas with add_n, then across workers with push_pull."""
+
+    def __init__(self, num_workers: int, rank: int, compression=None):
+        super().__init__()
+        self._num_workers = num_workers
+        self._rank = rank
+        compression_lib.check_supported(compression, "BytePSStrategy")
+        self._fp16 = compression_lib.is_fp16(compression)
+        self._core_spec = compression_lib.core_spec(compression)
+        self._namer = naming.StrategyNamer()
+        collectives.load_op_library()   # fail at strategy creation if the library is missing
+        # graph -> {output tensor name: [push_pull op names]}, to find the
+        # push_pull behind a reduced gradient when the optimizer applies it.
+        self._sources: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # graph -> [_Applied]: the gradients the optimizer applied there
+        self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @property
+    def _num_between_graph_workers(self):
+        # > 1 disables CrossDeviceOps' shortcut for a single local value,
+        # which would skip the cross-worker sum.
+        return self._num_workers
+
+    # -- tf.distribute entry points ------------------------------------
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        del options
+        return self._reduce_all(reduce_op, [(per_replica_value, destinations)])[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        del options
+        return self._reduce_all(reduce_op, list(value_destination_pairs))
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        del options
+        values = list(per_replica_value.values)
+        name = self._namer.batch(1)[0]
+        with tf.device(values[0].device):
+            local = values[0] if len(values) == 1 else tf.concat(values, axis=axis)
+            if self._num_workers > 1:
+                moved = _move_axis_first(local, axis)
+                gathered, _ = allgather_rows(moved, name, self._rank, self._num_workers)
+                local = _move_axis_back(gathered, axis)
+        return self.broadcast(local, _destinations_or_devices(destinations, per_replica_value))
+
+    # -- non-trainable state --------------------------------------------
+    def reduce_state(self, reduce_op, value, variable):
+        """The MEAN/SUM of a replica-context update of a non-trainable
+        variable (moving statistics) over every replica of every worker,
+        on the variable's devices. Sent after the gradients
+        (``collectives.STATE_PRIORITY``); not ranked as a gradient."""
+        with collectives.keep_priority(True):   # the priority pass leaves it last
+            return self._reduce_all(reduce_op, [(value, variable)],
+                                    priority=collectives.STATE_PRIORITY)[0]
+
+    def broadcast_state(self, tensor):
+        """Rank 0's value of ``tensor`` (ONLY_FIRST_REPLICA updates)."""
+        name = self._namer.batch(1)[0]
+        with collectives.keep_priority(True):
+            return collectives.broadcast(tf.convert_to_tensor(tensor), name, root_rank=0,
+                                         priority=collectives.STATE_PRIORITY)
+
+    # -- the work ------------------------------------------------------
+    def _reduce_all(self, reduce_op, pairs, priority=None):
+        names = self._namer.batch(len(pairs))
+        results = []
+        for (value, destinations), name in zip(pairs, names):
+            values = list(value.values) if isinstance(value, values_lib.DistributedValues) \
+                else [value]
+            total = len(values) * self._num_workers
+            dests = _destinations_or_devices(destinations, value)
+            if any(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+                reduced, pp_ops = self._reduce_sparse(reduce_op, values, name, total)
+            else:
+                reduced, pp_ops = self._reduce_dense(reduce_op, values, name, total, priority)
+            result = self.broadcast(reduced, dests)
+            if priority is None:   # state updates are not gradients
+                self._remember(result, pp_ops)
+            results.append(result)
+        return results
+
+    def _reduce_dense(self, reduce_op, values, name, total, priority=None):
+        with tf.device(values[0].device):
+            # SyncOnRead variables arrive as their per-replica variables.
+            tensors = [tf.convert_to_tensor(v) for v in values]
+            local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
+            if self._compresses(local, priority):
+                summed, op = collectives.push_pull_sum_fp16(
+                    local, name, collectives.BLOCKING_PRIORITY, with_op=True)
+            elif self._core_spec and priority is None:
+                # The engine leaves tensors under BYTEPS_MIN_COMPRESS_BYTES
+                # (metrics, counts) and other dtypes uncompressed.
+                summed = collectives.push_pull_sum(local, name, collectives.BLOCKING_PRIORITY,
+                                                   widen=True, compression=self._core_spec)
+                op = collectives.push_pull_op(summed)
+            else:
+                summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
+                                        if priority is None else priority)
+            if reduce_op == reduce_util.ReduceOp.MEAN:
+                summed = collectives.divide(summed, total)
+            elif reduce_op != reduce_util.ReduceOp.SUM:
+                raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
+        return summed, [op] if op is not None else []
+
+    def _compresses(self, tensor, priority) -> bool:
+        """fp16 for the gradient-sized floating tensors only: state updates
+        (``priority`` set) and small values (metrics, counts) stay exact."""
+        size = tensor.shape.num_elements()
+        return (self._fp16 and priority is None and tensor.dtype in (tf.float32, tf.float64)
+                and size is not None and size >= FP16_MIN_ELEMENTS)
+
+    def _reduce_sparse(self, reduce_op, values, name, total):
+        if not all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+            # Mixed dense and sparse replicas: the dense sum is exact.
+            return self._reduce_dense(reduce_op, values, name, total)
+        slices = values
+        with tf.device(values[0].device):
+            rows = tf.concat([s.values for s in slices], axis=0)
+            indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
+            pp_ops = []
+            if self._num_workers > 1:
+                rows, rows_ops = allgather_rows(rows, naming.part_key(name, "values"),
+                                            self._rank, self._num_workers)
+                indices, index_ops = allgather_rows(indices, naming.part_key(name, "indices"),
+                                                self._rank, self._num_workers)
+                pp_ops = rows_ops + index_ops
+            if reduce_op == reduce_util.ReduceOp.MEAN:
+                rows = collectives.divide(rows, total)
+            indices = tf.cast(indices, slices[0].indices.dtype)
+            result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
+        return result, pp_ops
+
+    # -- which push_pulls serve which gradient --------------------------
+    # Priorities are not set here: the C++ priority pass in the op library
+    # (bps_tf/ops/priority_pass.cc) ranks the push_pulls of the graph
+    # TensorFlow runs. This only records, for inspection, which push_pulls
+    # carry the value the optimizer applies to each variable.
+    def _remember(self, result, pp_ops):
+        if not pp_ops:
+            return
+        graph = pp_ops[0].graph
+        table = self._sources.setdefault(graph, {})
+        names = [op.name for op in pp_ops]
+        for component in _components(result):
+            table[component.name] = names
+
+    def on_apply(self, var, args) -> None:
+        """Called when the optimizer applies a reduced value to ``var``
+        (``extended.update``): records the push_pulls behind the value."""
+        if tf.executing_eagerly():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        table = self._sources.get(graph)
+        if not table:
+            return
+        found = []
+        for arg in tf.nest.flatten(args, expand_composites=False):
+            for component in _components(arg):
+                found += _trace_back(component, table)
+        if not found:
+            return
+        primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
+        entry = _Applied(primary, sorted(set(found)))
+        self._applied.setdefault(graph, []).append(entry)
+        label = getattr(var, "bps_label", None) or entry.label
+        for op_name in entry.op_names:
+            key = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
+            collectives.label_tensor(key, label)
+
+    def gradient_priorities(self):
+        """[(variable name, push_pull tensor_name, priority)] of the gradients
+        applied in each traced graph so far; the priority is the one the
+        kernel receives, as the priority pass decided it (None before the
+        graph first ran)."""
+        decided = collectives.decided_priorities()
+        out = []
+        for graph, applied in list(self._applied.items()):
+            for entry in applied:
+                for op_name in entry.op_names:
+                    name = graph.get_operation_by_name(op_name).get_attr("tensor_name").decode()
+                    out.append((entry.label, name, decided.get(name)))
+        return out
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+class _Applied:
+    """A gradient the optimizer applied: its variable and push_pulls."""
+
+    __slots__ = ("variable", "label", "op_names")
+
+    def __init__(self, variable, op_names):
+        self.variable = variable
+        self.label = naming.variable_name(variable)
+        self.op_names = op_names
+
+
+def _destinations_or_devices(destinations, value):
+    if cdo_lib.check_destinations(destinations):
+        return destinations
+    return value
+
+
+def _components(value) -> list:
+    """The graph tensors a (possibly distributed, possibly sparse) value is made of."""
+    if isinstance(value, values_lib.DistributedValues):
+        parts = list(value.values)
+    else:
+        parts = [value]
+    out = []
+    for part in parts:
+        if isinstance(part, indexed_slices.IndexedSlices):
+            part = part.values
+        if isinstance(part, tf.Tensor) and not tf.executing_eagerly() and hasattr(part, "op"):
+            out.append(part)
+    return out
+
+
+def _trace_back(tensor, table: Dict[str, list], depth: int = 8) -> list:
+    """Push_pull ops behind ``tensor``, looking through Identity ops (the
+    optimizer's value passes through ReplicaContext.all_reduce's
+    custom-gradient identities before it reaches extended.update)."""
+    for _ in range(depth):
+        hit = table.get(tensor.name)
+        if hit:
+            return hit
+        op = tensor.op
+        if op.type == "Identity" and op.inputs:
+            tensor = op.inputs[0]
+        elif op.type == "IdentityN":
+            tensor = op.inputs[tensor.value_index]
+        else:
+            return []
+    return []
+
+
+def _move_axis_first(tensor, axis):
+    if axis == 0:
+        return tensor
+    rank = tensor.shape.rank
+    perm = [axis] + [i for i in range(rank) if i != axis]
+    return tf.transpose(tensor, perm)
+
+
+def _move_axis_back(tensor, axis):
+    if axis == 0:
+        return tensor
+    rank = tensor.shape.rank
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return tf.transpose(tensor, perm)
+
+
