@@ -115,10 +115,14 @@ def after_fit(model, name, rank):
     path = os.path.join(OUT, f"{name}.rank{rank}.keras")
     model.save(path)
     reloaded = keras.models.load_model(path, compile=False)
-    same = float(np.max(np.abs(reloaded.predict(x_test, verbose=0) - pred)))
+    # The same batches as `pred`: another batch size changes the matmuls'
+    # shapes, and so their rounding.
+    same = float(np.max(np.abs(reloaded.predict(x_test, batch_size=64, verbose=0) - pred)))
+    weights = max(float(np.max(np.abs(a - b)))
+                  for a, b in zip(reloaded.get_weights(), model.get_weights()))
     return {"accuracy": float(acc), "pred_rows": int(pred.shape[0]),
             "pred_accuracy": float(np.mean(np.argmax(pred, 1) == y_test)),
-            "reload_diff": same, "seconds": time.time() - t0}
+            "reload_diff": same, "reload_weights_diff": weights, "seconds": time.time() - t0}
 
 
 def final_pull(model, name, rank):
