@@ -18,7 +18,7 @@ def test_shared_settings_name_the_variables_python_reads():
     pairs = dict(re.findall(r'\{"(\w+)",\s*"(\w+)"\}', table))
     assert pairs, "protocol.h: kSharedSettings not found"
     by_key = {s.core_key: s.env for s in config.SETTINGS if s.core_key}
-    cluster = _read("bps_tf", "cluster.py")
+    cluster = _read("bps_tf", "runtime", "cluster.py")
     for key, env in pairs.items():
         if key in by_key:
             assert env == by_key[key], f"{key}: protocol.h says {env}, config.py {by_key[key]}"
