@@ -725,35 +725,45 @@ def test_overlapped_apply_refuses_an_unverified_optimizer_type_unless_allowed():
     assert overlap.variables == model.trainable_variables
 
 
-def test_a_tensorflow_without_the_end_of_data_hook_keeps_its_own_sum(monkeypatch):
-    # data_check patches a private input_lib function; where a TensorFlow
+def _forget_data_hooks(monkeypatch):
+    """The registry as if the end-of-data hooks were never installed."""
+    from bps_tf.runtime import hooks
+    from bps_tf.strategy import data_check
+    names = {h.name for h in hooks.hooks(data_check.GROUP)}
+    monkeypatch.setattr(hooks, "_installed", hooks._installed - names)
+    monkeypatch.setattr(hooks, "_missing", {})
+    monkeypatch.setattr(hooks, "_warned", set())
+    return hooks, data_check
+
+
+def test_a_tensorflow_without_the_end_of_data_hook_keeps_its_own_sum(monkeypatch, caplog):
+    # data_check wraps a private input_lib function; where a TensorFlow
     # has none, tf.distribute's own (blocking, exact) sum must stay in place.
     from tensorflow.python.distribute import input_lib
-    from bps_tf.strategy import data_check
-    monkeypatch.setattr(data_check, "_original", None)
+    hooks, data_check = _forget_data_hooks(monkeypatch)
     monkeypatch.delattr(input_lib, "_calculate_replicas_with_values")
-    data_check.install()
-    assert data_check._original is False
+    with caplog.at_level("WARNING", logger="bps_tf"):
+        assert data_check.install() is False
+        assert data_check.install() is False   # once per process: one warning
+    assert "tf input_lib._calculate_replicas_with_values" in hooks.missing(data_check.GROUP)
     assert not hasattr(input_lib, "_calculate_replicas_with_values")
-    data_check.install()   # once per process: nothing more happens
-    assert not hasattr(input_lib, "_calculate_replicas_with_values")
+    assert len([r for r in caplog.records if "end-of-data sum" in r.getMessage()]) == 1
 
 
 def test_the_end_of_data_hook_is_installed_once_and_serves_other_strategies_unchanged(
         monkeypatch):
     from tensorflow.python.distribute import input_lib
-    from bps_tf.strategy import data_check
+    hooks, data_check = _forget_data_hooks(monkeypatch)
     calls = []
 
     def original(strategy, input_workers, optional_list):
         calls.append(strategy)
         return "tf's own"
 
-    monkeypatch.setattr(data_check, "_original", None)
     monkeypatch.setattr(input_lib, "_calculate_replicas_with_values", original)
-    data_check.install()
-    data_check.install()
+    assert data_check.install() is True
     patched = input_lib._calculate_replicas_with_values
-    assert patched is data_check._patched and data_check._original is original
+    assert data_check.install() is True and input_lib._calculate_replicas_with_values is patched
+    assert patched is not original
     other = tf.distribute.get_strategy()     # not a BytePSStrategy
     assert patched(other, None, []) == "tf's own" and calls == [other]

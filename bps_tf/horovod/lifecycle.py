@@ -25,7 +25,7 @@ def init(environ=None, process_sets=None, lazy=True) -> None:  # pylint: disable
         return
     basics.join(environ)
     _register(process_sets)
-    if "keras.src.optimizers.base_optimizer" in sys.modules:   # TensorFlow loaded Keras 3
+    if "keras" in sys.modules:     # a script that uses Keras 3 optimizers
         optimizer_variables.install()
 
 

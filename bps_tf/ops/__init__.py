@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 
 import tensorflow as tf
-from tensorflow.python.framework import auto_control_deps
 
-from bps_tf.runtime import basics, op_build
+from bps_tf.runtime import basics, hooks, op_build
 from bps_tf.runtime.loader import preload_libzmq
 
 OP_TYPES = ("BytepsPushPull", "BytepsBroadcast", "BytepsPushPullStart", "BytepsPushPullWait")
@@ -33,8 +32,20 @@ LIBRARY_PATH, _ops = _load()
 # control dependencies, which would serialise every push_pull of a step.
 # Listing them as asynchronous stateful ops (as TensorFlow does for its own
 # collectives) lets them overlap while keeping Grappler away from them.
-auto_control_deps.ASYNC_STATEFUL_OPS = frozenset(
-    set(auto_control_deps.ASYNC_STATEFUL_OPS) | set(OP_TYPES))
+@hooks.register("tf auto_control_deps.ASYNC_STATEFUL_OPS", "ops",
+                hooks.module_attribute("tensorflow.python.framework.auto_control_deps",
+                                       "ASYNC_STATEFUL_OPS"),
+                changes="the push_pull ops are listed among the asynchronous stateful ops",
+                why="tf.function chains stateful ops in program order; TensorFlow lists its "
+                    "own collectives here and has no public registry",
+                when_missing="fallback", private=True)
+def _async_stateful(original):
+    return frozenset(set(original) | set(OP_TYPES))
+
+
+if hooks.install("ops"):
+    hooks.warn_fallback("ops", "the push_pulls of one traced step run one after another "
+                               "(exact, slower)")
 
 
 def push_pull_sum(tensor, tensor_name: str, priority: int = 0, compression: str = "",

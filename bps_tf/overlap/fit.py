@@ -37,375 +37,18 @@ Embedding) take the barrier path for their own variables, with one log line.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import logging
-import weakref
-from typing import Dict, List, Optional
+from typing import Optional
 
-import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.framework import indexed_slices
-
-from bps_tf.comm import collectives, naming
 from bps_tf.overlap import guard as overlap_guard
-from bps_tf.runtime import config
+from bps_tf.overlap import fit_engine
+from bps_tf.overlap.fit_engine import FitOverlap, OverlapError  # noqa: F401  (the engine)
+from bps_tf.runtime import hooks
 
 log = logging.getLogger("bps_tf")
 
-_controllers: "weakref.WeakSet" = weakref.WeakSet()
-_model_count = [0]
 _installed = [False]
-
-
-class OverlapError(RuntimeError):
-    """Overlap cannot be applied to this model exactly."""
-
-
-class _Retrace(OverlapError):
-    """Found while tracing the train step: ``fit`` retraces it with the barrier."""
-
-
-def _log_barrier(reason: str) -> None:
-    log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.", reason)
-
-
-def _last_op_id(graph) -> int:
-    """Id of the op created last in ``graph`` (ids grow in creation order)."""
-    ops = graph.get_operations()
-    return ops[-1]._id if ops else 0  # pylint: disable=protected-access
-
-
-def _local_values(value) -> list:
-    if isinstance(value, values_lib.DistributedValues):
-        return list(value.values)
-    return [value]
-
-
-class FitOverlap:
-    """The deferred apply of one model's optimizer under BytePSStrategy."""
-
-    def __init__(self, model, strategy):
-        self.model = model
-        self.strategy = strategy
-        self.optimizer = model.optimizer
-        self.variables = list(model.trainable_variables)
-        self._index = {id(v): i for i, v in enumerate(self.variables)}
-        _model_count[0] += 1   # same order on every worker: fit is collective
-        self.keys = naming.overlap_index_keys(len(self.variables), f"fit{_model_count[0]}")
-        for key, v in zip(self.keys, self.variables):
-            collectives.label_tensor(key, naming.variable_name(v))
-        self._fifo = not config.value("BYTEPS_PRIORITY_SCHEDULING")
-        self._active = 0          # train steps being traced right now
-        self._graph = None        # the replica graph of the step being traced
-        # graph -> {variable index: op of its deferred update in that graph}
-        self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        # graph -> {variable index: [ops of its apply (first, last id), id of its start op]}
-        self._windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self.enabled = True
-        self.dirty = False        # a step ran since the last flush
-        self.priorities: Dict[str, int] = {}   # key -> priority of its start (last trace)
-        self._sparse_logged = set()
-        self._flush_fns: Dict[tuple, object] = {}   # pending indices -> traced flush
-        self.step_lock = overlap_guard.StepLock(f"model {model.name!r}")
-        if not self.optimizer.built:
-            self.optimizer.build(self.variables)
-        # The iteration count of the pending gradients, read by their
-        # deferred update as `iterations` (written by the start of a step).
-        with strategy.scope():
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name="bps_overlap_step")
-            # Their learning rate, as apply() computed it in their step:
-            # a schedule recomputed elsewhere may round differently.
-            self._lr = tf.Variable(0.0, dtype=tf.float32, trainable=False,
-                                   name="bps_overlap_learning_rate")
-        self._hook_layers()
-        self._patch_optimizer()
-        self._patch_train_step()
-        _controllers.add(self)
-        self._handles = overlap_guard.resource_handles(self.variables)
-        overlap_guard.watch(self.variables, self._handles, self)
-
-    # -- installation ------------------------------------------------------
-    def _hook_layers(self):
-        """Each variable is applied before the forward of the top-level layer
-        that holds it (the model's own ``call`` for the rest)."""
-        groups: Dict[int, List[int]] = {}
-        owners = {}
-        placed = set()
-        for layer in list(getattr(self.model, "layers", [])):
-            for v in layer.trainable_variables:
-                i = self._index.get(id(v))
-                if i is not None and i not in placed:
-                    placed.add(i)
-                    groups.setdefault(id(layer), []).append(i)
-                    owners[id(layer)] = layer
-        rest = [i for i in range(len(self.variables)) if i not in placed]
-        if rest:
-            groups[id(self.model)] = rest
-            owners[id(self.model)] = self.model
-        for key, indices in groups.items():
-            self._hook(owners[key], tuple(indices))
-
-    def _hook(self, layer, indices):
-        original = layer.call
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            if self._active and self.enabled:
-                self._apply_before_forward(layer, indices)
-            return original(*args, **kwargs)
-
-        object.__setattr__(layer, "call", call)
-
-    def _patch_optimizer(self):
-        opt = self.optimizer
-        weight_decay = opt._apply_weight_decay        # pylint: disable=protected-access
-        update_step = opt._backend_update_step        # pylint: disable=protected-access
-
-        def deferred_weight_decay(variables):
-            if not (self._active and self.enabled):
-                return weight_decay(variables)
-            return None   # applied with the deferred update
-
-        def deferred_update_step(grads, trainable_variables, learning_rate):
-            if not (self._active and self.enabled):
-                return update_step(grads, trainable_variables, learning_rate)
-            sparse = [(g, v) for g, v in zip(grads, trainable_variables)
-                      if isinstance(g, indexed_slices.IndexedSlices)]
-            dense = [(g, v) for g, v in zip(grads, trainable_variables)
-                     if g is not None and not isinstance(g, indexed_slices.IndexedSlices)]
-            if sparse:
-                self._log_sparse([v for _, v in sparse])
-                weight_decay([v for _, v in sparse])
-                update_step([g for g, _ in sparse], [v for _, v in sparse], learning_rate)
-            if dense:
-                tf.distribute.get_replica_context().merge_call(
-                    self._start, args=([g for g, _ in dense], [v for _, v in dense],
-                                       tf.convert_to_tensor(learning_rate)))
-            return None
-
-        object.__setattr__(opt, "_apply_weight_decay", deferred_weight_decay)
-        object.__setattr__(opt, "_backend_update_step", deferred_update_step)
-
-    def _patch_train_step(self):
-        original = self.model.train_step
-
-        @functools.wraps(original)
-        def train_step(data):
-            if not self.enabled:
-                return original(data)
-            self._active += 1
-            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-            self._graph = graph
-            try:
-                outputs = original(data)
-            finally:
-                self._active -= 1
-            if graph is not None and not self._active:
-                self._finish_trace(graph)
-            return outputs
-        object.__setattr__(self.model, "train_step", train_step)
-
-    def _finish_trace(self, graph):
-        """Checks the traced step's reads (bps_tf.overlap.guard.stale_reads:
-        raises _Retrace if one is outside its variable's overlap window) and
-        sets each start's priority from where the next forward pass first
-        reads its variable: the first read leaves first."""
-        entries = {i: w for i, w in self._windows.get(graph, {}).items() if w[0] is not None}
-        starts = {i: op for i, (_, op) in entries.items() if op is not None}
-        windows = {i: (applied, op._id if op is not None else None)  # pylint: disable=protected-access
-                   for i, (applied, op) in entries.items()}
-        handles = {i: overlap_guard.resource_handles([self.variables[i]]) for i in windows}
-        names = {i: naming.variable_name(self.variables[i]) for i in windows}
-        first_reads: Dict[int, int] = {}
-        stale = overlap_guard.stale_reads(graph, handles, windows, names, first_reads)
-        if stale:
-            raise _Retrace(f"the train step reads weights outside the layers' own forward "
-                           f"passes ({'; '.join(stale[:3])}{'; ...' if len(stale) > 3 else ''})")
-        if self._fifo:
-            return
-        order = sorted(starts, key=lambda i: (first_reads.get(i, float("inf")), i))
-        for rank, i in enumerate(order):
-            starts[i]._set_attr("priority", attr_value_pb2.AttrValue(i=-rank))  # pylint: disable=protected-access
-            self.priorities[self.keys[i]] = -rank
-
-    def disable(self, reason: str) -> None:
-        """Back to the barrier for this model (eager): pending updates are
-        applied first."""
-        self.flush()
-        self.enabled = False
-        overlap_guard.unwatch(self.variables, self._handles)
-        _log_barrier(reason)
-
-    def guard(self, train_function):
-        """``train_function`` that marks the model dirty and, if tracing
-        found a read overlap cannot serve exactly, retraces with the barrier."""
-        model = self.model
-
-        @functools.wraps(train_function)
-        def guarded(*args, **kwargs):
-            if not self.enabled:
-                return train_function(*args, **kwargs)
-            try:
-                with self.step_lock.held(), overlap_guard.in_train_step.scope():
-                    self.dirty = True
-                    return train_function(*args, **kwargs)
-            except _Retrace as exc:
-                # Raised while tracing, before the step ran: nothing started.
-                self.disable(str(exc).splitlines()[0])
-                model.make_train_function(force=True)
-                return model.train_function(*args, **kwargs)
-        return guarded
-
-    def _log_sparse(self, variables):
-        names = [naming.variable_name(v) for v in variables
-                 if naming.variable_name(v) not in self._sparse_logged]
-        if names:
-            self._sparse_logged.update(names)
-            log.warning("BytePSStrategy overlap: %s get sparse gradients (IndexedSlices); "
-                        "their updates keep the barrier (applied in the step).", ", ".join(names))
-
-    # -- the two halves ----------------------------------------------------
-    def _apply_before_forward(self, layer, indices):
-        """In the replica context of a traced train step."""
-        if tf.executing_eagerly():
-            raise OverlapError("BytePSStrategy overlap needs a traced train step "
-                               "(model.compile(run_eagerly=False)); use overlap=False.")
-        graph = tf.compat.v1.get_default_graph()
-        if graph is not self._graph:
-            raise _Retrace(
-                f"BytePSStrategy overlap: layer {layer.name!r} is called inside control flow "
-                f"(a loop or condition in the train step), where its pending update cannot be "
-                f"applied before its forward pass")
-        done = self._applied.setdefault(graph, {})
-        todo = [i for i in indices if i not in done]
-        if todo:
-            tf.distribute.get_replica_context().merge_call(
-                lambda _strategy: self._apply(todo))
-
-    def _start(self, strategy, grads, variables, learning_rate):
-        """Cross-replica: starts the sums of this step's dense gradients."""
-        del strategy
-        indices = [self._index_of(v) for v in variables]
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        done = self._applied.setdefault(graph, {}) if graph is not None else {}
-        # A variable whose layer did not run in this step: its pending
-        # update goes first (the same key cannot be started twice).
-        missing = [i for i in indices if i not in done]
-        if missing:
-            self._apply(missing)
-        # Read before apply() counts this step.
-        self._step.assign(tf.convert_to_tensor(self.optimizer.iterations.value))
-        self._lr.assign(tf.cast(_local_values(learning_rate)[0], tf.float32))
-        for i, grad in zip(indices, grads):
-            values = [tf.convert_to_tensor(g) for g in _local_values(grad)]
-            with tf.device(values[0].device):
-                local = values[0] if len(values) == 1 else tf.math.add_n(values)
-            deps = [done[i]] if i in done else []
-            with tf.control_dependencies(deps):
-                token = collectives.push_pull_start(local, self.keys[i],
-                                                    priority=0 if self._fifo else -i)
-            done.pop(i, None)
-            if graph is not None:
-                self._windows.setdefault(graph, {}).setdefault(i, [None, None])[1] = token.op
-
-    def _index_of(self, variable) -> int:
-        i = self._index.get(id(variable))
-        if i is None:
-            raise OverlapError(f"BytePSStrategy overlap: the optimizer updates "
-                               f"{naming.variable_name(variable)}, which is not one of the "
-                               f"model's trainable variables; use overlap=False.")
-        return i
-
-    def _apply(self, indices) -> int:
-        """Cross-replica: waits for and applies the pending sums of
-        ``indices``. Eager: returns how many were applied."""
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        applied = 0
-        for i in indices:
-            var = self.variables[i]
-            like = tf.zeros(var.shape, var.dtype)
-            first = _last_op_id(graph) if graph is not None else None
-            summed, valid = collectives.push_pull_wait(like, self.keys[i])
-            if graph is None:
-                if bool(valid):
-                    self._update(var, summed)
-                    applied += 1
-                continue
-
-            def update(var=var, summed=summed):
-                self._update(var, summed)
-                return tf.constant(True)
-            applied_op = tf.cond(valid, update, lambda: tf.constant(False))
-            self._applied.setdefault(graph, {})[i] = applied_op
-            self._windows.setdefault(graph, {})[i] = [(first, _last_op_id(graph)), None]
-        return applied
-
-    @contextlib.contextmanager
-    def _pending_step(self):
-        """``optimizer.iterations`` reads the pending gradients' step (a
-        variable, as in the barrier's update: the same ops, the same rounding)."""
-        opt = self.optimizer
-        saved = opt._iterations  # pylint: disable=protected-access
-        object.__setattr__(opt, "_iterations", self._step)
-        try:
-            yield
-        finally:
-            object.__setattr__(opt, "_iterations", saved)
-
-    def _update(self, var, grad):
-        """Weight decay then ``update_step`` on ``var``, as the optimizer's
-        apply does, for the pending step."""
-        opt = self.optimizer
-        learning_rate = self._lr
-        with self._pending_step():
-            def fn(v, g):
-                if opt.weight_decay is not None and opt._use_weight_decay(v):  # pylint: disable=protected-access
-                    lr = tf.cast(learning_rate, v.dtype)
-                    wd = tf.cast(opt.weight_decay, v.dtype)
-                    v.assign_sub(v * wd * lr)
-                return opt.update_step(g, v, learning_rate)
-            self.strategy.extended.update(var.value, fn, args=(grad,), group=False)
-
-    # -- flush ---------------------------------------------------------------
-    def pending(self) -> List[str]:
-        """This model's keys still pending (eager)."""
-        mine = set(self.keys)
-        return [k for k in collectives.pending_push_pulls() if k in mine]
-
-    def flush(self) -> int:
-        """Waits for and applies every pending update (eager). Returns how
-        many variables were updated; a second flush applies nothing."""
-        if not tf.executing_eagerly():
-            return 0
-        with self.step_lock.held():   # a step running in another thread ends first
-            if self._active:
-                return 0
-            self.dirty = False
-            pending = set(self.pending())
-            if not pending:
-                return 0
-            indices = tuple(i for i, k in enumerate(self.keys) if k in pending)
-            with self.strategy.scope(), overlap_guard.flushing.scope():
-                return int(self._flush_fn(indices)())
-
-    def _flush_fn(self, indices):
-        """A traced flush of ``indices``. Traced, not eager, so the update
-        is the train step's arithmetic: Grappler rewrites a graph's update
-        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), and an eager
-        update would differ from the barrier's by an ulp."""
-        fn = self._flush_fns.get(indices)
-        if fn is None:
-            def flush_graph():
-                graph = tf.compat.v1.get_default_graph()
-                self._apply(list(indices))
-                applied = self._applied.pop(graph, {})
-                self._windows.pop(graph, None)
-                return tf.add_n([tf.cast(applied[i], tf.int32) for i in indices])
-            fn = self._flush_fns[indices] = tf.function(flush_graph, autograph=False)
-        return fn
 
 
 # --------------------------------------------------------------------------
@@ -423,7 +66,7 @@ def flush_model(model) -> int:
 
 def flush_all() -> None:
     """Every model's pending updates (the process's exit)."""
-    for ctl in list(_controllers):
+    for ctl in fit_engine.controllers():
         try:
             ctl.flush()
         except Exception as exc:  # pylint: disable=broad-except
@@ -433,7 +76,7 @@ def flush_all() -> None:
 
 def _ensure(model):
     """Sets up the overlap for ``model`` if its strategy asks for it (once)."""
-    strategy = getattr(model, "_distribute_strategy", None)
+    strategy = getattr(model, "distribute_strategy", None)
     ctl = controller(model)
     if ctl is not None and ctl.optimizer is not getattr(model, "optimizer", None):
         # compile() again: the hooks serve the old optimizer only.
@@ -447,31 +90,54 @@ def _ensure(model):
     object.__setattr__(model, "_bps_fit_overlap_checked", True)
     reason = overlap_guard.fallback_reason(model, strategy)
     if reason is not None:
-        _log_barrier(reason)
+        fit_engine.log_barrier(reason)
         return
     object.__setattr__(model, "_bps_fit_overlap", FitOverlap(model, strategy))
 
 
-def _flush_first(original, model_of=lambda self: self):
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        model = model_of(self)
-        if model is not None:
-            flush_model(model)
-        return original(self, *args, **kwargs)
-    return wrapper
+def _flush_first(model_of=lambda self: self):
+    """A hook's wrap: the model's pending updates are applied, then the original runs."""
+    def wrap(original):
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            model = model_of(self)
+            if model is not None:
+                flush_model(model)
+            return original(self, *args, **kwargs)
+        return wrapper
+    return wrap
 
 
-def install() -> None:
-    """Wraps the Keras methods that set up the overlap and flush it (once)."""
-    if _installed[0]:
-        return
-    import keras
-    from keras.src.backend.tensorflow import trainer as tf_trainer
+GROUP = "overlap.fit"
+# Reads of the weights are caught one by one by bps_tf.overlap.guard; these
+# apply everything pending at the points where a file is written or fit()
+# returns, whatever path the read takes there.
+for _target in ("save", "save_weights"):
+    hooks.register(f"keras.Model.{_target}", GROUP, hooks.attribute_of("keras.Model", _target),
+                   changes="pending overlapped updates applied before the file is written",
+                   why="a save reads the weights through paths of its own; nothing of "
+                       "tf.distribute runs before", when_missing="fallback")(_flush_first())
+hooks.register("keras.callbacks.CallbackList.on_train_end", GROUP,
+               hooks.attribute_of("keras.callbacks.CallbackList", "on_train_end"),
+               changes="pending overlapped updates applied when fit() ends, before the user's "
+                       "callbacks", why="fit() has no tf.distribute call at its end",
+               when_missing="fallback")(_flush_first(lambda callbacks: callbacks.model))
 
-    trainer = tf_trainer.TensorFlowTrainer
-    make_train_function = trainer.make_train_function
 
+for _name in ("_backend_update_step", "_apply_weight_decay", "_use_weight_decay"):
+    hooks.probe(f"keras.optimizers.Optimizer.{_name}", GROUP,
+                hooks.attribute_of("keras.optimizers.Optimizer", _name, defined_by_role=True),
+                changes="called (per optimizer) by the deferred update of the overlap",
+                why="the overlap applies one variable's update of the previous step, which "
+                    "Keras' public apply() cannot do", when_missing="fallback")
+
+
+@hooks.register("keras.Model.make_train_function", GROUP,
+                hooks.attribute_of("keras.Model", "make_train_function"),
+                changes="sets up the overlap for the model and guards its train function",
+                why="the deferred update lives in the traced train step; tf.distribute's run "
+                    "cannot tell a train step from a test step", when_missing="fallback")
+def _make_train_function(make_train_function):
     @functools.wraps(make_train_function)
     def make_train(self, force=False):
         _ensure(self)
@@ -481,17 +147,21 @@ def install() -> None:
         if ctl is not None and ctl.enabled and fresh and self.train_function is not None:
             self.train_function = ctl.guard(self.train_function)
         return self.train_function
-    trainer.make_train_function = make_train
-    for name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
-        setattr(trainer, name, _flush_first(getattr(trainer, name)))
-    for name in ("save", "save_weights", "get_weights"):
-        setattr(keras.Model, name, _flush_first(getattr(keras.Model, name)))
-    callback_list = keras.callbacks.CallbackList
-    for name in ("on_epoch_end", "on_train_end"):
-        setattr(callback_list, name,
-                _flush_first(getattr(callback_list, name), lambda cbs: cbs.model))
-    for cls in (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore):
-        cls._save_model = _flush_first(cls._save_model, lambda cb: cb.model)  # pylint: disable=protected-access
-    overlap_guard.install_flushes()
-    atexit.register(flush_all)
-    _installed[0] = True
+    return make_train
+
+
+def install() -> bool:
+    """Installs the hooks that set up the overlap and flush it (once).
+    False (after one warning naming them) when this Keras/TensorFlow moved one
+    of them: every model then keeps the step barrier, which gives the same
+    weights."""
+    import keras  # noqa: F401  (the hooks' targets)
+    gone = {**hooks.install(GROUP), **overlap_guard.install_flushes()}
+    if not _installed[0]:
+        atexit.register(flush_all)
+        _installed[0] = True
+    if gone:
+        hooks.warn_fallback((GROUP, overlap_guard.GROUP),
+                            "cross-step overlap is off (barrier between steps: the same weights)")
+        return False
+    return True

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from bps_tf.comm import naming
+from bps_tf.runtime import hooks
 
 _state = threading.local()
 
@@ -167,7 +168,6 @@ _watched: "Dict[int, weakref.ref]" = {}
 _watched_handles: "Dict[int, weakref.ref]" = {}
 # the graph a custom loop's train step was traced in -> its OverlappedApply
 _train_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_installed = [False]
 
 
 def resource_handles(variables) -> list:
@@ -262,25 +262,39 @@ def _flush(ref) -> None:
         ctl.flush()
 
 
-def install_flushes() -> None:
-    """Wraps the Keras variable's ``value`` (every eager read goes through
-    it) and the execution of a traced function."""
-    if _installed[0]:
-        return
-    from keras.src.backend.common.variables import Variable as KerasVariable
-    from tensorflow.python.eager.polymorphic_function import concrete_function
-    value_property = KerasVariable.value
+GROUP = "overlap.guard"
+_WHY_READS = ("reads of a weight between steps must see the barrier's value; Keras and "
+              "TensorFlow read variables without calling the strategy")
+
+
+def _concrete_function_class():
+    import tensorflow as tf
+    concrete = tf.function(lambda: tf.constant(0)).get_concrete_function()
+    return hooks.defining_class(type(concrete), "_call_flat"), "_call_flat"
+
+
+@hooks.register("keras.Variable.value", GROUP, hooks.attribute_of("keras.Variable", "value"),
+                changes="an eager read of a weight whose model has pending overlapped updates "
+                        "applies them first", why=_WHY_READS, when_missing="fallback")
+def _value(original):
+    import tensorflow as tf
 
     def value(self):
         ref = _watched.get(id(self))
         if ref is not None and not flushing and tf.executing_eagerly():
             _flush(ref)
-        return value_property.fget(self)
+        return original.fget(self)
+    return property(value, doc=original.__doc__)
 
-    KerasVariable.value = property(value, doc=value_property.__doc__)
 
-    function_class = concrete_function.ConcreteFunction
-    call_flat = function_class._call_flat  # pylint: disable=protected-access
+@hooks.register("tf ConcreteFunction._call_flat", GROUP, _concrete_function_class,
+                changes="a traced function that captures a weight with pending overlapped "
+                        "updates applies them first; the train function marks its model",
+                why=_WHY_READS + "; a tf.function reads captured variables directly",
+                when_missing="fallback", private=True,
+                found_by="role: the class of a traced tf.function's concrete function")
+def _call_flat_wrapper(call_flat):
+    import tensorflow as tf
 
     def _call_flat(self, tensor_inputs, captured_inputs):
         if _watched_handles and not flushing and tf.executing_eagerly():
@@ -297,6 +311,10 @@ def install_flushes() -> None:
                     if ref is not None:
                         _flush(ref)
         return call_flat(self, tensor_inputs, captured_inputs)
+    return _call_flat
 
-    function_class._call_flat = _call_flat  # pylint: disable=protected-access
-    _installed[0] = True
+
+def install_flushes() -> Dict[str, str]:
+    """Installs the read guards (once); returns {hook: why} of those whose
+    target this Keras/TensorFlow moved (the overlap must not run then)."""
+    return hooks.install(GROUP)

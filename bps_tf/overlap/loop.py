@@ -61,7 +61,7 @@ import tensorflow as tf
 
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.overlap import guard as overlap_guard
-from bps_tf.runtime import basics
+from bps_tf.runtime import basics, hooks
 
 log = logging.getLogger("bps_tf")
 
@@ -141,6 +141,7 @@ class OverlappedApply:
         self.dirty = False
         overlap_guard.watch(self.variables, overlap_guard.resource_handles(self.variables), self)
         overlap_guard.install_flushes()
+        hooks.require(overlap_guard.GROUP, "OverlappedApply", policy=None)
 
     # ------------------------------------------------------------------
     def _install_hooks(self):

@@ -97,6 +97,7 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     """
 
     _sync_extended = BytePSExtended  # bps_tf.distribute.MirroredStrategy feeds workers apart
+    bps_tf_strategy = True           # bps_tf.strategy.identity: the Keras hooks act for it
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
                  mode=None, overlap=None):
@@ -125,14 +126,16 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
         extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
-        keras_hooks.install(_is_bps_strategy)
-        self.overlap, early_check = strategy_choices.agreed(mode == "async", overlap)
+        keras_hooks.install()
+        wanted = strategy_choices.overlap_wanted(mode == "async", overlap)
+        # Without its hooks (a Keras that moved them) the overlap stays off:
+        # the barrier gives the same weights (one warning names the hooks).
+        wanted = wanted and overlap_fit.install()
+        self.overlap, early_check = strategy_choices.agreed(mode == "async", wanted)
         # Workers with a batch of their own do not wait for the per-step
         # end-of-data sum (bps_tf.strategy.data_check).
         extended.bps_early_data_check = early_check and extended._in_multi_worker_mode()
         data_check.install()
-        if self.overlap:
-            overlap_fit.install()
 
     @property
     def cluster_resolver(self):
@@ -155,6 +158,3 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
         return (f"BytePSStrategy(rank={self.rank}, workers={self.num_workers}, "
                 f"devices={list(self.extended.worker_devices)})")
 
-
-def _is_bps_strategy(strategy) -> bool:
-    return isinstance(strategy, BytePSStrategy)

@@ -11,16 +11,22 @@ from bps_tf.comm import collectives, naming
 from bps_tf.runtime import basics, config
 
 
-def agreed(is_async: bool, overlap):
-    """(overlap, early data check); every worker must choose the same mode,
-    overlap and BYTEPS_EARLY_DATA_CHECK (one push_pull of the votes), or they
-    would wait for each other forever."""
+def overlap_wanted(is_async: bool, overlap) -> bool:
+    """This worker's overlap choice: ``overlap=`` or BYTEPS_OVERLAP (off
+    by default in async mode, which has no barrier to overlap)."""
     if overlap is None and is_async and "BYTEPS_OVERLAP" not in os.environ:
-        overlap = False   # async mode has no barrier to overlap
+        overlap = False
     overlap = bool(config.value("BYTEPS_OVERLAP") if overlap is None else overlap)
     if overlap and is_async:
         raise ValueError("BYTEPS_OVERLAP=1 with asynchronous training: there is no step "
                          "barrier to overlap; unset one of them.")
+    return overlap
+
+
+def agreed(is_async: bool, overlap: bool):
+    """(overlap, early data check); every worker must choose the same mode,
+    overlap and BYTEPS_EARLY_DATA_CHECK (one push_pull of the votes), or they
+    would wait for each other forever."""
     early = bool(config.value("BYTEPS_EARLY_DATA_CHECK"))
     size = basics.size()
     if size == 1:

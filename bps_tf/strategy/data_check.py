@@ -29,15 +29,14 @@ import logging
 import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import input_lib
 
 from bps_tf.comm import collectives, naming
-from bps_tf.runtime import basics
+from bps_tf.runtime import basics, hooks
 
 log = logging.getLogger("bps_tf")
 _lock = threading.Lock()
-_original = None
-_original_enable = None
+GROUP = "data"
+_drain_registered = [False]
 _PREFIX = naming.strategy_key("data_check") + "/"
 
 
@@ -69,27 +68,42 @@ def replicas_with_values(local):
     return tf.cond(local[0] > 0, lambda: local, everyone)
 
 
-def _patched(strategy, input_workers, optional_list):
-    if not getattr(strategy.extended, "bps_early_data_check", False):
-        return _original(strategy, input_workers, optional_list)
-    counts = []
-    for worker, optionals in zip(input_workers.worker_devices, optional_list):
-        with tf.device(worker):
-            counts += [tf.cast(o.has_value(), tf.int64) for o in optionals]
-    local = tf.reshape(tf.add_n(counts), [1])
-    return tf.reshape(replicas_with_values(local), [])
+_INPUT_LIB = "tensorflow.python.distribute.input_lib"
 
 
-def _enable_optional(strategy, dataset, cardinality):
-    if hasattr(strategy.extended, "bps_early_data_check") and \
-            strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
-        # Keras reuses a train function traced for one dataset in later fit()
-        # calls. Traced for an infinite one (TensorFlow's own choice: no
-        # end-of-data check), it would let a worker whose finite dataset runs
-        # out end its epoch alone. On for every dataset, every traced step
-        # checks, and the workers end together.
-        return True
-    return _original_enable(strategy, dataset, cardinality)
+@hooks.register("tf input_lib._calculate_replicas_with_values", GROUP,
+                hooks.module_attribute(_INPUT_LIB, "_calculate_replicas_with_values"),
+                changes="the per-step end-of-data sum is waited for only by a worker without "
+                        "a batch of its own",
+                why="tf.distribute's input pipeline makes every step wait for the sum; no "
+                    "option changes that", when_missing="fallback", private=True)
+def _replicas_with_values(original):
+    def calculate(strategy, input_workers, optional_list):
+        if not getattr(strategy.extended, "bps_early_data_check", False):
+            return original(strategy, input_workers, optional_list)
+        counts = []
+        for worker, optionals in zip(input_workers.worker_devices, optional_list):
+            with tf.device(worker):
+                counts += [tf.cast(o.has_value(), tf.int64) for o in optionals]
+        local = tf.reshape(tf.add_n(counts), [1])
+        return tf.reshape(replicas_with_values(local), [])
+    return calculate
+
+
+@hooks.register("tf input_lib._enable_get_next_as_optional", GROUP,
+                hooks.module_attribute(_INPUT_LIB, "_enable_get_next_as_optional"),
+                changes="every traced step checks for the end of the data, whatever dataset "
+                        "it was traced for",
+                why="Keras reuses a train function traced for an infinite dataset (no check) "
+                    "on a finite one, which one worker could then end alone",
+                when_missing="fallback", private=True)
+def _enable_optional(original):
+    def enable(strategy, dataset, cardinality):
+        if hasattr(strategy.extended, "bps_early_data_check") and \
+                strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+            return True
+        return original(strategy, dataset, cardinality)
+    return enable
 
 
 def drain() -> None:
@@ -112,24 +126,18 @@ def drain() -> None:
                           key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def install() -> None:
-    """Routes tf.distribute's end-of-data count through
-    :func:`replicas_with_values` for strategies whose extended object sets
-    ``bps_early_data_check`` (once per process)."""
-    global _original, _original_enable
+def install() -> bool:
+    """Installs the two input-pipeline hooks (once per process). False
+    when this TensorFlow moved one of them (one warning): every step then
+    waits for TensorFlow's own blocking sum, exact and slower."""
+    gone = hooks.install(GROUP)
     with _lock:
-        if _original is not None:
-            return
-        original = getattr(input_lib, "_calculate_replicas_with_values", None)
-        if original is None:
-            # A TensorFlow whose input_lib computes the count elsewhere: its
-            # own blocking sum stays, which is exact, only slower.
-            log.warning("bps_tf: this TensorFlow has no input_lib._calculate_replicas_with_"
-                        "values; every step waits for the cross-worker end-of-data sum.")
-            _original = False
-            return
-        _original = original
-        input_lib._calculate_replicas_with_values = _patched  # pylint: disable=protected-access
-        _original_enable = input_lib._enable_get_next_as_optional  # pylint: disable=protected-access
-        input_lib._enable_get_next_as_optional = _enable_optional  # pylint: disable=protected-access
-        atexit.register(drain)   # before basics' shutdown (registered earlier)
+        if not _drain_registered[0]:
+            atexit.register(drain)   # before basics' shutdown (registered earlier)
+            _drain_registered[0] = True
+    if gone:
+        hooks.warn_fallback(GROUP, "every step waits for TensorFlow's own end-of-data sum; a "
+                                   "train function traced for an infinite dataset and reused "
+                                   "for a finite one may let one worker end an epoch first "
+                                   "(the others then fail with a stall error)")
+    return not gone

@@ -24,12 +24,14 @@ import logging
 import tensorflow as tf
 
 from bps_tf.horovod import api
+from bps_tf.runtime import hooks
 
 log = logging.getLogger("bps_tf")
 
 COUNTS_NAME = "bps.strategy/epoch_batches"
 
 _warned: set = set()
+_adapter: list = []
 _OWN = -2   # a worker whose dataset is its own (not sharded by tf.distribute)
 
 
@@ -38,13 +40,26 @@ def _own_data(iterator) -> bool:
     # pipelines it builds from arrays by DATA); its adapter hands the dataset
     # back as it was given, where others would build theirs again. A dataset
     # the user distributed already has no options to read.
-    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
-    if not isinstance(iterator.data_adapter, TFDatasetAdapter):
+    adapter = _dataset_adapter_class()
+    if adapter is None or not isinstance(iterator.data_adapter, adapter):
         return False
     dataset = iterator.data_adapter.get_tf_dataset()
     return (isinstance(dataset, tf.data.Dataset) and
             dataset.options().experimental_distribute.auto_shard_policy ==
             tf.data.experimental.AutoShardPolicy.OFF)
+
+
+def _dataset_adapter_class():
+    """Keras' adapter of a user's tf.data.Dataset (found by role), or None
+    when this Keras has none to find: every dataset then counts as sharded."""
+    if not _adapter:
+        try:
+            _adapter.append(hooks.dataset_adapter_class())
+        except hooks.HookMissing as exc:
+            log.warning("bps_tf: cannot tell a user's tf.data.Dataset in this Keras (%s): "
+                        "a dataset with AutoShardPolicy.OFF needs steps_per_epoch.", exc)
+            _adapter.append(None)
+    return _adapter[0]
 
 
 def unsized(iterator, is_bps) -> bool:

@@ -21,6 +21,7 @@ from bps_tf.comm import async_training, collectives, naming
 from bps_tf.comm.compression import Compression
 from bps_tf.horovod import lifecycle
 from bps_tf.runtime import basics, cluster
+from bps_tf.strategy import keras_hooks
 from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps
 
 __all__ = ["BytePSExtended", "AsyncBytePSExtended"]
@@ -220,13 +221,7 @@ def _an_optimizer_is_building() -> bool:
     """True while a Keras optimizer creates its own variables. They are
     updated in cross-replica context, or (the loss scale) identically on every
     replica inside a cond, where a MEAN aggregation's merge_call cannot run."""
-    try:
-        from keras.src.backend.common import global_state
-        from keras.src.optimizers import base_optimizer
-    except ImportError:
-        return False
-    scopes = global_state.get_global_attribute("name_scope_stack") or []
-    return any(isinstance(s.caller, base_optimizer.BaseOptimizer) for s in scopes)
+    return keras_hooks.optimizer_building() is not None
 
 
 def _is_state_variable(destinations, trainable_too: bool = False) -> bool:

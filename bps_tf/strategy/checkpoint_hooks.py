@@ -1,0 +1,182 @@
+"""Keras' checkpoint callbacks across workers: rank 0 writes, every worker resumes.
+
+Under a multi-worker ``BytePSStrategy``, ``ModelCheckpoint`` and
+``BackupAndRestore`` would have every worker write the same files at once
+(HDF5 refuses the second writer; on a shared file system files get torn).
+Rank 0 writes the real files; the other workers save into a private
+temporary directory that is deleted right away -- they still run the save,
+so any reduction a save might trigger happens on every worker, and no worker
+blocks waiting for another. ``BackupAndRestore`` restores on rank 0 and
+sends the restored weights, optimizer state and epoch to the others, so a
+worker that cannot see the backup directory resumes too.
+
+The hooks wrap the callbacks' public methods (``on_epoch_end``,
+``on_train_batch_end``, ``on_train_begin``, ``on_train_end``); the paths a
+save writes to are found by value (every string attribute under the
+callback's directory), not by Keras' private attribute names.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from bps_tf.comm import collectives, naming
+from bps_tf.horovod import api
+from bps_tf.runtime import hooks
+from bps_tf.strategy.identity import multi_worker
+
+_WHY = ("Keras 3 callbacks write on every worker; only TensorFlow's own multi-worker "
+        "strategy is special-cased, and no callback option names a writer")
+
+
+class _PrivateDir:
+    """Points the callback's paths under ``root`` into a temporary directory
+    for the duration of a call, then restores them and deletes it."""
+
+    def __init__(self, callback, rank: int, paths):
+        self._callback = callback
+        self._dir = tempfile.mkdtemp(prefix=f"bps_tf_rank{rank}_")
+        self._paths = paths
+        self._saved = {}
+
+    def __enter__(self):
+        for attr, value in self._paths(self._callback, self._dir).items():
+            self._saved[attr] = getattr(self._callback, attr)
+            setattr(self._callback, attr, value)
+        return self._dir
+
+    def __exit__(self, *exc):
+        for attr, value in self._saved.items():
+            setattr(self._callback, attr, value)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return False
+
+
+def _backup_files(callback):
+    """{attribute: path} of every string attribute of a BackupAndRestore
+    under its ``backup_dir`` (the weights and metadata files, and their
+    previous copies, whatever Keras calls them)."""
+    root = os.fspath(callback.backup_dir).rstrip(os.sep)
+    return {attr: value for attr, value in vars(callback).items()
+            if attr != "backup_dir" and isinstance(value, str)
+            and value.startswith(root + os.sep)}
+
+
+def _backup_paths(callback, directory):
+    """The paths of a BackupAndRestore moved under ``directory``."""
+    root = os.fspath(callback.backup_dir)
+    paths = {attr: os.path.join(directory, os.path.relpath(value, root))
+             for attr, value in _backup_files(callback).items()}
+    paths["backup_dir"] = directory
+    return paths
+
+
+def _checkpoint_paths(callback, directory):
+    return {"filepath": os.path.join(directory, os.path.basename(os.fspath(callback.filepath)))}
+
+
+def _saves_on_rank0(paths):
+    """A wrapper of a callback method that may save: on ranks other than 0
+    it saves into a private directory."""
+    def wrap(original):
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            strategy = multi_worker(self.model)
+            if strategy is None or strategy.rank == 0:
+                return original(self, *args, **kwargs)
+            with _PrivateDir(self, strategy.rank, paths):
+                return original(self, *args, **kwargs)
+        return method
+    return wrap
+
+
+def _register_saves(owner: str, paths, methods) -> None:
+    for name in methods:
+        hooks.register(
+            f"{owner}.{name}", "keras", hooks.attribute_of(owner, name),
+            changes="rank 0 writes the files; other workers save into a private temporary "
+                    "directory (multi-worker BytePSStrategy only)",
+            why=_WHY, when_missing="error")(_saves_on_rank0(paths))
+
+
+_register_saves("keras.callbacks.ModelCheckpoint", _checkpoint_paths,
+                ("on_epoch_end", "on_train_batch_end"))
+_register_saves("keras.callbacks.BackupAndRestore", _backup_paths,
+                ("on_epoch_end", "on_train_batch_end"))
+
+
+@hooks.register("keras.callbacks.BackupAndRestore.on_train_begin", "keras",
+                hooks.attribute_of("keras.callbacks.BackupAndRestore", "on_train_begin"),
+                changes="restores on rank 0 and sends the weights, optimizer state and epoch "
+                        "to every worker",
+                why=_WHY + "; a worker may not see rank 0's backup directory",
+                when_missing="error")
+def _restore_from_rank0(original):
+    @functools.wraps(original)
+    def on_train_begin(self, logs=None):
+        strategy = multi_worker(self.model)
+        if strategy is None:
+            return original(self, logs)
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        # Creating variables is collective (their initial values come from
+        # rank 0): build the optimizer on every worker, not only where the
+        # backup is loaded.
+        if model.built and optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        state = {"error": None, "restored": False, "epoch": None}
+        if strategy.rank == 0:
+            try:
+                # A backup exists when one of its files does (Keras falls back
+                # to the previous copy itself).
+                state["restored"] = any(tf.io.gfile.exists(path)
+                                        for path in _backup_files(self).values())
+                original(self, logs)
+                state["epoch"] = getattr(model, "_initial_epoch", None)
+            except Exception as exc:  # pylint: disable=broad-except
+                state["error"] = f"{type(exc).__name__}: {exc}"
+        state = api.broadcast_object(state, root_rank=0,
+                                     name=naming.strategy_key("backup", "state"))
+        if state["error"]:
+            raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")
+        if state["restored"]:
+            broadcast_model_state(model)
+        # Keras' BackupAndRestore hands the resumed epoch to fit this way.
+        model._initial_epoch = state["epoch"]  # pylint: disable=protected-access
+    return on_train_begin
+
+
+@hooks.register("keras.callbacks.BackupAndRestore.on_train_end", "keras",
+                hooks.attribute_of("keras.callbacks.BackupAndRestore", "on_train_end"),
+                changes="only rank 0 deletes the backup at the end of training",
+                why=_WHY, when_missing="error")
+def _cleanup_on_rank0(original):
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        strategy = multi_worker(self.model)
+        if strategy is None or strategy.rank == 0:
+            return original(self, logs)
+        return None
+    return on_train_end
+
+
+def broadcast_model_state(model, root_rank: int = 0) -> None:
+    """Gives every worker ``root_rank``'s model and optimizer variables.
+
+    Variables are matched by position (every worker built the same model),
+    not by name: Keras numbers layer names per process. Metric variables
+    (per-replica partial sums) are left alone.
+    """
+    variables = naming.model_variables(model, skip_on_read=True)
+
+    @tf.function(autograph=False)
+    def assign_all():
+        for i, v in enumerate(variables):
+            v.assign(collectives.broadcast(tf.convert_to_tensor(v),
+                                           naming.strategy_key("state", i), root_rank))
+    if variables:
+        assign_all()
