@@ -767,3 +767,25 @@ def test_the_end_of_data_hook_is_installed_once_and_serves_other_strategies_unch
     assert patched is not original
     other = tf.distribute.get_strategy()     # not a BytePSStrategy
     assert patched(other, None, []) == "tf's own" and calls == [other]
+
+
+def test_join_in_a_function_runs_after_the_collectives_traced_before_it():
+    # push_pulls are async stateful (not chained in program order): without
+    # control dependencies a join traced after an allreduce could run first,
+    # and the other workers' allreduce would count this worker as joined.
+    @tf.function
+    def reduce_then_join(x):
+        first = bps_tf.allreduce(x, name="join_order/a", op=bps_tf.Sum)
+        second = bps_tf.broadcast(x, 0, name="join_order/b")
+        return first, second, bps_tf.join()
+
+    graph = reduce_then_join.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
+    ops = graph.get_operations()
+    join = next(op for op in ops if op.name.startswith("BytePSJoin"))
+    collectives_before = [op for op in ops if op.type in ("BytepsPushPull", "BytepsBroadcast")]
+    assert len(collectives_before) >= 2
+    assert set(collectives_before) <= set(join.control_inputs), join.control_inputs
+    first, second, last = reduce_then_join(tf.constant([1.0, 2.0]))
+    np.testing.assert_allclose(first.numpy(), [1.0, 2.0])
+    np.testing.assert_allclose(second.numpy(), [1.0, 2.0])
+    assert int(last) == 0

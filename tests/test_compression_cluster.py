@@ -79,3 +79,20 @@ def test_fit_under_bytepsstrategy_with_topk_keeps_workers_identical(ranks):
     assert first["weights"] == second["weights"]
     sent, raw = first["bytes"]
     assert sent < 0.6 * raw
+
+
+def test_strategy_compression_touches_gradients_only(ranks):
+    # Under BytePSStrategy(compression=topk(0.01, error_feedback=True)), a
+    # user's all_reduce of 4,096 floats inside strategy.run and a
+    # strategy.reduce are exact sums, and a 32-class MeanIoU and
+    # SyncBatchNormalization's output equal the uncompressed strategy's.
+    for detail in _check(ranks, "gradients_only"):
+        plain, compressed = detail["mean_iou"]
+        assert abs(plain - compressed) < 1e-6 and 0 < plain < 1, detail
+
+
+def test_resuming_a_stateful_compressor_warns_once(ranks):
+    # docs/compression.md#resuming-from-a-checkpoint: error-feedback state is
+    # not in the checkpoint; BackupAndRestore says so when it resumes.
+    for detail in _check(ranks, "resume_warning"):
+        assert "topk" in detail and "not bit-identical" in detail, detail

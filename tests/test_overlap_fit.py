@@ -101,6 +101,19 @@ def test_start_priorities_follow_the_forward_passs_first_reads(ranks):
         assert detail["priorities"] == [-4, -5, -2, -3, 0, -1], detail
 
 
+WRITES = ["set_weights", "assign", "load_weights", "lookahead", "early_stopping_restore",
+          "swap_ema", "checkpoint_restore"]
+
+
+@pytest.mark.parametrize("case", WRITES)
+def test_weights_written_between_steps_land_after_the_pending_update(ranks, case):
+    # A callback (or a restore between fits) writes the weights while step
+    # k's update is pending: overlap applies it first, so the final weights
+    # equal the barrier's bit for bit (tests/workers/overlap_write_checks.py).
+    for rank, detail in _check(ranks, "writes").items():
+        assert detail[case]["same"], (rank, case, detail[case])
+
+
 def test_nadam_falls_back_to_the_barrier_with_one_log_line(ranks):
     # Nadam advances one shared product per step, so no update of it can be
     # deferred alone: trained with the barrier, equal to overlap=False.

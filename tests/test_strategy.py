@@ -131,10 +131,18 @@ def test_uneven_datasets_run_until_every_worker_is_out_of_data(cluster):
         assert data["eager"] == expected, (rank, data["eager"])
 
 
+def test_workers_with_different_local_device_counts_are_refused(cluster):
+    _, _, reports = cluster
+    for report in reports:
+        vote = report["device_count_vote"]
+        assert "different numbers of local replicas" in vote, vote
+        assert "rank 0: 2, rank 1: 1" in vote, vote
+
+
 def test_workers_must_agree_on_the_early_data_check(cluster):
     _, _, reports = cluster
     for report in reports:
-        assert ("BYTEPS_EARLY_DATA_CHECK is 1 on 1 of 2 workers and 0 on the others"
+        assert ("1 of 2 workers have BYTEPS_EARLY_DATA_CHECK=1 (ranks [0]) and the others 0"
                 in report["early_check_vote"]), report["early_check_vote"]
 
 

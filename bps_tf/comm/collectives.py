@@ -251,6 +251,13 @@ def configure_graph_rewrite(on: bool, num_workers: int = 1, rank: int = 0,
     pass_record.configure_graph_rewrite(on, num_workers, rank, average)
 
 
+def collective_ops(graph) -> list:
+    """The push_pull-family ops created so far in ``graph`` (in creation
+    order): what an op that must run after them depends on."""
+    types = set(_ops().OP_TYPES)
+    return [op for op in graph.get_operations() if op.type in types]
+
+
 def push_pull_op(result):
     """The push_pull op behind a :func:`push_pull_sum` result (None in eager
     mode), looking through the cast back from a widened dtype."""

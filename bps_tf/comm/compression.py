@@ -193,6 +193,18 @@ def core_spec(compression) -> str:
     return compression.spec if is_core(compression) else ""
 
 
+def keeps_state(compression) -> bool:
+    """Whether ``compression`` carries state from step to step in the
+    engine (error-feedback residuals, momentum, a random stream), which a
+    checkpoint does not hold: a resumed run starts it afresh."""
+    if not is_core(compression):
+        return False
+    spec = compression.spec
+    return ("ef=1" in spec or "seed=" in spec or
+            any(float(part.split("=")[1]) != 0.0 for part in spec.split()
+                if part.startswith("momentum=")))
+
+
 def check_supported(compression, where: str) -> None:
     """Raises unless ``compression`` is one that ``where`` can honour."""
     if compression in (None, NoneCompressor, FP16Compressor) or is_core(compression):

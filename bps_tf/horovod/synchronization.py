@@ -45,10 +45,13 @@ def join(device=""):
     if tf.executing_eagerly():
         return int(basics.core().join())
     # A py_function: the join blocks until every worker has joined, and the
-    # core releases the GIL while it waits. It is stateful, so a
-    # tf.function keeps it after the collectives traced before it.
-    joined = tf.py_function(lambda: np.int32(basics.core().join()), [], tf.int32,
-                            name="BytePSJoin")
+    # core releases the GIL while it waits. The push_pull ops are async
+    # stateful (tf.function does not chain them in program order), so the
+    # join depends on each collective traced before it in this graph.
+    before = collectives.collective_ops(tf.compat.v1.get_default_graph())
+    with tf.control_dependencies(before):
+        joined = tf.py_function(lambda: np.int32(basics.core().join()), [], tf.int32,
+                                name="BytePSJoin")
     joined.set_shape([])
     return joined
 

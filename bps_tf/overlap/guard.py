@@ -15,13 +15,15 @@ guards close that gap:
   that layer ran, a ``train_step`` that reads weights after ``apply``, a
   metric over weights) makes ``fit`` retrace the step with the barrier,
   with one log line naming the variable and the op.
-* **Reads between steps** (:func:`install_flushes`): reading a watched
-  variable's value eagerly (``numpy()``, ``layer.get_weights()``,
-  ``tf.convert_to_tensor``), or running a ``tf.function`` that captures it
-  (a callback's, the caller's between ``train_on_batch`` calls), while a
-  step has run since the last flush first applies every pending update of
-  its model. The train function itself is exempt: its layers apply their
-  own updates.
+* **Reads and writes between steps** (:func:`install_flushes`): reading
+  a watched variable's value eagerly (``numpy()``, ``layer.get_weights()``,
+  ``tf.convert_to_tensor``, a ``tf.train.Checkpoint`` restore), writing it
+  (``assign``, ``set_weights``, ``load_weights``: the write must land after
+  the pending update, as under the barrier, not be overwritten by it), or
+  running a ``tf.function`` that captures it (a callback's, the caller's
+  between ``train_on_batch`` calls), while a step has run since the last
+  flush first applies every pending update of its model. The train
+  function itself is exempt: its layers apply their own updates.
 * **Reads from another thread during a step** (:class:`StepLock`): a train
   step holds its model's lock while it runs and a flush takes the same
   lock, so a read from another thread waits for the step to end and then
@@ -31,6 +33,7 @@ guards close that gap:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Dict, List, Optional
@@ -285,6 +288,28 @@ def _value(original):
             _flush(ref)
         return original.fget(self)
     return property(value, doc=original.__doc__)
+
+
+def _flush_before_write(original):
+    import tensorflow as tf
+
+    @functools.wraps(original)
+    def write(self, *args, **kwargs):
+        ref = _watched.get(id(self))
+        if ref is not None and not flushing and tf.executing_eagerly():
+            _flush(ref)
+        return original(self, *args, **kwargs)
+    return write
+
+
+for _name in ("assign", "assign_add", "assign_sub"):
+    hooks.register(f"keras.Variable.{_name}", GROUP, hooks.attribute_of("keras.Variable", _name),
+                   changes="an eager write of a weight whose model has pending overlapped "
+                           "updates applies them first, so the write lands after them as under "
+                           "the barrier (set_weights, load_weights, a callback's assign)",
+                   why="Keras writes a variable's value directly; tf.distribute sees no write "
+                       "made outside a replica or cross-replica update",
+                   when_missing="fallback")(_flush_before_write)
 
 
 @hooks.register("tf ConcreteFunction._call_flat", GROUP, _concrete_function_class,

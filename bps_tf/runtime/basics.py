@@ -10,7 +10,7 @@ import logging
 import os
 import time
 
-from bps_tf.runtime import cluster, config
+from bps_tf.runtime import cluster, config, security
 from bps_tf.runtime.loader import load_core
 
 _core = None
@@ -50,6 +50,8 @@ def _join(c, environ) -> None:
         raise RuntimeError(
             f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
             "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
+    security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN", environ),
+                                config.value("BYTEPS_ALLOW_INSECURE", environ), log)
     values = dict(config.core_settings(environ))
     values.update(spec.core_values())
     c.worker_init(config.to_core_text(values))

@@ -25,7 +25,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 ROLES = ("local", "worker", "server", "scheduler", "evaluator")
 DMLC_ROLES = ("worker", "server", "scheduler")
 TF_TASK_TYPES = ("chief", "master", "worker", "ps", "evaluator")
-DEFAULT_BIND_HOST = "0.0.0.0"
+DEFAULT_BIND_HOST = "0.0.0.0"      # when the job spans hosts other than this one
+LOOPBACK_BIND_HOST = "127.0.0.1"   # when every address of the job is a loopback one
 _MAX_PORT = 65535
 _SHOWN_CHARS = 200   # how much of a bad TF_CONFIG an error message quotes
 
@@ -159,7 +160,7 @@ def _resolve_dmlc(environ: Mapping[str, str]) -> ClusterConfig:
         role=role, num_workers=num_workers, num_servers=num_servers,
         scheduler_host=root_host, scheduler_port=root_port,
         advertise_host=_strip_brackets(environ.get("DMLC_NODE_HOST", "").strip()) or root_host,
-        bind_host=_bind_host(environ),
+        bind_host=_bind_host(environ, [root_host, environ.get("DMLC_NODE_HOST", "").strip()]),
         ready_file=environ.get("BYTEPS_READY_FILE", "").strip(),
         source="DMLC")
     if role == "worker":
@@ -264,7 +265,7 @@ def _resolve_tf_config(text: str, environ: Mapping[str, str]) -> ClusterConfig:
         role="worker" if rank >= 0 else "server", rank=rank,
         num_workers=len(tf.workers), num_servers=len(tf.ps),
         scheduler_host=scheduler_host, scheduler_port=scheduler_port,
-        bind_host=_bind_host(environ),
+        bind_host=_bind_host(environ, [h for h, _ in tf.workers + tf.ps]),
         ready_file=environ.get("BYTEPS_READY_FILE", "").strip(),
         source="TF_CONFIG")
     if rank >= 0:
@@ -438,8 +439,29 @@ def _host_var(environ: Mapping[str, str], name: str) -> str:
     return host
 
 
-def _bind_host(environ: Mapping[str, str]) -> str:
-    return _strip_brackets(environ.get("BYTEPS_BIND_HOST", "").strip()) or DEFAULT_BIND_HOST
+def _bind_host(environ: Mapping[str, str], hosts: List[str]) -> str:
+    """BYTEPS_BIND_HOST, else loopback when every address of the job is a
+    loopback one (a cluster on one machine is not reachable from others),
+    else every address of this host."""
+    chosen = _strip_brackets(environ.get("BYTEPS_BIND_HOST", "").strip())
+    if chosen:
+        return chosen
+    known = [h for h in hosts if h]
+    if known and all(is_loopback(h) for h in known):
+        return LOOPBACK_BIND_HOST
+    return DEFAULT_BIND_HOST
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost (names are not resolved otherwise)."""
+    import ipaddress
+    host = _strip_brackets(host.strip()).lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _strip_brackets(host: str) -> str:

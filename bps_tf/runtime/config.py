@@ -206,6 +206,11 @@ SETTINGS = (
             "encrypted (ZeroMQ CURVE). bpslaunch generates one for local "
             "clusters; set the same value on every node of a multi-host job. "
             "Empty: no authentication and no encryption."),
+    Setting("BYTEPS_ALLOW_INSECURE", "", "0", _bool,
+            "1 lets a node that is reachable from other hosts (it listens on a non-loopback "
+            "address, or its scheduler is on another host) start without "
+            "BYTEPS_JOB_TOKEN, with a loud warning: for a network you trust. By default "
+            "such a node refuses to start and says how to set a token."),
     Setting("BYTEPS_ENCRYPTION", "encryption", "1", _bool,
             "With a job token: 1 encrypts and authenticates every network "
             "connection (CURVE; the Unix-socket links of BYTEPS_ENABLE_IPC are "

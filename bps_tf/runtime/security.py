@@ -52,6 +52,49 @@ def _master(token: str) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", token.encode("utf-8"), _SALT, _ITERATIONS)
 
 
+class InsecureClusterError(RuntimeError):
+    """A node would talk over a network without a job token."""
+
+
+def exposure(spec) -> str:
+    """How this node would be reachable from other hosts ("" if not):
+    it listens on a non-loopback address, or meets a scheduler on one."""
+    from bps_tf.runtime import cluster
+    if spec.role in ("server", "scheduler") and not cluster.is_loopback(spec.bind_host):
+        shown = "every address of this host" if spec.bind_host in ("0.0.0.0", "::") \
+            else spec.bind_host
+        return f"would listen on {shown} (BYTEPS_BIND_HOST={spec.bind_host})"
+    if spec.role in ("worker", "server") and spec.scheduler_host and \
+            not cluster.is_loopback(spec.scheduler_host):
+        return f"would connect to the scheduler at {spec.scheduler_host} over the network"
+    return ""
+
+
+def refuse_unprotected(spec, token: str, allow_insecure: bool, log) -> None:
+    """Protected mode: a node reachable from other hosts starts only with a
+    job token, unless BYTEPS_ALLOW_INSECURE=1 says the network is trusted."""
+    if token:
+        return
+    where = exposure(spec)
+    if not where:
+        return
+    if allow_insecure:
+        log.warning("bps_tf %s: BYTEPS_ALLOW_INSECURE=1: this node %s with NO job token: "
+                    "every connection is neither authenticated nor encrypted; anyone who can "
+                    "reach these ports can join the job and read or change its tensors.",
+                    spec.role, where)
+        return
+    raise InsecureClusterError(
+        f"bps_tf {spec.role}: refusing to start without a job token: this node {where} "
+        f"(from {spec.source}), and without BYTEPS_JOB_TOKEN no connection is authenticated or "
+        f"encrypted -- anyone who can reach the ports could join the job or read its tensors. "
+        f"Set the same secret on every node (workers and servers), e.g. "
+        f"export BYTEPS_JOB_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))') "
+        f"on one machine and copy it to the others (Kubernetes: from a Secret, "
+        f"examples/k8s/README.md). On a network you trust, BYTEPS_ALLOW_INSECURE=1 starts "
+        f"without one.")
+
+
 def mode(token: str, encryption: int) -> str:
     """'curve', 'plain' (a token, encryption off) or 'none' (no token)."""
     if not token:

@@ -6,10 +6,13 @@ also serves the gRPC health service (see bps_tf/runtime/health.py).
 """
 from __future__ import annotations
 
+import logging
 import sys
 
-from bps_tf.runtime import cluster, config
+from bps_tf.runtime import cluster, config, security
 from bps_tf.runtime.loader import load_core
+
+log = logging.getLogger("bps_tf")
 
 
 def _start_health(spec: cluster.ClusterConfig, core):
@@ -36,6 +39,12 @@ def main(argv=None) -> int:
     if spec.role not in ("server", "scheduler"):
         print(f"bps_tf server: this node's role is '{spec.role}', not server or scheduler "
               "(set DMLC_ROLE=server or a TF_CONFIG task of type 'ps')", file=sys.stderr)
+        return 2
+    try:
+        security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN"),
+                                    config.value("BYTEPS_ALLOW_INSECURE"), log)
+    except security.InsecureClusterError as exc:
+        print(str(exc), file=sys.stderr)
         return 2
     values.update(spec.core_values())
     core = load_core()

@@ -112,6 +112,7 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
             raise ValueError(f"BytePSStrategy(overlap={overlap!r}): expected True, False or None.")
         self.predict_mode = predict
         self.mode = mode
+        self.compression = compression if compression is not None else Compression.none
         self.compression_fp16 = compression_lib.is_fp16(compression)
         # Read by overlap_fit: the overlapped push_pulls travel uncompressed.
         self.compressed = compression not in (None, Compression.none)
@@ -131,7 +132,8 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
         # Without its hooks (a Keras that moved them) the overlap stays off:
         # the barrier gives the same weights (one warning names the hooks).
         wanted = wanted and overlap_fit.install()
-        self.overlap, early_check = strategy_choices.agreed(mode == "async", wanted)
+        self.overlap, early_check = strategy_choices.agreed(
+            mode == "async", wanted, len(extended.worker_devices))
         # Workers with a batch of their own do not wait for the per-step
         # end-of-data sum (bps_tf.strategy.data_check).
         extended.bps_early_data_check = early_check and extended._in_multi_worker_mode()

@@ -18,6 +18,7 @@ callback's directory), not by Keras' private attribute names.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -25,9 +26,13 @@ import tempfile
 import tensorflow as tf
 
 from bps_tf.comm import collectives, naming
+from bps_tf.comm import compression as compression_lib
 from bps_tf.horovod import api
 from bps_tf.runtime import hooks
-from bps_tf.strategy.identity import multi_worker
+from bps_tf.strategy.identity import multi_worker, of_model
+
+log = logging.getLogger("bps_tf")
+_warned: list = []
 
 _WHY = ("Keras 3 callbacks write on every worker; only TensorFlow's own multi-worker "
         "strategy is special-cased, and no callback option names a writer")
@@ -118,6 +123,8 @@ _register_saves("keras.callbacks.BackupAndRestore", _backup_paths,
 def _restore_from_rank0(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
+        if any(tf.io.gfile.exists(path) for path in _backup_files(self).values()):
+            _warn_if_compression_restarts(self.model)
         strategy = multi_worker(self.model)
         if strategy is None:
             return original(self, logs)
@@ -162,6 +169,21 @@ def _cleanup_on_rank0(original):
             return original(self, logs)
         return None
     return on_train_end
+
+
+def _warn_if_compression_restarts(model) -> None:
+    """A resumed run whose compressor keeps state (error feedback, momentum,
+    a random stream) starts that state afresh: say so once."""
+    strategy = of_model(model)
+    compression = getattr(strategy, "compression", None) if strategy is not None else \
+        getattr(getattr(model, "optimizer", None), "_bps_compression", None)
+    if not compression_lib.keeps_state(compression) or _warned:
+        return
+    _warned.append(True)
+    log.warning("bps_tf: resuming from a backup with %r: its error-feedback residuals, momentum "
+                "and random stream live in the engine, not in the checkpoint, and start again "
+                "from zero, so the resumed run is not bit-identical to an uninterrupted one "
+                "(docs/compression.md#resuming-from-a-checkpoint).", compression)
 
 
 def broadcast_model_state(model, root_rank: int = 0) -> None:

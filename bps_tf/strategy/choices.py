@@ -23,26 +23,39 @@ def overlap_wanted(is_async: bool, overlap) -> bool:
     return overlap
 
 
-def agreed(is_async: bool, overlap: bool):
+# (what, how a worker sets it) of each choice, in the order of the vote.
+_CHOICES = (("use mode='async'", "mode=, BYTEPS_ENABLE_ASYNC", "the others mode='sync'"),
+            ("chose overlap=True", "overlap=, BYTEPS_OVERLAP", "the others False"),
+            ("have BYTEPS_EARLY_DATA_CHECK=1", "BYTEPS_EARLY_DATA_CHECK", "the others 0"))
+
+
+def agreed(is_async: bool, overlap: bool, local_replicas: int = 1):
     """(overlap, early data check); every worker must choose the same mode,
-    overlap and BYTEPS_EARLY_DATA_CHECK (one push_pull of the votes), or they
-    would wait for each other forever."""
+    overlap and BYTEPS_EARLY_DATA_CHECK, and run as many local replicas
+    (devices): one push_pull of every worker's choices, in rank order, or
+    they would wait for each other forever -- or, with different replica
+    counts, divide their sums and means by different numbers."""
     early = bool(config.value("BYTEPS_EARLY_DATA_CHECK"))
     size = basics.size()
     if size == 1:
         return overlap, early
-    votes = collectives.push_pull_sum(tf.constant([int(is_async), int(overlap), int(early)],
-                                                  tf.int32),
-                                      naming.strategy_key("mode"), collectives.BLOCKING_PRIORITY)
-    async_votes, overlap_votes, early_votes = (int(v) for v in votes.numpy())
-    if async_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy: {async_votes} of {size} workers use mode='async' "
-                         "and the others mode='sync'; every worker must use the same mode "
-                         "(and the same BYTEPS_ENABLE_ASYNC).")
-    if overlap_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy overlap: {overlap_votes} of {size} workers chose overlap=True "
-                         "and the others False (BYTEPS_OVERLAP or overlap=); all must choose the same.")
-    if early_votes not in (0, size):
-        raise ValueError(f"BytePSStrategy: BYTEPS_EARLY_DATA_CHECK is 1 on {early_votes} of {size} "
-                         "workers and 0 on the others; all must choose the same.")
+    mine = tf.constant([[int(is_async), int(overlap), int(early), int(local_replicas)]],
+                       tf.int32)
+    table = tf.scatter_nd([[basics.rank()]], mine, [size, 4])
+    rows = collectives.push_pull_sum(table, naming.strategy_key("mode"),
+                                     collectives.BLOCKING_PRIORITY).numpy()
+    for column, (what, set_by, others) in enumerate(_CHOICES):
+        votes = int(rows[:, column].sum())
+        if votes not in (0, size):
+            ranks = [r for r in range(size) if rows[r, column]]
+            raise ValueError(f"BytePSStrategy: {votes} of {size} workers {what} (ranks "
+                             f"{ranks}) and {others}; every worker must choose the same "
+                             f"({set_by}).")
+    replicas = rows[:, 3].tolist()
+    if len(set(replicas)) > 1:
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(replicas))
+        raise ValueError(f"BytePSStrategy: the workers run different numbers of local replicas "
+                         f"(devices) ({shown}); num_replicas_in_sync, the loss scaling and every "
+                         f"MEAN would differ across workers. Give every worker the same devices "
+                         f"(BytePSStrategy(devices=[...]) or the same GPUs per process).")
     return overlap, early

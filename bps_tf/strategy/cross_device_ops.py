@@ -39,7 +39,7 @@ from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
-from bps_tf.comm import collectives
+from bps_tf.comm import async_training, collectives
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm import naming
 
@@ -153,9 +153,9 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             if self._compresses(local, priority):
                 summed, op = collectives.push_pull_sum_fp16(
                     local, name, collectives.BLOCKING_PRIORITY, with_op=True)
-            elif self._core_spec and priority is None:
+            elif self._core_spec and priority is None and _gradients_now():
                 # The engine leaves tensors under BYTEPS_MIN_COMPRESS_BYTES
-                # (metrics, counts) and other dtypes uncompressed.
+                # and other dtypes uncompressed.
                 summed = collectives.push_pull_sum(local, name, collectives.BLOCKING_PRIORITY,
                                                    widen=True, compression=self._core_spec)
                 op = collectives.push_pull_op(summed)
@@ -169,10 +169,12 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         return summed, [op] if op is not None else []
 
     def _compresses(self, tensor, priority) -> bool:
-        """fp16 for the gradient-sized floating tensors only: state updates
-        (``priority`` set) and small values (metrics, counts) stay exact."""
+        """fp16 for the gradients only (reduced inside an optimizer's apply),
+        and only the large floating ones: state updates (``priority`` set),
+        metrics, counts and a user's own reductions stay exact."""
         size = tensor.shape.num_elements()
-        return (self._fp16 and priority is None and tensor.dtype in (tf.float32, tf.float64)
+        return (self._fp16 and priority is None and _gradients_now()
+                and tensor.dtype in (tf.float32, tf.float64)
                 and size is not None and size >= FP16_MIN_ELEMENTS)
 
     def _reduce_sparse(self, reduce_op, values, name, total):
@@ -260,6 +262,15 @@ class _Applied:
         self.variable = variable
         self.label = naming.variable_name(variable)
         self.op_names = op_names
+
+
+def _gradients_now() -> bool:
+    """Whether the reductions being built now are an optimizer's gradients:
+    Keras 3 reduces them inside ``optimizer.apply`` (marked by its hook,
+    bps_tf.strategy.keras_hooks). Only those are compressed; a
+    ``ReplicaContext.all_reduce`` of the user's, ``strategy.reduce``,
+    metrics and SyncBatchNormalization's moments are not."""
+    return async_training.in_optimizer_step()
 
 
 def _destinations_or_devices(destinations, value):

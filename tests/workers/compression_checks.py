@@ -227,6 +227,84 @@ def check_strategy_fit_topk(rank, size):
     return {"loss": hist, "weights": weights_digest(model), "bytes": [sent, raw]}
 
 
+def _not_gradients(strategy, rank, size):
+    """What the strategy reduces besides gradients, under ``strategy``: a
+    user's all_reduce of 4,096 floats, a strategy.reduce, a 32-class MeanIoU
+    (a 4 KiB confusion matrix) and SyncBatchNormalization's outputs."""
+    from bps_tf.horovod.sync_batch_norm import SyncBatchNormalization
+    mine = np.arange(4096, dtype=np.float32) * (rank + 1)
+
+    @tf.function
+    def user_all_reduce():
+        def body():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(mine))
+        return strategy.run(body)
+    reduced = strategy.experimental_local_results(user_all_reduce())[0].numpy()
+    per_replica = strategy.run(lambda: tf.constant(mine))
+    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
+    rng = np.random.default_rng(7)
+    labels = rng.integers(0, 32, 512)
+    preds = np.where(rng.random(512) < 0.7, labels, rng.integers(0, 32, 512))
+    with strategy.scope():
+        keras.utils.set_random_seed(9)
+        inputs = keras.Input((32,))
+        model = keras.Model(inputs, SyncBatchNormalization()(inputs))
+        iou = keras.metrics.MeanIoU(num_classes=32, sparse_y_true=True, sparse_y_pred=True)
+    x = rng.standard_normal((64, 32)).astype(np.float32) + rank
+    bn = strategy.experimental_local_results(
+        strategy.run(tf.function(lambda: model(tf.constant(x), training=True))))[0].numpy()
+
+    @tf.function
+    def update():
+        return strategy.run(lambda: iou.update_state(tf.constant(labels), tf.constant(preds)))
+    update()
+    return {"all_reduce": reduced.tolist(), "reduce": summed.tolist(),
+            "mean_iou": float(iou.result().numpy()), "sync_bn": bn[:4].tolist(),
+            "want_all_reduce": (np.arange(4096) * sum(range(1, size + 1))).tolist()}
+
+
+def check_strategy_compresses_gradients_only(rank, size):
+    from bps_tf.strategy import BytePSStrategy
+    plain = _not_gradients(BytePSStrategy(), rank, size)
+    compressed = _not_gradients(
+        BytePSStrategy(compression=api.Compression.topk(0.01, error_feedback=True)), rank, size)
+    expect_equal("user all_reduce", np.array(compressed["all_reduce"]),
+                 np.array(compressed["want_all_reduce"]))
+    expect_equal("strategy.reduce", np.array(compressed["reduce"]),
+                 np.array(compressed["want_all_reduce"]))
+    assert abs(compressed["mean_iou"] - plain["mean_iou"]) < 1e-6, (compressed, plain)
+    np.testing.assert_allclose(compressed["sync_bn"], plain["sync_bn"], rtol=1e-6, atol=1e-6)
+    return {"mean_iou": [plain["mean_iou"], compressed["mean_iou"]]}
+
+
+def check_resume_warning(rank, size, out_dir):
+    """BackupAndRestore finding a backup of a model trained with a stateful
+    compressor warns once that the compressor's state starts afresh."""
+    import logging
+    from bps_tf.strategy import BytePSStrategy
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    logging.getLogger("bps_tf").addHandler(Keep())
+    backup = os.path.join(out_dir, "backup")
+    strategy = BytePSStrategy(compression=api.Compression.topk(0.1, error_feedback=True))
+    with strategy.scope():
+        model = dense_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=False)
+    x, y = data(rank)
+    keep = keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[keep])
+    assert not [m for m in seen if "start again from zero" in m], seen
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    warnings = [m for m in seen if "start again from zero" in m]
+    assert len(warnings) == 1 and "resumed run is not bit-identical" in warnings[0], seen
+    return warnings[0]
+
+
 def main(out_dir):
     bps_tf.init()
     rank, size = bps_tf.rank(), bps_tf.size()
@@ -242,6 +320,9 @@ def main(out_dir):
     checks.run("tape", lambda: check_tape(rank, size))
     checks.run("keras_optimizer", lambda: check_keras_distributed_optimizer(rank, size))
     checks.run("strategy_fit", lambda: check_strategy_fit_topk(rank, size))
+    checks.run("gradients_only",
+               lambda: check_strategy_compresses_gradients_only(rank, size))
+    checks.run("resume_warning", lambda: check_resume_warning(rank, size, out_dir))
     checks.results["finished"] = {"ok": True, "detail": ""}
     checks.write()
 

@@ -23,9 +23,10 @@ import keras  # noqa: E402
 
 import bps_tf  # noqa: E402
 from bps_tf.comm import collectives  # noqa: E402
-from bps_tf.overlap import fit as overlap_fit
+from bps_tf.overlap import fit as overlap_fit  # noqa: E402
 from bps_tf.strategy import BytePSStrategy  # noqa: E402
 from check_record import Checks  # noqa: E402
+from overlap_write_checks import check_writes  # noqa: E402
 
 GLOBAL_BATCH, ROWS, FEATURES, VOCAB = 32, 256, 8, 30   # 8 steps per epoch
 EPOCHS = 2
@@ -444,6 +445,7 @@ def main():
     checks.run("train_on_batch", check_train_on_batch(off, on))
     checks.run("thread_reads", check_thread_reads(off, on))
     checks.run("priorities", check_priorities(on))
+    checks.run("writes", check_writes(off, on))
     checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
 

@@ -349,6 +349,13 @@ def main(out_dir):
         report["early_check_vote"] = str(exc)
     finally:
         del os.environ["BYTEPS_EARLY_DATA_CHECK"]
+    # Workers with different local device counts would divide by different
+    # replica counts: refused on every worker, naming each rank's count.
+    try:
+        BytePSStrategy(devices=["/cpu:0", "/cpu:1"] if rank == 0 else ["/cpu:0"])
+        report["device_count_vote"] = ""
+    except ValueError as exc:
+        report["device_count_vote"] = str(exc)
     try:
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
