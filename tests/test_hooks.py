@@ -203,9 +203,10 @@ def test_renamed_trainer_classes_are_found_by_role():
     # base Trainer to BaseTrainer): the name bps_tf once patched is gone.
     out, _ = _run("""
         import sys, keras
-        backend = sys.modules[keras.Model.__mro__[1].__module__]
-        backend.RenamedTrainer = backend.TensorFlowTrainer
-        del backend.TensorFlowTrainer
+        trainer = next(c for c in keras.Model.__mro__ if "make_train_function" in vars(c))
+        backend = sys.modules[trainer.__module__]
+        setattr(backend, "Renamed" + trainer.__name__, trainer)
+        delattr(backend, trainer.__name__)
         """, TRAIN, """
         strategy, weights = train()
         print(json.dumps({"missing": hooks.missing(), "overlap": strategy.overlap,

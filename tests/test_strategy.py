@@ -139,6 +139,22 @@ def test_workers_with_different_local_device_counts_are_refused(cluster):
         assert "rank 0: 2, rank 1: 1" in vote, vote
 
 
+def test_workers_in_different_keras_phases_fail_at_once_in_keras_terms(cluster):
+    # fit(epochs=1 + rank): rank 1 starts epoch 2 while rank 0 ends fit; then
+    # rank 0 evaluates while rank 1 fits. Each fails on every worker at that
+    # boundary, naming what each worker was doing, well within 10 s.
+    _, _, reports = cluster
+    for report in reports:
+        phases = report["phases"]
+        assert "error" in phases["epochs"] and "evaluate" in phases, phases
+        epochs, evaluate = phases["epochs"]["error"], phases["evaluate"]["error"]
+        assert epochs and "worker 1 started epoch 2 of fit" in epochs, epochs
+        assert "worker 0 ended fit after epoch 1" in epochs, epochs
+        assert evaluate and "worker 0 started evaluate" in evaluate, evaluate
+        assert "worker 1 started fit" in evaluate, evaluate
+        assert phases["epochs"]["seconds"] < 10 and phases["evaluate"]["seconds"] < 10, phases
+
+
 def test_workers_must_agree_on_the_early_data_check(cluster):
     _, _, reports = cluster
     for report in reports:

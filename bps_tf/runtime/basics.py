@@ -58,6 +58,10 @@ def _join(c, environ) -> None:
     _configure_logging(values.get("log_level", "WARNING"), c.rank())
     log.info("initialized: rank %d of %d, local rank %d of %d", c.rank(), c.size(),
              c.local_rank(), c.local_size())
+    if spec.role == "local" and spec.source == "none":
+        log.warning("no cluster configured (no TF_CONFIG, no DMLC_* variables): training "
+                    "alone, size 1. `bpslaunch -np N --servers S python SCRIPT` starts a local "
+                    "cluster (docs/launcher.md).")
     global _atexit_registered
     if not _atexit_registered:
         atexit.register(shutdown)
@@ -76,7 +80,8 @@ def _configure_logging(level: str, rank: int) -> None:
         log.addHandler(handler)
         log.propagate = False
     handler.setFormatter(fmt)
-    log.setLevel(getattr(logging, str(level).upper(), logging.WARNING))
+    level = {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(str(level).upper(), str(level).upper())
+    log.setLevel(getattr(logging, level, logging.WARNING))
 
 
 def shutdown() -> None:

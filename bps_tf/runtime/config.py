@@ -60,6 +60,18 @@ def _auto_bool(text: str) -> int:
     return -1 if text.strip().lower() == "auto" else _bool(text)
 
 
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper() or "WARNING"
+    if level == "WARN":
+        level = "WARNING"
+    if level not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
 def _bool(text: str) -> int:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -227,7 +239,7 @@ SETTINGS = (
             "First step recorded; a step is one push_pull of a tensor."),
     Setting("BYTEPS_TRACE_END_STEP", "trace_end_step", "20", _int,
             "Last step recorded (-1: no limit; memory grows with the steps)."),
-    Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", str,
+    Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", _log_level,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
     # -- read by Python only (strategy, launcher, server) --
     Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,

@@ -51,7 +51,35 @@ def load_core():
     try:
         return importlib.import_module("bps_tf._core")
     except ImportError as exc:
+        shadowed = _shadowing_source_tree()
+        if shadowed:
+            raise ImportError(shadowed) from exc
         raise ImportError(
             f"bps_tf's native core is not built ({exc}). Install bps_tf with "
             "`pip install .` or build in place with "
             "`python setup.py build_ext --inplace`.") from exc
+
+
+def _shadowing_source_tree() -> str:
+    """The message for a bps_tf source folder imported instead of the
+    installed package (a script run from the clone's root: Python puts the
+    script's folder first on sys.path), or "" when that is not the case."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(package)
+    if not os.path.exists(os.path.join(root, "setup.py")):
+        return ""      # an installed package that lacks its core: not shadowing
+    installed = ""
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("bps_tf")
+        location = os.path.join(str(dist.locate_file("")), "bps_tf")
+        if os.path.realpath(location) != os.path.realpath(package) and \
+                os.path.isdir(location):
+            installed = location
+    except Exception:  # pylint: disable=broad-except  (no metadata: not installed)
+        installed = ""
+    where = (f"bps_tf is installed (in {installed}), but " if installed else "")
+    return (f"{where}Python imported bps_tf from the source folder {package}, which has no "
+            f"built native core: a script in the clone's root (or a working directory there) "
+            f"puts the folder first on sys.path. Run from another directory, or build in "
+            f"place with `python setup.py build_ext --inplace`.")

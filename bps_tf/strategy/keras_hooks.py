@@ -36,7 +36,7 @@ from bps_tf.horovod import optimizer_variables
 from bps_tf.overlap import fit as overlap_fit
 from bps_tf.runtime import basics, config, hooks
 from bps_tf.strategy import checkpoint_hooks  # noqa: F401  (declares the callbacks' hooks)
-from bps_tf.strategy import epoch_length, loss_scale, predictions
+from bps_tf.strategy import epoch_length, loss_scale, phases, predictions
 from bps_tf.strategy.identity import async_mode, is_bps_strategy, multi_worker, of_model
 
 GROUP = "keras"
@@ -91,6 +91,7 @@ def _predict(original):
     @functools.wraps(original)
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         overlap_fit.flush_model(self)
+        phases.boundary(multi_worker(self), phases.PREDICT, steps=steps)
         args = dict(batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
         strategy = async_mode(self)
         if strategy is not None:
@@ -152,7 +153,19 @@ def _fit(original):
     def fit(self, *args, **kwargs):
         strategy = async_mode(self)
         if strategy is None:
-            return original(self, *args, **kwargs)
+            strategy = multi_worker(self)
+            if strategy is None:
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            phases.boundary(strategy, phases.FIT)
+            callbacks = bound.arguments.get("callbacks")
+            if callbacks is None or isinstance(callbacks, (list, tuple)):
+                import keras
+                checks = phases.PhaseCallback(strategy)
+                bound.arguments["callbacks"] = list(callbacks or []) + [
+                    keras.callbacks.LambdaCallback(on_epoch_begin=checks.on_epoch_begin,
+                                                   on_train_end=checks.on_train_end)]
+            return original(*bound.args, **bound.kwargs)
         import keras
         ends = _StartAndPull(self)
         callback = keras.callbacks.LambdaCallback(on_train_begin=ends.on_train_begin,
@@ -176,6 +189,7 @@ def _evaluate(original):
     @functools.wraps(original)
     def evaluate(self, *args, **kwargs):
         overlap_fit.flush_model(self)
+        phases.boundary(multi_worker(self), phases.EVALUATE)
         strategy = async_mode(self)
         if strategy is None:
             return original(self, *args, **kwargs)

@@ -293,6 +293,31 @@ def weights_of(model):
     return {f"w{i}": np.asarray(v) for i, v in enumerate(model.get_weights())}
 
 
+def phase_mismatches(rank):
+    """Rank-dependent epochs, then an evaluate on rank 0 only: each fails on
+    every worker at the next boundary, in Keras' terms, within seconds."""
+    import time as _time
+    from bps_tf.strategy.phases import PhaseMismatchError
+    strategy = new_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((32, 4), "float32")
+    y = np.zeros((32, 3), "float32")
+    out = {}
+    for name, run in (
+            ("epochs", lambda: model.fit(x, y, batch_size=8, epochs=1 + rank, verbose=0)),
+            ("evaluate", lambda: (model.evaluate(x, y, batch_size=8, verbose=0) if rank == 0
+                                  else model.fit(x, y, batch_size=8, epochs=1, verbose=0)))):
+        started = _time.monotonic()
+        try:
+            run()
+            out[name] = {"error": None}
+        except PhaseMismatchError as exc:
+            out[name] = {"error": str(exc), "seconds": _time.monotonic() - started}
+    return out
+
+
 def new_strategy(**options):
     return BytePSStrategy(devices=["/cpu:0", "/cpu:1"], **options)
 
@@ -356,6 +381,10 @@ def main(out_dir):
         report["device_count_vote"] = ""
     except ValueError as exc:
         report["device_count_vote"] = str(exc)
+    try:
+        report["phases"] = phase_mismatches(rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["phases"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
     try:
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
