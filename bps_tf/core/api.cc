@@ -4,13 +4,13 @@
 #include <string>
 
 #include "bps_api.h"
-#include "common.h"
-#include "local_reduce.h"
-#include "server_node.h"
-#include "stats.h"
-#include "worker_engine.h"
-#include "labels.h"
-#include "trace.h"
+#include "common/common.h"
+#include "common/labels.h"
+#include "common/stats.h"
+#include "server/server_node.h"
+#include "worker/local_reduce.h"
+#include "worker/trace.h"
+#include "worker/worker_engine.h"
 
 namespace {
 void CopyError(const std::string& message, char* err, size_t err_len) {

@@ -13,16 +13,16 @@
 #include <vector>
 
 #include "bps_api.h"
-#include "burst.h"
-#include "common.h"
-#include "compressor.h"
+#include "common/common.h"
 #include "dtypes.h"
-#include "local_links.h"
-#include "protocol.h"
-#include "reply_scheduler.h"
-#include "scheduler.h"
-#include "transport.h"
-#include "worker_task.h"
+#include "math/compressor.h"
+#include "scheduler/scheduler.h"
+#include "server/reply_scheduler.h"
+#include "transport/local_links.h"
+#include "transport/protocol.h"
+#include "transport/transport.h"
+#include "worker/burst.h"
+#include "worker/worker_task.h"
 
 namespace py = pybind11;
 

@@ -35,7 +35,7 @@
 #include "bps_api.h"
 #include "core_abi.h"
 #include "gpu_reduce.h"
-#include "reduce.h"
+#include "math/reduce.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "unsupported/Eigen/CXX11/Tensor"

@@ -43,7 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common.h"
+#include "common/common.h"
 #include "graph_rewrite.h"
 #include "priority_pass_stats.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common.h"
+#include "common/common.h"
 
 namespace bps_tf {
 
