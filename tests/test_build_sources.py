@@ -9,6 +9,7 @@ header it includes must ship (package_data) and take part in its cache key
 """
 import ast
 import glob
+import importlib.util
 import os
 import re
 
@@ -29,6 +30,15 @@ def _literal(path, names):
             if name in names:
                 found[name] = ast.literal_eval(node.value)
     return found
+
+
+def _op_build():
+    # By path, as setup.py loads it: importing bps_tf would need its native parts.
+    spec = importlib.util.spec_from_file_location(
+        "bps_tf_op_build_for_tests", os.path.join(PACKAGE, "runtime", "op_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _setup_lists():
@@ -140,3 +150,35 @@ def test_every_native_source_and_header_ships():
         wanted += [os.path.relpath(p, PACKAGE) for p in glob.glob(os.path.join(PACKAGE, d, "*.h"))]
     missing = sorted(w for w in wanted if not any(p.match(w) for p in patterns))
     assert not missing, f"setup.py's package_data does not ship {missing}"
+
+
+def _included(path, include_dirs):
+    """The project headers `path` includes, transitively (quoted includes
+    resolved beside the file, then in the include roots, as the compiler does)."""
+    seen, todo = set(), [path]
+    while todo:
+        current = todo.pop()
+        with open(current) as f:
+            names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read(), re.M)
+        for name in names:
+            for base in [os.path.dirname(current)] + list(include_dirs):
+                found = os.path.normpath(os.path.join(base, name))
+                if os.path.isfile(found):
+                    if found not in seen:
+                        seen.add(found)
+                        todo.append(found)
+                    break
+    return seen
+
+
+def test_op_library_cache_key_hashes_every_header_it_includes():
+    op_build = _op_build()
+    roots = [os.path.join(PACKAGE, d) for d in op_build.INCLUDE_DIRS]
+    hashed = {os.path.normpath(p) for p in op_build._source_paths(PACKAGE)}
+    for src in op_build.OP_SOURCES:
+        path = os.path.join(PACKAGE, src)
+        assert os.path.normpath(path) in hashed, f"the cache key leaves out {src}"
+        unhashed = sorted(os.path.relpath(h, PACKAGE)
+                          for h in _included(path, roots) - hashed)
+        assert not unhashed, (f"{src} includes {unhashed}, which the op library's cache key "
+                              "does not hash (bps_tf/runtime/op_build.py)")

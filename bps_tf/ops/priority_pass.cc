@@ -43,7 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common/common.h"
+#include "bps_api.h"
 #include "graph_rewrite.h"
 #include "priority_pass_stats.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
@@ -321,7 +321,7 @@ bool DebugLog() {
     for (char& c : s) c = static_cast<char>(toupper(c));
     return s == "DEBUG" || s == "TRACE";
   }();
-  return env || bps::LogEnabled(bps::LogLevel::kDebug);
+  return env || bps_log_enabled(BPS_LOG_DEBUG);
 }
 
 int64_t GetPriority(const Node* n) {
@@ -351,10 +351,10 @@ void LogDecisions(const std::vector<std::pair<std::string, int64_t>>& list, int6
   static std::set<uint64_t>* logged = new std::set<uint64_t>();
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!logged->insert(bps::Fnv1a64(text)).second) return;
+    if (!logged->insert(bps_fnv1a64(text.data(), text.size())).second) return;
   }
-  bps::LogLine(bps::LogLevel::kDebug, "priority pass: graph of " + std::to_string(nodes) +
-                                          " nodes, push_pull priorities: " + text);
+  bps_log(BPS_LOG_DEBUG, ("priority pass: graph of " + std::to_string(nodes) +
+                          " nodes, push_pull priorities: " + text).c_str());
 }
 
 class PriorityPass : public tensorflow::GraphOptimizationPass {

@@ -55,6 +55,11 @@ void LogLine(LogLevel level, const std::string& text);
     }                                                           \
   } while (0)
 
+// -1 for a dtype name (numpy's) the core does not carry.
+int DTypeFromName(const std::string& name);
+// "float16, bfloat16, ...": for messages that say what is supported.
+std::string DTypeNameList();
+
 std::string ShapeString(int dtype, const std::vector<int64_t>& shape);
 uint64_t Fnv1a64(const std::string& text);
 std::string JsonString(const std::string& text);  // quoted and escaped
