@@ -8,10 +8,11 @@
 // partition into the output, and calls `done` when the last one is back and
 // libzmq has released the input.
 //
-// The class is implemented in three files: worker_engine.cc (joining,
-// enqueueing, tensor declarations, failure), worker_queue.cc (the partition
-// queue and the credit) and worker_io.cc (the I/O thread). Task and
-// TensorInfo are in worker_task.h.
+// The class is implemented in four files: worker_engine.cc (joining and
+// leaving the cluster, join(), failure), worker_enqueue.cc (taking an
+// operation, tensor declarations), worker_queue.cc (the partition queue and
+// the credit) and worker_io.cc (the I/O thread). Task and TensorInfo are in
+// worker_task.h.
 #ifndef BPS_TF_CORE_WORKER_WORKER_ENGINE_H_
 #define BPS_TF_CORE_WORKER_WORKER_ENGINE_H_
 
@@ -94,12 +95,32 @@ class WorkerEngine {
   };
   enum class State { kIdle, kJoining, kReady, kFailed, kStopped };
 
+  // Init's steps: forget the last cluster and take `cfg` (needs mu_), read
+  // the settings of a cluster member, and start joining it (the I/O thread).
+  void ResetLocked(const Config& cfg);
+  void ReadSettings(const Config& cfg);
+  void JoinCluster(const Config& cfg);
+  // Enqueue's steps. Why the process set an agreement names ("set=0,2"),
+  // into *members, cannot take this call ("" if it can).
+  std::string CheckMembers(const std::string& name, const std::string& agreement, int reduce_op,
+                           uint32_t contributors, std::vector<int>* members) const;
+  // Hands a checked task, described by `sig`, to the queue or fails it.
+  void Submit(Task* task, const std::string& sig, const std::vector<int>& members,
+              uint32_t contributors);
+  // Schedules the task if its name is declared, else queues a declaration
+  // (once per name and signature); true when the task is already finished.
+  bool ScheduleOrDeclareLocked(Task* task, const std::string& sig, const std::vector<int>& members,
+                               uint32_t contributors, std::string* error);
+
   void IoLoop();
   void HandleControl(const Message& m);
   void HandleData(const Message& m);
   void OnWelcome(const Config& w);
   void OnDeclared(uint64_t request_id, const Config& kv);
   void SendReadyParts();
+  // Takes from the queue, in order, what the credit lets leave now, and the
+  // parts of failed tasks; false while small partitions wait for company.
+  bool TakeSendable(std::vector<PartRef>* to_send, std::vector<Task*>* dropped);
   // Seconds until the current burst of enqueues stops limiting the credit
   // (0: it does not). Needs mu_.
   double BurstLeftLocked() const;

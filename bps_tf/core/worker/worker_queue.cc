@@ -149,45 +149,48 @@ bool WorkerEngine::Fuses(const Task* t, uint64_t len) const {
          kFusedPrefixBytes + 2 * FusedCost(len) <= fusion_bytes_;
 }
 
+bool WorkerEngine::TakeSendable(std::vector<PartRef>* to_send, std::vector<Task*>* dropped) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cycle_s_ > 0 && !sends_paused_ && !ready_.empty()) {
+    // Small partitions wait up to a cycle for others to share a message,
+    // unless a full message is already there.
+    const PartRef& top = ready_.top();
+    if (!top.task->failed && Fuses(top.task, top.task->PartLength(top.part)) &&
+        ready_bytes_ < fusion_bytes_) {
+      if (hold_since_ == Clock::time_point{}) hold_since_ = Clock::now();
+      if (SecondsSince(hold_since_) < cycle_s_) return false;
+    }
+  }
+  hold_since_ = Clock::time_point{};
+  // Without the burst's limit a full credit plus the kernel's buffers would
+  // leave in arrival order: 20-30 MB per worker on namespace hosts, whose
+  // sums then wait for the worker that sends them last (burst.h,
+  // docs/performance.md section 18).
+  const uint64_t credit =
+      BurstLeftLocked() > 0 ? std::min(credit_bytes_, partition_bytes_) : credit_bytes_;
+  while (!ready_.empty()) {
+    PartRef p = ready_.top();
+    uint64_t len = p.task->PartLength(p.part);
+    if (p.task->failed) {
+      ready_.pop();
+      ready_bytes_ -= len;
+      dropped->push_back(p.task);
+      continue;
+    }
+    uint64_t in_flight = credit_handed_ - credit_released_.load();
+    if (sends_paused_ || (in_flight > 0 && in_flight + len > credit)) break;
+    ready_.pop();
+    ready_bytes_ -= len;
+    credit_handed_ += len;
+    to_send->push_back(p);
+  }
+  return true;
+}
+
 void WorkerEngine::SendReadyParts() {
   std::vector<PartRef> to_send;
   std::vector<Task*> dropped;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (cycle_s_ > 0 && !sends_paused_ && !ready_.empty()) {
-      // Small partitions wait up to a cycle for others to share a message,
-      // unless a full message is already there.
-      const PartRef& top = ready_.top();
-      if (!top.task->failed && Fuses(top.task, top.task->PartLength(top.part)) &&
-          ready_bytes_ < fusion_bytes_) {
-        if (hold_since_ == Clock::time_point{}) hold_since_ = Clock::now();
-        if (SecondsSince(hold_since_) < cycle_s_) return;
-      }
-    }
-    hold_since_ = Clock::time_point{};
-    // Without the burst's limit a full credit plus the kernel's buffers would
-    // leave in arrival order: 20-30 MB per worker on namespace hosts, whose
-    // sums then wait for the worker that sends them last (burst.h,
-    // docs/performance.md section 18).
-    const uint64_t credit =
-        BurstLeftLocked() > 0 ? std::min(credit_bytes_, partition_bytes_) : credit_bytes_;
-    while (!ready_.empty()) {
-      PartRef p = ready_.top();
-      uint64_t len = p.task->PartLength(p.part);
-      if (p.task->failed) {
-        ready_.pop();
-        ready_bytes_ -= len;
-        dropped.push_back(p.task);
-        continue;
-      }
-      uint64_t in_flight = credit_handed_ - credit_released_.load();
-      if (sends_paused_ || (in_flight > 0 && in_flight + len > credit)) break;
-      ready_.pop();
-      ready_bytes_ -= len;
-      credit_handed_ += len;
-      to_send.push_back(p);
-    }
-  }
+  if (!TakeSendable(&to_send, &dropped)) return;
   for (Task* t : dropped) Release(t, 2);
   // Small partitions for one server that left the queue together travel in
   // one message, placed where the first of them was in the priority order

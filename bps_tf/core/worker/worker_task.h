@@ -1,5 +1,6 @@
 // What the worker engine keeps per tensor name and per enqueued operation;
-// shared by worker_engine.cc, worker_queue.cc and worker_io.cc.
+// shared by worker_engine.cc, worker_enqueue.cc, worker_queue.cc and
+// worker_io.cc.
 #ifndef BPS_TF_CORE_WORKER_WORKER_TASK_H_
 #define BPS_TF_CORE_WORKER_WORKER_TASK_H_
 
