@@ -25,7 +25,7 @@ MIN_TF = (2, 16)
 CORE_SOURCES = ["api.cc",
                 "common/common.cc", "common/labels.cc", "common/stats.cc",
                 "math/compressor.cc", "math/reduce.cc",
-                "scheduler/membership.cc", "scheduler/scheduler.cc",
+                "scheduler/membership.cc", "scheduler/scheduler.cc", "scheduler/scheduler_declare.cc",
                 "server/reply_scheduler.cc", "server/server_node.cc", "server/sum_engine.cc",
                 "transport/channel.cc", "transport/fusion.cc", "transport/local_links.cc",
                 "transport/protocol.cc", "transport/security.cc", "transport/transport.cc",

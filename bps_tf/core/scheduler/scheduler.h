@@ -6,6 +6,8 @@
 //
 // It is pure logic: the node that hosts it feeds it messages and sends what
 // it returns, so it is easy to test and to place (server 0 or alone).
+// scheduler.cc holds the meeting (hello, welcome, barrier, heartbeats),
+// scheduler_declare.cc the tensor declarations, join and the stall check.
 #ifndef BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 #define BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 
@@ -78,12 +80,42 @@ class Scheduler {
     uint64_t key;
     std::vector<int> servers;
   };
+  // The workers' hosts, as each worker's WELCOME describes them.
+  struct HostLayout {
+    std::map<std::string, std::vector<Node*>> by_host;  // host key -> its workers, by rank
+    std::map<int, std::string> host_ranks;               // rank -> its host's ranks ("0,1")
+    std::map<int, int> host_index;                       // rank -> its host's index
+    std::map<int, std::vector<int>> hosts_of_local_rank;  // local rank -> host indexes
+    bool homogeneous = true;
+    std::string job_nonce;
+  };
+
+  // An int from a peer's text; a malformed one counts as `dflt`.
+  static int KvInt(const Config& kv, const std::string& key, int dflt);
 
   void OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
                std::vector<Outgoing>* out);
   void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                  std::vector<Outgoing>* out);
   void MaybeWelcome(std::vector<Outgoing>* out);
+  // MaybeWelcome's steps: gives servers without an id the free ones and
+  // lists the servers by id (false: the job failed); groups the workers by
+  // host (their local ranks, host roots, cross ranks); one node's WELCOME.
+  bool NumberServers(std::vector<const Node*>* servers_by_id, std::vector<Outgoing>* out);
+  HostLayout LayOutHosts();
+  Config WelcomeOf(const Node& n, const HostLayout& hosts,
+                   const std::vector<const Node*>& servers_by_id) const;
+  // OnDeclare's steps: an asynchronous key is answered at once; a declared
+  // process set must be a rising list of ranks with `rank` in it (or empty);
+  // a declaration naming a set that overlaps another set declared under the
+  // same name fails, with every member of either (true when it did).
+  void DeclareAsync(const Peer& from, const FrameHeader& h, const std::string& name,
+                    const std::string& sig, int rank, int64_t bytes, std::vector<Outgoing>* out);
+  bool ParseMembers(const std::string& list, int rank, std::vector<int>* members) const;
+  bool RefuseOtherSet(const std::string& name, int rank, const Peer& from, uint64_t request_id,
+                      const std::vector<int>& members, std::vector<Outgoing>* out);
+  void ReplyError(const Peer& to, uint64_t request_id, const std::string& why,
+                  std::vector<Outgoing>* out);
   // A worker joined: declarations stop waiting for it; when every worker
   // has, each is told which joined last.
   // `seen`: the workers whose joins `rank`'s results had counted (bit r).
