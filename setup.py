@@ -29,7 +29,8 @@ CORE_SOURCES = ["api.cc",
                 "server/reply_scheduler.cc", "server/server_node.cc", "server/sum_engine.cc",
                 "transport/channel.cc", "transport/fusion.cc", "transport/local_links.cc",
                 "transport/protocol.cc", "transport/security.cc", "transport/transport.cc",
-                "worker/local_reduce.cc", "worker/local_reduce_link.cc", "worker/trace.cc",
+                "worker/local_reduce.cc", "worker/local_reduce_gather.cc",
+                "worker/local_reduce_link.cc", "worker/trace.cc",
                 "worker/worker_engine.cc", "worker/worker_enqueue.cc", "worker/worker_io.cc",
                 "worker/worker_queue.cc"]
 WARNINGS = ["-Wall", "-Wno-sign-compare"]
