@@ -113,6 +113,15 @@ class ServerNode {
   int Run(std::string* error);
 
  private:
+  // Run's steps: listen, host the scheduler if asked and say HELLO (returns
+  // the listening link; *scheduler_at names the scheduler for messages);
+  // the hosted scheduler's periodic checks; the scheduler's silence, a
+  // refused link or a rendezvous that takes too long; the last replies and
+  // the close.
+  Peer Start(std::string* scheduler_at);
+  void TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since);
+  void WatchScheduler(const std::string& scheduler_at, Clock::time_point started);
+  int Finish(const Peer& listener, std::string* error);
   void Handle(Message& m);
   void HandlePush(Message& m);
   void HandleControl(const Message& m);
@@ -344,6 +353,27 @@ int ServerNode::Run(std::string* error) {
   if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
     Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
   }
+  std::string scheduler_at;
+  Peer listener = Start(&scheduler_at);
+  auto started = Clock::now();
+  auto last_tick = Clock::now();
+  Clock::time_point fatal_since{};
+  Message m;
+  std::vector<Outgoing> out;
+  while (!done_) {
+    if (!channel_->Wait(100)) break;
+    while (channel_->Receive(&m)) Handle(m);
+    SendReplies();
+    if (scheduler_ && SecondsSince(last_tick) >= 0.2) {
+      last_tick = Clock::now();
+      TickScheduler(&out, &fatal_since);
+    }
+    WatchScheduler(scheduler_at, started);
+  }
+  return Finish(listener, error);
+}
+
+Peer ServerNode::Start(std::string* scheduler_at) {
   std::string bind_host = cfg_.Get("bind_host", "0.0.0.0");
   int64_t port = cfg_.GetInt("port", 0);
   if (cfg_.Get("role") == "scheduler") port = cfg_.GetInt("scheduler_port", 0);
@@ -364,7 +394,7 @@ int ServerNode::Run(std::string* error) {
     if (!ready.empty()) WriteReadyFile(ready, actual_port);
   }
   BPS_LOG(kInfo, "listening on " << bound);
-  std::string scheduler_at = scheduler_host + ":" + std::to_string(scheduler_port);
+  *scheduler_at = scheduler_host + ":" + std::to_string(scheduler_port);
 
   if (is_server_) {
     Config extra;
@@ -386,47 +416,42 @@ int ServerNode::Run(std::string* error) {
     }
     membership_.Join(Endpoint(scheduler_host, scheduler_port), cfg_, extra);
   }
+  return listener;
+}
 
-  auto started = Clock::now();
-  auto last_tick = Clock::now();
-  Clock::time_point fatal_since{};
-  Message m;
-  std::vector<Outgoing> out;
-  while (!done_) {
-    if (!channel_->Wait(100)) break;
-    while (channel_->Receive(&m)) Handle(m);
-    SendReplies();
-
-    if (scheduler_ && SecondsSince(last_tick) >= 0.2) {
-      last_tick = Clock::now();
-      scheduler_->Tick(&out);
-      SendOutgoing(&out);
-      if (scheduler_->finished() && !is_server_) done_ = true;
-      if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
-        Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
-      }
-      if (!scheduler_->fatal().empty()) {
-        Stats::Get().node_state = 3;
-        // Stay a little to tell late joiners why the job failed.
-        if (fatal_since == Clock::time_point{}) fatal_since = Clock::now();
-        if (SecondsSince(fatal_since) > 3) Stop(scheduler_->fatal());
-      }
-    }
-    membership_.Tick();
-    if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
-      Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
-           std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
-    }
-    std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
-    if (!refusal.empty()) {
-      Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
-    } else if (!membership_.welcomed() && !hosts_scheduler_ &&
-               SecondsSince(started) > rendezvous_timeout_s_) {
-      Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
-           std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
-           " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
-    }
+void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since) {
+  scheduler_->Tick(out);
+  SendOutgoing(out);
+  if (scheduler_->finished() && !is_server_) done_ = true;
+  if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
+    Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
   }
+  if (!scheduler_->fatal().empty()) {
+    Stats::Get().node_state = 3;
+    // Stay a little to tell late joiners why the job failed.
+    if (*fatal_since == Clock::time_point{}) *fatal_since = Clock::now();
+    if (SecondsSince(*fatal_since) > 3) Stop(scheduler_->fatal());
+  }
+}
+
+void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_point started) {
+  membership_.Tick();
+  if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
+    Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
+         std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
+  }
+  std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
+  if (!refusal.empty()) {
+    Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
+  } else if (!membership_.welcomed() && !hosts_scheduler_ &&
+             SecondsSince(started) > rendezvous_timeout_s_) {
+    Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
+         std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
+         " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
+  }
+}
+
+int ServerNode::Finish(const Peer& listener, std::string* error) {
   Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
   // Flush the last replies (e.g. the shutdown notices) before closing.
   SendReplies(/*ignore_credit=*/true);

@@ -127,20 +127,32 @@ ServerReply SumEngine::ErrorReply(int worker, uint64_t key, const std::string& w
 void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies) {
   if (job.join) return OnJoin(lane, job.worker, replies);
   KeyState& st = lane->keys[job.key];
-  size_t elem = DTypeSize(job.dtype);
-  if (st.dtype < 0) {
-    st.dtype = job.dtype;
-    st.bytes = job.payload.size();
-    st.async = job.async;
-    st.compressed = job.compressed;
-    st.reduce_op = job.reduce_op;
-    st.refuse_joined = job.refuse_joined;
-    st.pushed.assign(static_cast<size_t>(num_workers_), false);
-    st.skipped.assign(static_cast<size_t>(num_workers_), 0);
-    st.contributors = job.contributors;
-    st.members = job.members;
-    st.needed = job.contributors == 0 ? num_workers_ : static_cast<int>(job.contributors);
-  }
+  if (st.dtype < 0) AdoptFirstPush(st, job);
+  if (!Agrees(st, job, replies) || !Fits(st, job, replies)) return;
+  size_t count = st.bytes / DTypeSize(job.dtype);
+  if (st.async) return AnswerAsync(st, job, count, replies);
+  if (!TakesPart(lane, st, job, replies)) return;
+  if (!Accumulate(st, job, count, replies)) return;
+  st.priority = st.count == 0 ? job.priority : std::max(st.priority, job.priority);
+  ++st.count;
+  MaybeComplete(lane, job.key, st, replies);
+}
+
+void SumEngine::AdoptFirstPush(KeyState& st, const PushJob& job) {
+  st.dtype = job.dtype;
+  st.bytes = job.payload.size();
+  st.async = job.async;
+  st.compressed = job.compressed;
+  st.reduce_op = job.reduce_op;
+  st.refuse_joined = job.refuse_joined;
+  st.pushed.assign(static_cast<size_t>(num_workers_), false);
+  st.skipped.assign(static_cast<size_t>(num_workers_), 0);
+  st.contributors = job.contributors;
+  st.members = job.members;
+  st.needed = job.contributors == 0 ? num_workers_ : static_cast<int>(job.contributors);
+}
+
+bool SumEngine::Agrees(const KeyState& st, const PushJob& job, std::vector<ServerReply>* replies) {
   if (job.contributors != st.contributors || job.members != st.members ||
       job.contributors > static_cast<uint32_t>(num_workers_)) {
     // Workers that disagree on who takes part (a process set) would make a
@@ -153,7 +165,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             std::to_string(st.contributors) + " (0 = every worker; the job has " +
             std::to_string(num_workers_) + "), or for another process set of that size "
             "(BYTEPS_LOCAL_REDUCE must agree on every node)"));
-    return;
+    return false;
   }
   if (job.async != st.async) {
     // Only a key collision between an asynchronous and a synchronous name
@@ -163,7 +175,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
         "server " + std::to_string(server_id_) + ": worker " + std::to_string(job.worker) +
             " pushed a partition as " + (job.async ? "asynchronous" : "synchronous") +
             " that another push made " + (st.async ? "asynchronous" : "synchronous")));
-    return;
+    return false;
   }
   if (job.reduce_op != st.reduce_op) {
     // Workers that reduce one key differently would get a mixed result.
@@ -173,7 +185,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             " pushed key " + std::to_string(job.key) + " with reduce op " +
             ReduceOpName(job.reduce_op) + ", another push of it has reduce op " +
             ReduceOpName(st.reduce_op) + " (every worker must reduce a tensor the same way)")));
-    return;
+    return false;
   }
   if (job.reduce_op != 0 && (job.compressed || job.async)) {
     replies->push_back(ErrorReply(
@@ -181,15 +193,20 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
         "server " + std::to_string(server_id_) + ": reduce op " + ReduceOpName(job.reduce_op) +
             " cannot be combined with " + (job.async ? "asynchronous training" : "compression") +
             " (key " + std::to_string(job.key) + ")"));
-    return;
+    return false;
   }
+  return true;
+}
+
+bool SumEngine::Fits(KeyState& st, const PushJob& job, std::vector<ServerReply>* replies) {
+  size_t elem = DTypeSize(job.dtype);
   if (job.compressed || st.compressed) {
     std::string why = CheckCompressed(st, job);
     if (!why.empty()) {
       replies->push_back(ErrorReply(job.worker, job.key,
                                     "server " + std::to_string(server_id_) + ": worker " +
                                         std::to_string(job.worker) + " " + why));
-      return;
+      return false;
     }
   } else if (job.dtype != st.dtype || job.payload.size() != st.bytes || elem == 0 ||
       job.payload.size() % elem != 0) {
@@ -199,36 +216,39 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
             " pushed " + std::to_string(job.payload.size()) + " bytes of " +
             DTypeName(job.dtype) + " for a partition that holds " + std::to_string(st.bytes) +
             " bytes of " + DTypeName(st.dtype)));
-    return;
+    return false;
   }
-  size_t count = st.bytes / elem;
-
   if (st.async && st.compressed) {
     replies->push_back(ErrorReply(job.worker, job.key,
                                   "server " + std::to_string(server_id_) +
                                       ": gradient compression is not available in asynchronous "
                                       "training (the running value would be re-compressed at "
                                       "every push); use compression none"));
-    return;
+    return false;
   }
-  if (st.async) {
-    // The server keeps the value: a push adds to it, the reply is a copy of
-    // the sum, taken now (a later push must not change a reply in flight).
-    if (!st.has_sum) {
-      st.sum = Msg(st.bytes);
-      std::memset(st.sum.data(), 0, st.bytes);
-      st.has_sum = true;
-    }
-    SumInto(st.dtype, st.sum.data(), job.payload.data(), count);
-    ServerReply r{job.worker, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_),
-                  Msg(st.sum.data(), st.bytes)};
-    r.header.key = job.key;
-    r.header.round = job.round;
-    r.header.dtype = static_cast<uint16_t>(st.dtype);
-    replies->push_back(std::move(r));
-    return;
-  }
+  return true;
+}
 
+void SumEngine::AnswerAsync(KeyState& st, const PushJob& job, size_t count,
+                            std::vector<ServerReply>* replies) {
+  // The server keeps the value: a push adds to it, the reply is a copy of
+  // the sum, taken now (a later push must not change a reply in flight).
+  if (!st.has_sum) {
+    st.sum = Msg(st.bytes);
+    std::memset(st.sum.data(), 0, st.bytes);
+    st.has_sum = true;
+  }
+  SumInto(st.dtype, st.sum.data(), job.payload.data(), count);
+  ServerReply r{job.worker, MakeHeader(MsgType::kPullReply, Role::kServer, server_id_),
+                Msg(st.sum.data(), st.bytes)};
+  r.header.key = job.key;
+  r.header.round = job.round;
+  r.header.dtype = static_cast<uint16_t>(st.dtype);
+  replies->push_back(std::move(r));
+}
+
+bool SumEngine::TakesPart(Lane* lane, KeyState& st, PushJob& job,
+                          std::vector<ServerReply>* replies) {
   if (lane->joined[static_cast<size_t>(job.worker)]) {
     ServerReply r = ErrorReply(job.worker, job.key,
                                "server " + std::to_string(server_id_) + ": worker " +
@@ -237,7 +257,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
                                    "until every worker has joined)");
     r.header.round = job.round;
     replies->push_back(std::move(r));
-    return;
+    return false;
   }
   // The worker's round counts its own pushes; rounds it sat out joined
   // happened without them.
@@ -245,22 +265,27 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
   if (round != st.round) {
     if (round == st.round + 1) {
       st.early.push_back(std::move(job));
-      return;
+      return false;
     }
     replies->push_back(ErrorReply(job.worker, job.key,
                                   "server " + std::to_string(server_id_) + ": worker " +
                                       std::to_string(job.worker) + " pushed round " +
                                       std::to_string(round) + " of a partition in round " +
                                       std::to_string(st.round)));
-    return;
+    return false;
   }
   if (st.pushed[static_cast<size_t>(job.worker)]) {
     replies->push_back(ErrorReply(job.worker, job.key,
                                   "server " + std::to_string(server_id_) + ": worker " +
                                       std::to_string(job.worker) +
                                       " pushed the same partition twice in one round"));
-    return;
+    return false;
   }
+  return true;
+}
+
+bool SumEngine::Accumulate(KeyState& st, PushJob& job, size_t count,
+                           std::vector<ServerReply>* replies) {
   if (st.compressed) {
     auto begin = Clock::now();
     try {
@@ -270,7 +295,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
                                     "server " + std::to_string(server_id_) + ": worker " +
                                         std::to_string(job.worker) + " pushed a compressed "
                                         "partition that does not decompress: " + e.what()));
-      return;
+      return false;
     }
     st.pushed[static_cast<size_t>(job.worker)] = true;
     st.sum_ns += static_cast<uint64_t>(
@@ -286,9 +311,7 @@ void SumEngine::Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* rep
     st.sum_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count());
   }
-  st.priority = st.count == 0 ? job.priority : std::max(st.priority, job.priority);
-  ++st.count;
-  MaybeComplete(lane, job.key, st, replies);
+  return true;
 }
 
 void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
@@ -336,6 +359,12 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
     ReduceInto(st.reduce_op, st.dtype, st.sum.data(), zeros.data(), st.bytes / DTypeSize(st.dtype));
   }
   if (st.compressed && refused.empty()) st.sum = CompressSum(st, key);
+  ReplyRound(key, st, refused, joined_mask, replies);
+  NextRound(lane, st, replies);
+}
+
+void SumEngine::ReplyRound(uint64_t key, KeyState& st, const std::string& refused,
+                           uint64_t joined_mask, std::vector<ServerReply>* replies) {
   for (int w = 0; w < num_workers_; ++w) {
     if (!st.pushed[static_cast<size_t>(w)]) continue;  // not in the set, or joined
     const uint64_t their_round = st.round - st.skipped[static_cast<size_t>(w)];
@@ -357,6 +386,9 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
     r.header.contributors = static_cast<uint32_t>(__builtin_popcountll(joined_mask));
     replies->push_back(std::move(r));
   }
+}
+
+void SumEngine::NextRound(Lane* lane, KeyState& st, std::vector<ServerReply>* replies) {
   // Only its joined members sat this round out; other workers never push the key.
   for (int w = 0; w < num_workers_; ++w) {
     if (!st.pushed[static_cast<size_t>(w)] && lane->joined[static_cast<size_t>(w)] &&

@@ -112,10 +112,28 @@ class SumEngine {
   static bool IsMember(const KeyState& st, int worker);
   void Run(Lane* lane);
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
+  // Process's steps. The first push of a key describes it; a push that does
+  // not agree with that description (who takes part, async, reduce op) or
+  // does not fit it (dtype, size, compression) is refused; an asynchronous
+  // key is answered at once; a push of a joined worker, of a round not open
+  // yet (kept in `early`) or made twice takes no part; Accumulate adds it.
+  // Each returns false (or nothing) once it has answered or kept the push.
+  void AdoptFirstPush(KeyState& st, const PushJob& job);
+  bool Agrees(const KeyState& st, const PushJob& job, std::vector<ServerReply>* replies);
+  bool Fits(KeyState& st, const PushJob& job, std::vector<ServerReply>* replies);
+  void AnswerAsync(KeyState& st, const PushJob& job, size_t count,
+                   std::vector<ServerReply>* replies);
+  bool TakesPart(Lane* lane, KeyState& st, PushJob& job, std::vector<ServerReply>* replies);
+  bool Accumulate(KeyState& st, PushJob& job, size_t count, std::vector<ServerReply>* replies);
   ServerReply ErrorReply(int worker, uint64_t key, const std::string& why);
   void OnJoin(Lane* lane, int worker, std::vector<ServerReply>* replies);
   // Ends the key's round when every worker pushed it or has joined.
   void MaybeComplete(Lane* lane, uint64_t key, KeyState& st, std::vector<ServerReply>* replies);
+  // The round's replies: the sum (or `refused`) to each worker that pushed.
+  void ReplyRound(uint64_t key, KeyState& st, const std::string& refused, uint64_t joined_mask,
+                  std::vector<ServerReply>* replies);
+  // Opens the next round and processes the pushes that came early for it.
+  void NextRound(Lane* lane, KeyState& st, std::vector<ServerReply>* replies);
   // Checks a compressed push against its key's description; "" when valid.
   std::string CheckCompressed(KeyState& st, const PushJob& job);
   void AddCompressed(KeyState& st, const PushJob& job);
