@@ -193,6 +193,82 @@ uint64_t StreamSeed(uint64_t seed, uint64_t key, uint64_t round, uint64_t who) {
   return s.Next();
 }
 
+namespace {
+void CompressOneBit(const CompressorSpec& spec, const float* x, size_t n, char* body) {
+  float scale = 1.0f;
+  if (spec.scaling) {
+    double sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += std::fabs(static_cast<double>(x[i]));
+    scale = n ? static_cast<float>(sum / static_cast<double>(n)) : 0.0f;
+  }
+  std::memcpy(body, &scale, sizeof(scale));
+  uint8_t* bits = reinterpret_cast<uint8_t*>(body + sizeof(scale));
+  std::memset(bits, 0, (n + 7) / 8);
+  for (size_t i = 0; i < n; ++i) {
+    if (x[i] < 0) bits[i / 8] = static_cast<uint8_t>(bits[i / 8] | (1u << (i % 8)));
+  }
+}
+
+void CompressTopK(const CompressorSpec& spec, const float* x, size_t n, char* body) {
+  size_t k = SparseCount(spec.ratio, n);
+  std::vector<uint32_t> idx(n);
+  for (size_t i = 0; i < n; ++i) idx[i] = static_cast<uint32_t>(i);
+  // Largest magnitude first; equal magnitudes by lower index, so the
+  // choice is deterministic.
+  auto before = [x](uint32_t a, uint32_t b) {
+    float ma = Magnitude(x[a]), mb = Magnitude(x[b]);
+    return ma != mb ? ma > mb : a < b;
+  };
+  if (k < n) std::nth_element(idx.begin(), idx.begin() + static_cast<long>(k), idx.end(), before);
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+  WriteSparse(x, idx, body);
+}
+
+void CompressRandomK(const CompressorSpec& spec, const float* x, size_t n, uint64_t stream,
+                     char* body) {
+  size_t k = SparseCount(spec.ratio, n);
+  std::vector<uint32_t> perm(n);
+  for (size_t i = 0; i < n; ++i) perm[i] = static_cast<uint32_t>(i);
+  SplitMix64 rng{stream};
+  for (size_t i = 0; i < k; ++i) {
+    size_t j = i + static_cast<size_t>(rng.Next() % (n - i));
+    std::swap(perm[i], perm[j]);
+  }
+  perm.resize(k);
+  std::sort(perm.begin(), perm.end());
+  WriteSparse(x, perm, body);
+}
+
+void CompressDithering(const CompressorSpec& spec, const float* x, size_t n, uint64_t stream,
+                       char* body) {
+  float scale = 0.0f;
+  bool finite = true;
+  for (size_t i = 0; i < n; ++i) {
+    scale = std::fmax(scale, std::fabs(x[i]));
+    finite = finite && std::isfinite(x[i]);
+  }
+  // A nan or inf makes the whole partition nan: visible, not rounded away.
+  if (!finite) scale = NAN;
+  std::memcpy(body, &scale, sizeof(scale));
+  int8_t* q = reinterpret_cast<int8_t*>(body + sizeof(scale));
+  const float levels = static_cast<float>(spec.levels);
+  SplitMix64 rng{stream};
+  for (size_t i = 0; i < n; ++i) {
+    if (!(scale > 0) || !std::isfinite(scale)) {
+      q[i] = 0;
+      continue;
+    }
+    float a = std::fabs(x[i]) / scale;
+    float b = a * levels;
+    float c = b + rng.Uniform();  // stochastic rounding: unbiased
+    int level = c >= 0 ? static_cast<int>(std::floor(c)) : 0;
+    level = std::min(level, spec.levels);
+    q[i] = static_cast<int8_t>(x[i] < 0 ? -level : level);
+  }
+}
+}  // namespace
+
 void Compress(const CompressorSpec& spec, const float* x, size_t n, uint64_t stream, char* out) {
   if (n > UINT32_MAX) throw Error("compression: a partition holds more than 2^32 elements");
   if (spec.kind == CompressorKind::kNone) {
@@ -205,78 +281,14 @@ void Compress(const CompressorSpec& spec, const float* x, size_t n, uint64_t str
   switch (spec.kind) {
     case CompressorKind::kNone:
       return;
-    case CompressorKind::kOneBit: {
-      float scale = 1.0f;
-      if (spec.scaling) {
-        double sum = 0;
-        for (size_t i = 0; i < n; ++i) sum += std::fabs(static_cast<double>(x[i]));
-        scale = n ? static_cast<float>(sum / static_cast<double>(n)) : 0.0f;
-      }
-      std::memcpy(body, &scale, sizeof(scale));
-      uint8_t* bits = reinterpret_cast<uint8_t*>(body + sizeof(scale));
-      std::memset(bits, 0, (n + 7) / 8);
-      for (size_t i = 0; i < n; ++i) {
-        if (x[i] < 0) bits[i / 8] = static_cast<uint8_t>(bits[i / 8] | (1u << (i % 8)));
-      }
-      return;
-    }
-    case CompressorKind::kTopK: {
-      size_t k = SparseCount(spec.ratio, n);
-      std::vector<uint32_t> idx(n);
-      for (size_t i = 0; i < n; ++i) idx[i] = static_cast<uint32_t>(i);
-      // Largest magnitude first; equal magnitudes by lower index, so the
-      // choice is deterministic.
-      auto before = [x](uint32_t a, uint32_t b) {
-        float ma = Magnitude(x[a]), mb = Magnitude(x[b]);
-        return ma != mb ? ma > mb : a < b;
-      };
-      if (k < n) std::nth_element(idx.begin(), idx.begin() + static_cast<long>(k), idx.end(), before);
-      idx.resize(k);
-      std::sort(idx.begin(), idx.end());
-      WriteSparse(x, idx, body);
-      return;
-    }
-    case CompressorKind::kRandomK: {
-      size_t k = SparseCount(spec.ratio, n);
-      std::vector<uint32_t> perm(n);
-      for (size_t i = 0; i < n; ++i) perm[i] = static_cast<uint32_t>(i);
-      SplitMix64 rng{stream};
-      for (size_t i = 0; i < k; ++i) {
-        size_t j = i + static_cast<size_t>(rng.Next() % (n - i));
-        std::swap(perm[i], perm[j]);
-      }
-      perm.resize(k);
-      std::sort(perm.begin(), perm.end());
-      WriteSparse(x, perm, body);
-      return;
-    }
-    case CompressorKind::kDithering: {
-      float scale = 0.0f;
-      bool finite = true;
-      for (size_t i = 0; i < n; ++i) {
-        scale = std::fmax(scale, std::fabs(x[i]));
-        finite = finite && std::isfinite(x[i]);
-      }
-      // A nan or inf makes the whole partition nan: visible, not rounded away.
-      if (!finite) scale = NAN;
-      std::memcpy(body, &scale, sizeof(scale));
-      int8_t* q = reinterpret_cast<int8_t*>(body + sizeof(scale));
-      const float levels = static_cast<float>(spec.levels);
-      SplitMix64 rng{stream};
-      for (size_t i = 0; i < n; ++i) {
-        if (!(scale > 0) || !std::isfinite(scale)) {
-          q[i] = 0;
-          continue;
-        }
-        float a = std::fabs(x[i]) / scale;
-        float b = a * levels;
-        float c = b + rng.Uniform();  // stochastic rounding: unbiased
-        int level = c >= 0 ? static_cast<int>(std::floor(c)) : 0;
-        level = std::min(level, spec.levels);
-        q[i] = static_cast<int8_t>(x[i] < 0 ? -level : level);
-      }
-      return;
-    }
+    case CompressorKind::kOneBit:
+      return CompressOneBit(spec, x, n, body);
+    case CompressorKind::kTopK:
+      return CompressTopK(spec, x, n, body);
+    case CompressorKind::kRandomK:
+      return CompressRandomK(spec, x, n, stream, body);
+    case CompressorKind::kDithering:
+      return CompressDithering(spec, x, n, stream, body);
   }
 }
 
