@@ -21,11 +21,18 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_TF = (2, 16)
-CORE_SOURCES = ["api.cc", "channel.cc", "common.cc", "compressor.cc", "fusion.cc", "labels.cc",
-                "local_links.cc", "local_reduce.cc", "local_reduce_link.cc",
-                "membership.cc", "protocol.cc", "reduce.cc", "reply_scheduler.cc", "scheduler.cc", "security.cc",
-                "server_node.cc", "stats.cc", "sum_engine.cc", "trace.cc", "transport.cc",
-                "worker_engine.cc", "worker_io.cc", "worker_queue.cc"]
+# Paths under bps_tf/core, which is also the include root (`#include "worker/trace.h"`).
+CORE_SOURCES = ["api.cc",
+                "common/common.cc", "common/labels.cc", "common/stats.cc",
+                "math/compressor.cc", "math/reduce.cc",
+                "scheduler/membership.cc", "scheduler/scheduler.cc", "scheduler/scheduler_declare.cc",
+                "server/reply_scheduler.cc", "server/server_node.cc", "server/sum_engine.cc",
+                "transport/channel.cc", "transport/fusion.cc", "transport/local_links.cc",
+                "transport/protocol.cc", "transport/security.cc", "transport/transport.cc",
+                "worker/local_reduce.cc", "worker/local_reduce_gather.cc",
+                "worker/local_reduce_link.cc", "worker/trace.cc",
+                "worker/worker_engine.cc", "worker/worker_enqueue.cc", "worker/worker_io.cc",
+                "worker/worker_queue.cc"]
 WARNINGS = ["-Wall", "-Wno-sign-compare"]
 
 
@@ -87,9 +94,11 @@ class BuildNative(build_ext):
         pkg = os.path.join(out_root, "bps_tf")
         os.makedirs(os.path.join(pkg, "ops"), exist_ok=True)
         core_dir = os.path.join(HERE, "bps_tf", "core")
-        headers = [os.path.join(core_dir, f) for f in os.listdir(core_dir) if f.endswith(".h")]
+        headers = [os.path.join(root, f) for root, _, files in os.walk(core_dir)
+                   for f in files if f.endswith(".h")]
         cxx = op_build.compiler()
         base = [cxx, "-std=c++17", "-O3", "-fPIC", "-pthread", "-DNDEBUG"] + WARNINGS
+        core_include = ["-I" + core_dir]
 
         def compile_obj(src, obj, extra):
             if _newer(obj, [src] + headers):
@@ -99,14 +108,14 @@ class BuildNative(build_ext):
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             for src in CORE_SOURCES:
-                obj = os.path.join(tmp, "core_" + src + ".o")
+                obj = os.path.join(tmp, "core_" + src.replace("/", "_") + ".o")
                 jobs.append(("core", pool.submit(compile_obj, os.path.join(core_dir, src),
-                                                 obj, [])))
+                                                 obj, core_include)))
             pyb = os.path.join(tmp, "pybind_module.o")
             jobs.append(("py", pool.submit(
                 compile_obj, os.path.join(core_dir, "pybind_module.cc"), pyb,
-                ["-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
-                 "-fvisibility=hidden"])))
+                core_include + ["-I" + pybind11.get_include(),
+                                "-I" + sysconfig.get_paths()["include"], "-fvisibility=hidden"])))
             objs = {"core": [], "py": []}
             for kind, fut in jobs:
                 objs[kind].append(fut.result())
@@ -161,7 +170,10 @@ setup(
     packages=find_packages(include=["bps_tf", "bps_tf.*"]),
     # The op library's sources ship with the package: it is compiled where it
     # is used when the installed build does not match the TensorFlow there.
-    package_data={"bps_tf": ["core/*.h", "ops/*.cc", "ops/*.h", "kernels/*.cc", "kernels/*.h"]},
+    # Every core header ships (the op library includes only bps_api.h and
+    # dtypes.h; the rest documents the engine the installed library runs).
+    package_data={"bps_tf": ["core/*.h", "core/*/*.h", "ops/*.cc", "ops/*.h", "kernels/*.cc",
+                             "kernels/*.h"]},
     python_requires=">=3.9",
     # grpcio serves the Kubernetes health probes (BYTEPS_HEALTH_PORT); imported only then.
     install_requires=["numpy", "pyzmq>=22", "grpcio", "grpcio-health-checking"],

@@ -136,7 +136,7 @@ def test_a_worker_that_left_does_not_stop_the_other(cluster):
 
 def test_async_name_prefix_matches_the_core():
     from bps_tf.comm import naming
-    with open(os.path.join(ROOT, "bps_tf", "core", "protocol.h")) as f:
+    with open(os.path.join(ROOT, "bps_tf", "core", "transport", "protocol.h")) as f:
         assert f'kAsyncNamePrefix[] = "{naming.ASYNC_PREFIX}"' in f.read()
 
 

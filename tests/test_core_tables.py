@@ -13,7 +13,7 @@ def _read(*parts):
 def test_shared_settings_name_the_variables_python_reads():
     from bps_tf.runtime import config  # no TensorFlow, no native code
 
-    table = re.search(r"kSharedSettings\[\]\s*=\s*\{(.*?)\};", _read("bps_tf", "core", "protocol.h"),
+    table = re.search(r"kSharedSettings\[\]\s*=\s*\{(.*?)\};", _read("bps_tf", "core", "transport", "protocol.h"),
                       re.S).group(1)
     pairs = dict(re.findall(r'\{"(\w+)",\s*"(\w+)"\}', table))
     assert pairs, "protocol.h: kSharedSettings not found"
@@ -29,8 +29,11 @@ def test_shared_settings_name_the_variables_python_reads():
 def test_one_dtype_table():
     # Only dtypes.h spells out which dtypes the core carries.
     for folder in ("core", "kernels"):
-        for name in os.listdir(os.path.join(ROOT, "bps_tf", folder)):
-            if name == "dtypes.h" or not name.endswith((".h", ".cc")):
-                continue
-            text = _read("bps_tf", folder, name)
-            assert '"float16"' not in text and '"int64"' not in text, f"{folder}/{name} names dtypes outside dtypes.h"
+        for root, _, names in os.walk(os.path.join(ROOT, "bps_tf", folder)):
+            for name in names:
+                if name == "dtypes.h" or not name.endswith((".h", ".cc")):
+                    continue
+                rel = os.path.relpath(os.path.join(root, name), os.path.join(ROOT, "bps_tf"))
+                text = _read("bps_tf", rel)
+                assert '"float16"' not in text and '"int64"' not in text, \
+                    f"{rel} names dtypes outside dtypes.h"

@@ -150,7 +150,7 @@ def test_settings_disagreement_names_setting_and_both_values(tmp_path):
 
 def test_zmq_constants_match_pyzmq():
     zmq = pytest.importorskip("zmq")
-    with open(os.path.join(ROOT, "bps_tf", "core", "zmq_api.h")) as f:
+    with open(os.path.join(ROOT, "bps_tf", "core", "transport", "zmq_api.h")) as f:
         text = f.read()
     ours = {m.group(1): int(m.group(2))
             for m in re.finditer(r"constexpr int k(\w+) = (\d+);", text)}

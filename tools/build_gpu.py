@@ -227,7 +227,7 @@ def compile_tf_gpu_objects(nvcc, base, tf_cflags, tf_include, tmp, archs=None, f
               force):
         _run(nvcc_base(nvcc, cuda_archs(archs)) + ["-c", REDUCE_SRC, "-o", reduce_obj])
     kernel_obj = os.path.join(tmp, "push_pull_gpu_kernels.cc.o")
-    core_headers = [os.path.join(core_dir, h) for h in ("bps_api.h", "dtypes.h", "reduce.h")]
+    core_headers = [os.path.join(core_dir, h) for h in ("bps_api.h", "dtypes.h")]
     abi = os.path.join(KERNELS, "core_abi.h")
     if _stale(kernel_obj, [TF_KERNEL_SRC, header, abi] + core_headers, force):
         _run(base + tf_cflags + _cuda_include_flags(nvcc, tf_include, tmp)

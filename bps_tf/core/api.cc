@@ -1,18 +1,32 @@
 // The C ABI of bps_api.h over the C++ engine.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
 #include "bps_api.h"
-#include "common.h"
-#include "local_reduce.h"
-#include "server_node.h"
-#include "stats.h"
-#include "worker_engine.h"
-#include "labels.h"
-#include "trace.h"
+#include "common/common.h"
+#include "common/labels.h"
+#include "common/stats.h"
+#include "math/reduce.h"
+#include "server/server_node.h"
+#include "worker/local_reduce.h"
+#include "worker/trace.h"
+#include "worker/worker_engine.h"
+
+static_assert(static_cast<int>(bps::LogLevel::kDebug) == BPS_LOG_DEBUG &&
+                  static_cast<int>(bps::LogLevel::kInfo) == BPS_LOG_INFO &&
+                  static_cast<int>(bps::LogLevel::kWarning) == BPS_LOG_WARNING &&
+                  static_cast<int>(bps::LogLevel::kError) == BPS_LOG_ERROR,
+              "bps_log_level and bps::LogLevel number the levels alike");
 
 namespace {
+bps::LogLevel LevelOf(int level) {
+  return static_cast<bps::LogLevel>(level < BPS_LOG_DEBUG   ? BPS_LOG_DEBUG
+                                    : level > BPS_LOG_ERROR ? BPS_LOG_ERROR
+                                                            : level);
+}
+
 void CopyError(const std::string& message, char* err, size_t err_len) {
   if (!err || err_len == 0) return;
   std::strncpy(err, message.c_str(), err_len - 1);
@@ -145,6 +159,28 @@ size_t bps_stats_json(char* buf, size_t len) {
   std::string json = bps::Stats::Get().Json();
   if (buf && len > 0) CopyError(json, buf, len);
   return json.size() + 1;
+}
+
+int bps_log_enabled(int level) { return bps::LogEnabled(LevelOf(level)) ? 1 : 0; }
+
+void bps_log(int level, const char* text) { bps::LogLine(LevelOf(level), text ? text : ""); }
+
+uint64_t bps_fnv1a64(const void* data, size_t len) {
+  return bps::Fnv1a64(std::string(static_cast<const char*>(data), data ? len : 0));
+}
+
+size_t bps_json_quote(const char* text, size_t text_len, char* buf, size_t len) {
+  std::string quoted = bps::JsonString(std::string(text ? text : "", text ? text_len : 0));
+  if (buf && len > 0) {
+    size_t n = std::min(len - 1, quoted.size());
+    std::memcpy(buf, quoted.data(), n);
+    buf[n] = '\0';
+  }
+  return quoted.size() + 1;
+}
+
+void bps_sum_into(int dtype, void* dst, const void* src, size_t count) {
+  bps::SumInto(dtype, dst, src, count);
 }
 
 }  // extern "C"

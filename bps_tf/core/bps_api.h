@@ -130,6 +130,33 @@ void bps_debug_pause_sends(int paused);
 // Counters and the debug send log, as JSON. Returns the length needed.
 size_t bps_stats_json(char* buf, size_t len);
 
+// Services of the core for the TensorFlow op library, which includes no
+// other core header: the graph passes log and hash with them, the kernels
+// sum replicas on the host with the servers' arithmetic.
+
+// Log levels, as BYTEPS_LOG_LEVEL names them.
+enum bps_log_level {
+  BPS_LOG_DEBUG = 0,
+  BPS_LOG_INFO = 1,
+  BPS_LOG_WARNING = 2,
+  BPS_LOG_ERROR = 3,
+};
+// 1 when a line of `level` is written (the level bps_worker_init or
+// bps_server_run set), else 0.
+int bps_log_enabled(int level);
+// Writes one line to stderr, stamped like the core's own (time, level,
+// "worker 1"), whatever the level enabled: callers decide whether to log.
+void bps_log(int level, const char* text);
+// 64-bit FNV-1a of `len` bytes (the hash tensor keys are derived with).
+uint64_t bps_fnv1a64(const void* data, size_t len);
+// The `text_len` bytes of `text` as a quoted, escaped JSON string, into buf
+// (NUL-terminated, cut to `len`). Returns the length needed, terminator
+// included; 6 * text_len + 3 always suffices.
+size_t bps_json_quote(const char* text, size_t text_len, char* buf, size_t len);
+// dst[i] += src[i] for `count` elements of `dtype` (a bps_dtype), as the
+// servers add: float16 and bfloat16 in float32, rounded to nearest even.
+void bps_sum_into(int dtype, void* dst, const void* src, size_t count);
+
 #ifdef __cplusplus
 }
 #endif

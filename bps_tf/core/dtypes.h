@@ -1,11 +1,12 @@
 // The element types the core carries, in one table read by the engine, the
 // Python module (numpy names) and the TensorFlow kernels (DataType values).
-// Kept here, free of TensorFlow, so all three cannot drift apart.
+// Kept here, free of TensorFlow, so all three cannot drift apart. Header
+// only: the op library includes it beside bps_api.h, and nothing else of the
+// core (it must not depend on the core's C++ ABI).
 #ifndef BPS_TF_CORE_DTYPES_H_
 #define BPS_TF_CORE_DTYPES_H_
 
 #include <cstddef>
-#include <string>
 
 #include "bps_api.h"
 
@@ -50,11 +51,6 @@ inline const char* DTypeName(int code) {
   const DTypeInfo* d = FindDType(code);
   return d ? d->name : "unknown";
 }
-
-// -1 for a name the core does not carry.
-int DTypeFromName(const std::string& name);
-// "float16, bfloat16, ...": for messages that say what is supported.
-std::string DTypeNameList();
 
 }  // namespace bps
 

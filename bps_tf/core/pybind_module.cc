@@ -13,16 +13,16 @@
 #include <vector>
 
 #include "bps_api.h"
-#include "burst.h"
-#include "common.h"
-#include "compressor.h"
+#include "common/common.h"
 #include "dtypes.h"
-#include "local_links.h"
-#include "protocol.h"
-#include "reply_scheduler.h"
-#include "scheduler.h"
-#include "transport.h"
-#include "worker_task.h"
+#include "math/compressor.h"
+#include "scheduler/scheduler.h"
+#include "server/reply_scheduler.h"
+#include "transport/local_links.h"
+#include "transport/protocol.h"
+#include "transport/transport.h"
+#include "worker/burst.h"
+#include "worker/worker_task.h"
 
 namespace py = pybind11;
 
@@ -200,11 +200,8 @@ void AddCompressors(py::module_& m) {
          py::arg("stream") = 0, py::arg("use_momentum") = true);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "bps_tf core engine (no TensorFlow)";
-  AddCompressors(m);
+// The engine: init, the worker's and the server's entry points, join, counters.
+void AddEngine(py::module_& m) {
   m.def("worker_init", [](const std::string& config) {
     int code = 0;
     std::string err = CallWithError(&bps_worker_init, config, &code);
@@ -258,7 +255,10 @@ PYBIND11_MODULE(_core, m) {
     bps_stats_json(&buf[0], buf.size());
     return std::string(buf.c_str());
   });
+}
 
+// Internal, for tests: the engine's scheduling rules, one at a time.
+void AddSchedulingProbes(py::module_& m) {
   py::class_<ReplyProbe>(m, "ReplyProbe")
       .def(py::init<int, uint64_t>(), py::arg("workers"), py::arg("credit"))
       .def("add", &ReplyProbe::Add, py::arg("worker"), py::arg("priority"), py::arg("bytes"),
@@ -294,7 +294,10 @@ PYBIND11_MODULE(_core, m) {
     uint64_t id = bps::PushPriorityBits(priority) | flags;
     return py::make_tuple(bps::PushPriorityOf(id), id & 0xffffffffu);
   });
+}
 
+// numpy push_pull, for tests, benchmarks and servers' own checks.
+void AddPushPull(py::module_& m) {
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = -1.0)
       .def("done", static_cast<bool (Handle::*)()>(&Handle::Done));
@@ -337,4 +340,14 @@ PYBIND11_MODULE(_core, m) {
       py::arg("name"), py::arg("array"), py::arg("out"), py::arg("priority") = 0,
       py::arg("dtype_name") = "", py::arg("compression") = "", py::arg("agreement") = "",
       py::arg("reduce_op") = 0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "bps_tf core engine (no TensorFlow)";
+  AddCompressors(m);
+  AddEngine(m);
+  AddSchedulingProbes(m);
+  AddPushPull(m);
 }

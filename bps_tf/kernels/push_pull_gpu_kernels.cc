@@ -35,7 +35,6 @@
 #include "bps_api.h"
 #include "core_abi.h"
 #include "gpu_reduce.h"
-#include "reduce.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "unsupported/Eigen/CXX11/Tensor"
@@ -241,7 +240,7 @@ class PushPullGpuOp : public AsyncOpKernel {
     if (c->inputs.size() > 1) {  // local sum of the replicas, on the CPU
       if (c->bytes) std::memcpy(out, in, c->bytes);
       for (size_t i = 1; i < c->inputs.size(); ++i) {
-        bps::SumInto(c->dtype, out, c->inputs[i].tensor_data().data(),
+        bps_sum_into(c->dtype, out, c->inputs[i].tensor_data().data(),
                      c->inputs[i].NumElements());
       }
       in = out;

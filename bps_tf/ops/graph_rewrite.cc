@@ -23,11 +23,12 @@
 #include <string>
 #include <vector>
 
+#include "graph_util.h"
+#include "sparse_gather.h"
 #include "tensorflow/core/framework/op_def.pb.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/graph/graph.h"
 #include "tensorflow/core/graph/node_builder.h"
-#include "sparse_gather.h"
 
 namespace bps_tf {
 namespace {
@@ -42,17 +43,6 @@ std::atomic<bool> g_on{false};
 std::atomic<int> g_workers{1};
 std::atomic<int> g_rank{0};
 std::atomic<bool> g_average{true};
-
-bool StartsWith(const std::string& s, const char* prefix) {
-  return s.compare(0, std::strlen(prefix), prefix) == 0;
-}
-
-const Edge* DataInput(const Node* n, int index) {
-  for (const Edge* e : n->in_edges()) {
-    if (!e->IsControlEdge() && e->dst_input() == index) return e;
-  }
-  return nullptr;
-}
 
 // Index of the dense gradient input of an optimizer op, or -1.
 int GradInput(const Node* n) {
@@ -121,7 +111,9 @@ bool FromGradients(const Node* n, int depth = 0) {
   return false;
 }
 
-bool Integral(DataType d) {
+// The dtypes sparse indices come in: TraceToGradient tells a gradient's
+// indices from its values by it. Narrower than IsIntegral (graph_util.h).
+bool IsIndexDType(DataType d) {
   return d == tensorflow::DT_INT32 || d == tensorflow::DT_INT64;
 }
 
@@ -148,7 +140,7 @@ bool TraceToGradient(Node* n, int output, bool integral, Node** src, int* src_ou
   if (depth >= 12) return false;
   for (const Edge* e : n->in_edges()) {
     if (e->IsControlEdge() || (only >= 0 && e->dst_input() != only)) continue;
-    if (Integral(e->src()->output_type(e->src_output())) != integral) continue;
+    if (IsIndexDType(e->src()->output_type(e->src_output())) != integral) continue;
     if (TraceToGradient(e->src(), e->src_output(), integral, src, src_output, depth + 1)) {
       return true;
     }

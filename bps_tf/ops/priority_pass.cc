@@ -43,8 +43,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common.h"
+#include "bps_api.h"
 #include "graph_rewrite.h"
+#include "graph_util.h"
 #include "priority_pass_stats.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
 #include "tensorflow/core/graph/graph.h"
@@ -59,10 +60,6 @@ using tensorflow::Node;
 
 constexpr char kPushPull[] = "BytepsPushPull";
 constexpr int64_t kUnread = std::numeric_limits<int64_t>::max();
-
-bool StartsWith(const std::string& s, const char* prefix) {
-  return s.compare(0, std::strlen(prefix), prefix) == 0;
-}
 
 // Ops that write a variable given as an input (resource or ref).
 bool IsUpdate(const std::string& t) {
@@ -93,21 +90,8 @@ bool PassesThrough(const std::string& t) {
   return ops->count(t) != 0;
 }
 
-bool IsIntegral(DataType d) {
-  return d == tensorflow::DT_INT32 || d == tensorflow::DT_INT64 || d == tensorflow::DT_INT16 ||
-         d == tensorflow::DT_INT8 || d == tensorflow::DT_UINT8 || d == tensorflow::DT_UINT32 ||
-         d == tensorflow::DT_UINT64 || d == tensorflow::DT_UINT16 || d == tensorflow::DT_BOOL;
-}
-
 bool IsHandle(DataType d) {
   return d == tensorflow::DT_RESOURCE || tensorflow::IsRefType(d);
-}
-
-const Edge* DataInput(const Node* n, int index) {
-  for (const Edge* e : n->in_edges()) {
-    if (!e->IsControlEdge() && e->dst_input() == index) return e;
-  }
-  return nullptr;
 }
 
 // The node standing for a variable behind a handle: looks back through the
@@ -321,7 +305,7 @@ bool DebugLog() {
     for (char& c : s) c = static_cast<char>(toupper(c));
     return s == "DEBUG" || s == "TRACE";
   }();
-  return env || bps::LogEnabled(bps::LogLevel::kDebug);
+  return env || bps_log_enabled(BPS_LOG_DEBUG);
 }
 
 int64_t GetPriority(const Node* n) {
@@ -351,10 +335,10 @@ void LogDecisions(const std::vector<std::pair<std::string, int64_t>>& list, int6
   static std::set<uint64_t>* logged = new std::set<uint64_t>();
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!logged->insert(bps::Fnv1a64(text)).second) return;
+    if (!logged->insert(bps_fnv1a64(text.data(), text.size())).second) return;
   }
-  bps::LogLine(bps::LogLevel::kDebug, "priority pass: graph of " + std::to_string(nodes) +
-                                          " nodes, push_pull priorities: " + text);
+  bps_log(BPS_LOG_DEBUG, ("priority pass: graph of " + std::to_string(nodes) +
+                          " nodes, push_pull priorities: " + text).c_str());
 }
 
 class PriorityPass : public tensorflow::GraphOptimizationPass {

@@ -3,9 +3,18 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common.h"
+#include "bps_api.h"
 
 namespace bps_tf {
+
+namespace {
+// The core's JSON quoting; 6 bytes per byte (a \u00XX escape) always suffice.
+std::string JsonString(const std::string& text) {
+  std::string out(6 * text.size() + 3, '\0');
+  out.resize(bps_json_quote(text.data(), text.size(), &out[0], out.size()) - 1);
+  return out;
+}
+}  // namespace
 
 PassStats& PassStats::Get() {
   static PassStats* stats = new PassStats();
@@ -52,7 +61,7 @@ std::string PassStats::Json() {
                     ",\"with_push_pull\":" + cost(with_) + ",\"priorities\":{";
   bool first = true;
   for (const auto& p : priorities_) {
-    out += (first ? "" : ",") + bps::JsonString(p.first) + ":" + std::to_string(p.second);
+    out += (first ? "" : ",") + JsonString(p.first) + ":" + std::to_string(p.second);
     first = false;
   }
   out += "},\"samples\":[";

@@ -37,6 +37,10 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OP_SOURCES = ("ops/push_pull_ops.cc", "ops/priority_pass.cc", "ops/priority_pass_stats.cc",
               "ops/graph_rewrite.cc", "ops/sparse_gather.cc", "ops/overlap_ops.cc",
               "kernels/push_pull_kernels.cc", "kernels/overlap_kernels.cc")
+# Include roots. Of the core, the op library includes only the contract at
+# the root of core/ (bps_api.h, dtypes.h; tests/test_structure_native.py),
+# never the engine's folders: the key hashes the headers directly in each
+# root, so a change inside the engine does not rebuild the op library.
 INCLUDE_DIRS = ("core", "kernels", "ops")
 LIBRARY_NAME = "libbps_tf_ops.so"
 STAMP_SUFFIX = ".key"
@@ -74,6 +78,7 @@ def compiler() -> str:
 
 
 def _source_paths(package_dir: str) -> List[str]:
+    """What the key hashes: the op sources and every header they can include."""
     paths = [os.path.join(package_dir, s) for s in OP_SOURCES]
     for d in INCLUDE_DIRS:
         full = os.path.join(package_dir, d)

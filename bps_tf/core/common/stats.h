@@ -1,0 +1,59 @@
+// Process-wide counters, readable as JSON through bps_stats_json(); the
+// send log records the order partitions left a worker (off by default).
+#ifndef BPS_TF_CORE_COMMON_STATS_H_
+#define BPS_TF_CORE_COMMON_STATS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace bps {
+
+struct SendRecord {
+  std::string name;
+  uint32_t part;
+  int64_t priority;
+};
+
+class Stats {
+ public:
+  static Stats& Get();
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_received{0};
+  std::atomic<uint64_t> frames_dropped{0};
+  // Of those, frames of another protocol version: a node of another release.
+  std::atomic<uint64_t> frames_foreign_release{0};
+  std::atomic<uint64_t> connections_refused{0};  // failed security handshakes
+  std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
+  std::atomic<uint64_t> links_local{0};  // a worker's links to servers over Unix sockets
+  std::atomic<uint64_t> ops_done{0};
+  std::atomic<uint64_t> ops_failed{0};
+  std::atomic<uint64_t> partitions_sent{0};
+  // Messages carrying several partitions (fusion.h), sent and received.
+  std::atomic<uint64_t> fused_messages_sent{0};
+  std::atomic<uint64_t> fused_messages_received{0};
+  std::atomic<uint64_t> pushes_received{0};     // a server's partitions in
+  std::atomic<uint64_t> local_reduce_ops{0};    // ops summed with this host's peers
+  // A worker's last JOIN_NOTICE: the workers its results had counted as
+  // joined (bit r), which the scheduler uses to name the last to join.
+  std::atomic<uint64_t> join_seen_sent{0};
+  std::atomic<bool> heap_keeps_buffers{false};  // BYTEPS_MALLOC_KEEP_BUFFERS took effect
+  std::atomic<bool> send_log_on{false};
+  // A server or scheduler process: 0 starting, 1 the cluster has met,
+  // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).
+  std::atomic<int> node_state{0};
+
+  void RecordSend(const std::string& name, uint32_t part, int64_t priority);
+  std::string Json();
+  void ClearSendLog();
+
+ private:
+  std::mutex mu_;
+  std::vector<SendRecord> send_log_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_COMMON_STATS_H_

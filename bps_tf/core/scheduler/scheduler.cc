@@ -1,0 +1,315 @@
+// The scheduler's meeting place: HELLO, the WELCOME with the cluster's
+// layout, the barrier, heartbeats and departures. Tensor declarations, join
+// and stall checks are in scheduler_declare.cc.
+#include "scheduler/scheduler.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <random>
+
+namespace bps {
+
+int Scheduler::KvInt(const Config& kv, const std::string& key, int dflt) {
+  try {
+    return static_cast<int>(kv.GetInt(key, dflt));
+  } catch (const Error&) {
+    return dflt;
+  }
+}
+
+Scheduler::Scheduler(const Config& cfg)
+    : cfg_(cfg),
+      num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
+      num_servers_(static_cast<int>(cfg.GetInt("num_servers", 1))),
+      partition_bytes_(cfg.GetInt("partition_bytes", kDefaultPartitionBytes)),
+      timeout_s_(cfg.GetDouble("timeout_s", 30)),
+      stall_check_s_(cfg.GetDouble("stall_check_s", 60)),
+      stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),
+      server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0) {}
+
+Outgoing Scheduler::Reply(const Peer& to, MsgType type, const std::string& payload,
+                          uint64_t request_id) {
+  Outgoing o;
+  o.to = to;
+  o.header = MakeHeader(type, Role::kScheduler, -1);
+  o.header.request_id = request_id;
+  o.payload = payload;
+  return o;
+}
+
+std::string Scheduler::Describe(const Node& n) const {
+  std::string s = std::string(RoleName(n.role)) + " " + std::to_string(n.id);
+  if (!n.hostname.empty()) s += " (host " + n.hostname + ", pid " + n.pid + ")";
+  return s;
+}
+
+void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
+  if (!fatal_.empty()) return;
+  fatal_ = message;
+  BPS_LOG(kError, message);
+  for (const auto& kv : nodes_) {
+    if (!kv.second.departed) out->push_back(Reply(kv.first, MsgType::kError, message));
+  }
+}
+
+void Scheduler::Handle(const Peer& from, const FrameHeader& h,
+                       const std::string& payload, std::vector<Outgoing>* out) {
+  MsgType type = static_cast<MsgType>(h.type);
+  Config kv = Config::Parse(payload);
+  auto it = nodes_.find(from);
+  if (it != nodes_.end()) it->second.last_seen = Clock::now();
+  if (!fatal_.empty()) {
+    // A broken job answers every newcomer with the reason, so nobody waits.
+    if (type != MsgType::kBye) out->push_back(Reply(from, MsgType::kError, fatal_));
+    return;
+  }
+  switch (type) {
+    case MsgType::kHello:
+      OnHello(from, h, kv, out);
+      return;
+    case MsgType::kBarrier:
+      if (it == nodes_.end()) return;
+      barrier_.insert(from);
+      if (barrier_.size() == static_cast<size_t>(num_workers_ + num_servers_)) {
+        for (const auto& n : nodes_) out->push_back(Reply(n.first, MsgType::kBarrierDone, ""));
+        barrier_.clear();
+      }
+      return;
+    case MsgType::kDeclare:
+      if (it == nodes_.end() || it->second.role != Role::kWorker) return;
+      OnDeclare(from, h, kv, out);
+      return;
+    case MsgType::kJoinNotice:
+      if (it == nodes_.end() || it->second.role != Role::kWorker) return;
+      OnJoin(it->second.id, std::strtoull(kv.Get("seen").c_str(), nullptr, 10), out);
+      return;
+    case MsgType::kHeartbeat:
+      if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+      return;
+    case MsgType::kBye: {
+      if (it == nodes_.end()) return;
+      it->second.departed = true;
+      BPS_LOG(kInfo, Describe(it->second) << " left");
+      // Workers still running can no longer complete a push_pull: tell them,
+      // so they fail instead of waiting for a partner that is gone.
+      for (const auto& n : nodes_) {
+        if (n.second.role == Role::kWorker && !n.second.departed) {
+          out->push_back(Reply(n.first, MsgType::kPeerLeft, Describe(it->second)));
+        }
+      }
+      int left = 0;
+      for (const auto& n : nodes_) {
+        if (n.second.role == Role::kWorker && n.second.departed) ++left;
+      }
+      if (left == num_workers_) {
+        for (auto& n : nodes_) {
+          if (n.second.role == Role::kServer) {
+            out->push_back(Reply(n.first, MsgType::kShutdown, ""));
+            n.second.departed = true;
+          }
+        }
+        finished_ = true;
+      }
+      return;
+    }
+    default:
+      return;  // not for the scheduler
+  }
+}
+
+void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
+                        std::vector<Outgoing>* out) {
+  Node n;
+  n.peer = from;
+  n.role = static_cast<Role>(h.sender_role);
+  n.id = h.sender;
+  n.hostname = kv.Get("hostname");
+  n.host_key = kv.Get("host_key", n.hostname);
+  n.pid = kv.Get("pid");
+  n.data_addr = kv.Get("data_addr");
+  n.local_addr = kv.Get("local_addr");
+  n.machine = kv.Get("machine");
+  n.local_rank = KvInt(kv, "local_rank", -1);
+  n.local_size = KvInt(kv, "local_size", -1);
+  n.last_seen = Clock::now();
+  if (n.role != Role::kWorker && n.role != Role::kServer) return;
+  nodes_[from] = n;
+
+  // Every node must agree with the scheduler on the settings that shape the
+  // data: a disagreement names the setting and both values.
+  for (const SharedSetting& s : kSharedSettings) {
+    std::string mine = cfg_.Get(s.key, "");
+    std::string theirs = kv.Get(s.key, "");
+    if (mine != theirs) {
+      Fail(std::string("cluster setting '") + s.key + "' disagrees: the scheduler has " + mine +
+               ", " + Describe(n) + " has " + theirs + " (set it the same on every node: " +
+               s.env + ")",
+           out);
+      return;
+    }
+  }
+  if (n.role == Role::kWorker && (n.id < 0 || n.id >= num_workers_)) {
+    Fail("worker rank " + std::to_string(n.id) + " is outside [0, " +
+             std::to_string(num_workers_) + ") (DMLC_WORKER_ID)",
+         out);
+    return;
+  }
+  for (const auto& other : nodes_) {
+    if (other.first != from && other.second.role == n.role && n.id >= 0 &&
+        other.second.id == n.id) {
+      Fail("two " + std::string(RoleName(n.role)) + "s claim id " + std::to_string(n.id) +
+               ": " + Describe(other.second) + " and " + Describe(n),
+           out);
+      return;
+    }
+  }
+  BPS_LOG(kInfo, Describe(n) << " joined");
+  MaybeWelcome(out);
+}
+
+void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
+  int workers = 0, servers = 0;
+  for (const auto& n : nodes_) (n.second.role == Role::kWorker ? workers : servers)++;
+  if (workers > num_workers_ || servers > num_servers_) {
+    Fail("more nodes joined than the cluster has: " + std::to_string(workers) + " workers (of " +
+             std::to_string(num_workers_) + ") and " + std::to_string(servers) + " servers (of " +
+             std::to_string(num_servers_) + ")",
+         out);
+    return;
+  }
+  if (welcomed_ || workers != num_workers_ || servers != num_servers_) return;
+  welcomed_ = true;
+  std::vector<const Node*> servers_by_id;
+  if (!NumberServers(&servers_by_id, out)) return;
+  const HostLayout hosts = LayOutHosts();
+  for (auto& kv : nodes_) {
+    out->push_back(Reply(kv.first, MsgType::kWelcome,
+                         WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
+  }
+  BPS_LOG(kInfo, "all " << num_workers_ << " workers and " << num_servers_ << " servers met");
+}
+
+bool Scheduler::NumberServers(std::vector<const Node*>* servers_by_id,
+                              std::vector<Outgoing>* out) {
+  // Servers without an id take the free ones in the order they joined.
+  std::vector<Node*> server_nodes;
+  std::set<int> taken;
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kServer) {
+      server_nodes.push_back(&n.second);
+      if (n.second.id >= 0) taken.insert(n.second.id);
+    }
+  }
+  int next = 0;
+  for (Node* s : server_nodes) {
+    if (s->id >= 0) continue;
+    while (taken.count(next)) ++next;
+    s->id = next;
+    taken.insert(next);
+  }
+  servers_by_id->assign(static_cast<size_t>(num_servers_), nullptr);
+  for (Node* s : server_nodes) {
+    if (s->id >= num_servers_) {
+      Fail("server id " + std::to_string(s->id) + " is outside [0, " +
+               std::to_string(num_servers_) + ") (BYTEPS_SERVER_ID)",
+           out);
+      return false;
+    }
+    (*servers_by_id)[static_cast<size_t>(s->id)] = s;
+  }
+  return true;
+}
+
+Scheduler::HostLayout Scheduler::LayOutHosts() {
+  HostLayout hosts;
+  // Local rank: workers on one host, in rank order, unless a launcher said.
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kWorker) hosts.by_host[n.second.host_key].push_back(&n.second);
+  }
+  // Names the job's local-reduce rendezvous, so two jobs on one host never meet.
+  std::random_device rd;
+  hosts.job_nonce = std::to_string((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  int host_index = 0;
+  for (auto& host : hosts.by_host) {
+    std::sort(host.second.begin(), host.second.end(),
+              [](const Node* a, const Node* b) { return a->id < b->id; });
+    for (size_t i = 0; i < host.second.size(); ++i) {
+      Node* w = host.second[i];
+      if (w->local_rank < 0) w->local_rank = static_cast<int>(i);
+      if (w->local_size < 0) w->local_size = static_cast<int>(host.second.size());
+    }
+    std::string ranks;
+    for (const Node* w : host.second) ranks += (ranks.empty() ? "" : ",") + std::to_string(w->id);
+    host_roots_.insert(host.second.front()->id);
+    for (const Node* w : host.second) {
+      hosts.host_ranks[w->id] = ranks;
+      hosts.host_index[w->id] = host_index;
+    }
+    ++host_index;
+  }
+
+  // Horovod's cross rank and size: the hosts that hold a worker of this
+  // worker's local rank, in host order, and this worker's host among them.
+  for (auto& kv : nodes_) {
+    if (kv.second.role != Role::kWorker) continue;
+    hosts.hosts_of_local_rank[std::max(kv.second.local_rank, 0)].push_back(
+        hosts.host_index[kv.second.id]);
+  }
+  for (auto& kv : hosts.hosts_of_local_rank) std::sort(kv.second.begin(), kv.second.end());
+  for (auto& host : hosts.by_host) {
+    hosts.homogeneous =
+        hosts.homogeneous && host.second.size() == hosts.by_host.begin()->second.size();
+  }
+  return hosts;
+}
+
+Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
+                            const std::vector<const Node*>& servers_by_id) const {
+  Config w;
+  w.Set("id", std::to_string(n.id));
+  w.Set("num_workers", std::to_string(num_workers_));
+  w.Set("num_servers", std::to_string(num_servers_));
+  w.Set("local_rank", std::to_string(std::max(n.local_rank, 0)));
+  w.Set("local_size", std::to_string(std::max(n.local_size, 1)));
+  if (n.role == Role::kWorker) {
+    w.Set("num_hosts", std::to_string(hosts.by_host.size()));
+    w.Set("host_index", std::to_string(hosts.host_index.at(n.id)));
+    w.Set("host_ranks", hosts.host_ranks.at(n.id));
+    const std::vector<int>& peers = hosts.hosts_of_local_rank.at(std::max(n.local_rank, 0));
+    int host = hosts.host_index.at(n.id);
+    w.Set("cross_size", std::to_string(peers.size()));
+    w.Set("cross_rank", std::to_string(
+        std::lower_bound(peers.begin(), peers.end(), host) - peers.begin()));
+    w.Set("homogeneous", hosts.homogeneous ? "1" : "0");
+    w.Set("job_nonce", hosts.job_nonce);
+  }
+  for (size_t i = 0; i < servers_by_id.size(); ++i) {
+    const Node* s = servers_by_id[i];
+    std::string key = "server." + std::to_string(i);
+    w.Set(key, s ? s->data_addr : "");
+    if (s && !s->local_addr.empty()) {
+      w.Set(key + ".local", s->local_addr);
+      w.Set(key + ".machine", s->machine);
+    }
+  }
+  return w;
+}
+
+void Scheduler::Tick(std::vector<Outgoing>* out) {
+  if (!fatal_.empty() || !welcomed_ || finished_) return;
+  for (const auto& kv : nodes_) {
+    const Node& n = kv.second;
+    if (n.departed) continue;
+    double quiet = SecondsSince(n.last_seen);
+    if (quiet > timeout_s_) {
+      Fail("lost " + Describe(n) + ": no heartbeat for " + std::to_string(static_cast<int>(quiet)) +
+               " s (it died or hung; BYTEPS_TIMEOUT=" + std::to_string(static_cast<int>(timeout_s_)) +
+               ")",
+           out);
+      return;
+    }
+  }
+  CheckStalls(out);
+}
+
+}  // namespace bps

@@ -1,0 +1,165 @@
+// The scheduler: where nodes meet. It checks that every node agrees on the
+// cluster settings, hands out the layout, runs barriers, matches tensor
+// declarations across workers (catching shape/dtype mismatches before any
+// data moves; a process set's declarations wait for its members only), assigns partitions to servers balanced by bytes, and watches
+// heartbeats so a dead peer stops the whole job instead of hanging it.
+//
+// It is pure logic: the node that hosts it feeds it messages and sends what
+// it returns, so it is easy to test and to place (server 0 or alone).
+// scheduler.cc holds the meeting (hello, welcome, barrier, heartbeats),
+// scheduler_declare.cc the tensor declarations, join and the stall check.
+#ifndef BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
+#define BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/common.h"
+#include "transport/channel.h"
+#include "transport/protocol.h"
+
+namespace bps {
+
+struct Outgoing {
+  Peer to;
+  FrameHeader header;
+  std::string payload;
+};
+
+// Who joined last, from the JOIN_NOTICEs in arrival order, each with the
+// workers whose joins that worker's results had counted (bit r).
+int LastToJoin(const std::vector<std::pair<int, uint64_t>>& order);
+
+class Scheduler {
+ public:
+  explicit Scheduler(const Config& cfg);
+
+  void Handle(const Peer& from, const FrameHeader& header,
+              const std::string& payload, std::vector<Outgoing>* out);
+  // Periodic checks (heartbeats, lingering after a fatal error).
+  void Tick(std::vector<Outgoing>* out);
+
+  bool finished() const { return finished_; }
+  bool welcomed() const { return welcomed_; }
+  const std::string& fatal() const { return fatal_; }
+
+ private:
+  struct Node {
+    Peer peer;
+    Role role;
+    int id = -1;
+    std::string hostname;
+    std::string host_key;  // which workers share a machine (and its memory)
+    std::string data_addr;
+    std::string local_addr;  // a server's ipc:// endpoint for its machine's workers
+    std::string machine;     // MachineNetnsId() of a server with local_addr
+    std::string pid;
+    int local_rank = -1;
+    int local_size = -1;
+    Clock::time_point last_seen;
+    bool departed = false;
+  };
+  struct Pending {
+    int expected;  // declarations that complete it: every worker, or one per host
+    std::string sig;
+    Peer peer;
+    uint64_t request_id;
+    std::vector<int> members;  // its process set; empty: every worker
+    int dtype;
+    int64_t bytes;
+  };
+  // A name whose declarations named overlapping but different process sets:
+  // the members that have not declared it yet get the same error.
+  struct SetConflict {
+    std::string error;
+    std::set<int> expected;
+  };
+  struct Assignment {
+    uint64_t key;
+    std::vector<int> servers;
+  };
+  // The workers' hosts, as each worker's WELCOME describes them.
+  struct HostLayout {
+    std::map<std::string, std::vector<Node*>> by_host;  // host key -> its workers, by rank
+    std::map<int, std::string> host_ranks;               // rank -> its host's ranks ("0,1")
+    std::map<int, int> host_index;                       // rank -> its host's index
+    std::map<int, std::vector<int>> hosts_of_local_rank;  // local rank -> host indexes
+    bool homogeneous = true;
+    std::string job_nonce;
+  };
+
+  // An int from a peer's text; a malformed one counts as `dflt`.
+  static int KvInt(const Config& kv, const std::string& key, int dflt);
+
+  void OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
+               std::vector<Outgoing>* out);
+  void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
+                 std::vector<Outgoing>* out);
+  void MaybeWelcome(std::vector<Outgoing>* out);
+  // MaybeWelcome's steps: gives servers without an id the free ones and
+  // lists the servers by id (false: the job failed); groups the workers by
+  // host (their local ranks, host roots, cross ranks); one node's WELCOME.
+  bool NumberServers(std::vector<const Node*>* servers_by_id, std::vector<Outgoing>* out);
+  HostLayout LayOutHosts();
+  Config WelcomeOf(const Node& n, const HostLayout& hosts,
+                   const std::vector<const Node*>& servers_by_id) const;
+  // OnDeclare's steps: an asynchronous key is answered at once; a declared
+  // process set must be a rising list of ranks with `rank` in it (or empty);
+  // a declaration naming a set that overlaps another set declared under the
+  // same name fails, with every member of either (true when it did).
+  void DeclareAsync(const Peer& from, const FrameHeader& h, const std::string& name,
+                    const std::string& sig, int rank, int64_t bytes, std::vector<Outgoing>* out);
+  bool ParseMembers(const std::string& list, int rank, std::vector<int>* members) const;
+  bool RefuseOtherSet(const std::string& name, int rank, const Peer& from, uint64_t request_id,
+                      const std::vector<int>& members, std::vector<Outgoing>* out);
+  void ReplyError(const Peer& to, uint64_t request_id, const std::string& why,
+                  std::vector<Outgoing>* out);
+  // A worker joined: declarations stop waiting for it; when every worker
+  // has, each is told which joined last.
+  // `seen`: the workers whose joins `rank`'s results had counted (bit r).
+  void OnJoin(int rank, uint64_t seen, std::vector<Outgoing>* out);
+  // Answers the declarations of `name` with process set `members` (empty:
+  // every worker) once each member has made it or has joined.
+  void MaybeDeclare(const std::string& name, const std::vector<int>& members,
+                    std::vector<Outgoing>* out);
+  void Fail(const std::string& message, std::vector<Outgoing>* out);
+  Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
+                 uint64_t request_id = 0);
+  std::string Describe(const Node& n) const;
+  void CheckStalls(std::vector<Outgoing>* out);
+  // Answers the declarations of `name` by `ranks` (all made with one process set).
+  void Complete(const std::string& name, const std::vector<int>& ranks,
+                std::vector<Outgoing>* out);
+  static std::string Encode(const Assignment& a);
+  Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
+
+  Config cfg_;
+  int num_workers_;
+  int num_servers_;
+  int64_t partition_bytes_;
+  double timeout_s_;
+  double stall_check_s_;     // report a declaration some workers never made (0: off)
+  double stall_shutdown_s_;  // ... and stop the job after this long (0: never)
+  std::map<Peer, Node> nodes_;
+  bool welcomed_ = false;
+  std::set<Peer> barrier_;
+  std::map<std::string, std::map<int, Pending>> pending_;      // name -> rank -> declaration
+  std::map<std::string, Clock::time_point> pending_since_;     // name -> first declaration
+  std::set<std::string> stall_reported_;
+  std::map<std::string, SetConflict> set_conflicts_;            // name -> conflict
+  std::set<int> joined_;  // workers in join(), until every worker is
+  std::vector<std::pair<int, uint64_t>> join_order_;  // (rank, seen) as notices arrived
+  std::map<std::string, Assignment> assigned_;                 // name|sig -> assignment
+  std::map<std::string, std::string> async_sig_;               // async name -> its sig
+  std::set<uint64_t> used_keys_;
+  std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
+  std::vector<uint64_t> server_load_;
+  bool finished_ = false;
+  std::string fatal_;
+};
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_SCHEDULER_SCHEDULER_H_

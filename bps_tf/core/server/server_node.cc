@@ -1,0 +1,487 @@
+#include "server/server_node.h"
+
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "common/stats.h"
+#include "scheduler/membership.h"
+#include "scheduler/scheduler.h"
+#include "server/reply_scheduler.h"
+#include "server/sum_engine.h"
+#include "transport/channel.h"
+#include "transport/fusion.h"
+#include "transport/local_links.h"
+
+namespace bps {
+
+namespace {
+
+// A push's job from its header fields, whether they came in a FrameHeader
+// or a fused part's sub-header, so both make the same job.
+PushJob JobOf(int sender, uint64_t key, uint64_t round, uint16_t dtype, uint64_t request_id,
+              uint32_t contributors, uint64_t members, uint8_t reduce_op, Msg payload,
+              bool compressed) {
+  PushJob job{sender, key, round, static_cast<int>(dtype), (request_id & kPushAsync) != 0,
+              std::move(payload), compressed};
+  job.contributors = contributors;
+  job.members = members;
+  job.reduce_op = reduce_op;
+  job.refuse_joined = (request_id & kPushRefuseJoined) != 0;
+  job.priority = PushPriorityOf(request_id);
+  return job;
+}
+
+// Replies produced by engine threads wait here until the I/O thread sends.
+class ReplyQueue {
+ public:
+  void Post(std::vector<ServerReply>&& replies) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& r : replies) queue_.push_back(std::move(r));
+    }
+    wake_.Notify();
+  }
+  std::vector<ServerReply> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<ServerReply> out;
+    out.swap(queue_);
+    return out;
+  }
+  Wakeup& wake() { return wake_; }
+
+ private:
+  std::mutex mu_;
+  std::vector<ServerReply> queue_;
+  Wakeup wake_;
+};
+
+void FreeBuffer(void* data, void*) { delete[] static_cast<char*>(data); }
+
+void WriteReadyFile(const std::string& path, int port) {
+  std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (!f) throw Error("cannot write " + tmp);
+  std::fprintf(f, "%d\n", port);
+  std::fclose(f);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("cannot rename " + tmp);
+}
+
+// Reply bytes per worker that may wait in libzmq; default four partitions
+// (enough to keep a link busy while a busy machine schedules the server's
+// loop to hand over the next), -1 none.
+uint64_t ReplyCredit(const Config& cfg) {
+  int64_t credit = cfg.GetInt("server_credit_bytes", 0);
+  if (credit < 0) return 0;
+  if (credit > 0) return static_cast<uint64_t>(credit);
+  return 4 * static_cast<uint64_t>(
+                 std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1));
+}
+
+int PortOf(const std::string& endpoint) {
+  size_t colon = endpoint.rfind(':');
+  return colon == std::string::npos ? 0 : std::atoi(endpoint.c_str() + colon + 1);
+}
+
+
+class ServerNode {
+ public:
+  explicit ServerNode(const Config& cfg)
+      : cfg_(cfg),
+        is_server_(cfg.Get("role") == "server"),
+        hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
+        num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
+        // The workers' cap (worker_engine.cc), so both directions agree.
+        fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
+            std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
+            std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
+        timeout_s_(cfg.GetDouble("timeout_s", 30)),
+        rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
+        schedule_(num_workers_, ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
+        channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
+                                &replies_.wake(), LinkSecurity::FromConfig(cfg),
+                                static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
+        membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
+                    static_cast<int>(cfg.GetInt("server_id", -1)),
+                    cfg.GetDouble("heartbeat_s", 1)) {}
+
+  int Run(std::string* error);
+
+ private:
+  // Run's steps: listen, host the scheduler if asked and say HELLO (returns
+  // the listening link; *scheduler_at names the scheduler for messages);
+  // the hosted scheduler's periodic checks; the scheduler's silence, a
+  // refused link or a rendezvous that takes too long; the last replies and
+  // the close.
+  Peer Start(std::string* scheduler_at);
+  void TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since);
+  void WatchScheduler(const std::string& scheduler_at, Clock::time_point started);
+  int Finish(const Peer& listener, std::string* error);
+  void Handle(Message& m);
+  void HandlePush(Message& m);
+  void HandleControl(const Message& m);
+  void OnWelcome();
+  void SendOutgoing(std::vector<Outgoing>* out);
+  void SendReplies(bool ignore_credit = false);
+  void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved);
+  void SubmitFused(Message& m);
+  void Stop(const std::string& error);
+  std::string Who() const {
+    return is_server_ ? "server " + std::to_string(membership_.id()) : std::string("scheduler");
+  }
+
+  Config cfg_;
+  bool is_server_;
+  bool hosts_scheduler_;
+  int num_workers_;
+  uint64_t fusion_bytes_;  // largest fused reply; 0: none
+  double timeout_s_;
+  double rendezvous_timeout_s_;
+  ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
+  // Before channel_ too: libzmq hands the replies' credit back to it until
+  // the channel is gone.
+  ReplyScheduler schedule_;
+  std::unique_ptr<Channel> channel_;
+  Membership membership_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<SumEngine> engine_;
+  std::unordered_map<int, Peer> worker_peer_;
+  bool done_ = false;
+  int exit_code_ = 0;
+  std::string error_;
+};
+
+void ServerNode::Stop(const std::string& error) {
+  error_ = error;
+  exit_code_ = error.empty() ? 0 : 1;
+  done_ = true;
+}
+
+void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
+  for (auto& o : *out) {
+    if (!channel_->Send(o.to, o.header, o.payload)) {
+      BPS_LOG(kDebug, "could not reach " << o.to.route << ": " << zmq_strerror(zmq_errno()));
+    }
+  }
+  out->clear();
+}
+
+void ServerNode::SendReply(int worker, const FrameHeader& header, Msg&& payload,
+                           uint64_t reserved) {
+  // Tracked even when it cannot be sent: dropping it gives the credit back.
+  Msg tracked = schedule_.Track(worker, std::move(payload), reserved);
+  auto it = worker_peer_.find(worker);
+  if (it == worker_peer_.end()) return;
+  const size_t bytes = tracked.size();  // the Msg is handed to libzmq below
+  if (channel_->Send(it->second, header, std::move(tracked))) {
+    Stats::Get().bytes_sent += bytes;
+  } else {
+    BPS_LOG(kWarning, "reply to worker " << worker << " failed: " << zmq_strerror(zmq_errno()));
+  }
+}
+
+void ServerNode::SendReplies(bool ignore_credit) {
+  schedule_.Add(replies_.Take());
+  std::vector<ServerReply> replies = schedule_.Ready(ignore_credit);
+  if (fusion_bytes_ == 0) {
+    for (auto& r : replies) {
+      const uint64_t n = r.payload.size();
+      SendReply(r.worker, r.header, std::move(r.payload), n);
+    }
+    return;
+  }
+  // Small sums for one worker that are ready together go back in one
+  // message, in the order the engine produced them.
+  std::map<int, FusedBuilder> fused;
+  auto flush = [this](int worker, FusedBuilder* b, std::deque<ServerReply>* held) {
+    if (b->count() == 1) {
+      const uint64_t n = held->front().payload.size();
+      SendReply(worker, held->front().header, std::move(held->front().payload), n);
+    } else if (b->count() > 1) {
+      uint64_t size = 0, reserved = 0;
+      char* data = b->Finish(&size);
+      FrameHeader h = MakeHeader(MsgType::kPullReplyFused, Role::kServer, membership_.id());
+      for (const ServerReply& r : *held) {
+        h.members |= r.header.members;  // see MaybeComplete
+        reserved += r.payload.size();
+      }
+      h.contributors = static_cast<uint32_t>(__builtin_popcountll(h.members));
+      SendReply(worker, h, Msg(data, size, &FreeBuffer, nullptr), reserved);
+      Stats::Get().fused_messages_sent++;
+    }
+    held->clear();
+    *b = FusedBuilder();
+  };
+  // What each builder points into; a deque never moves what it holds (a
+  // small Msg keeps its bytes inside itself).
+  std::map<int, std::deque<ServerReply>> held;
+  for (auto& r : replies) {
+    uint64_t n = r.payload.size();
+    bool small = r.header.type == static_cast<uint16_t>(MsgType::kPullReply) &&
+                 kFusedPrefixBytes + 2 * FusedCost(n) <= fusion_bytes_;
+    if (!small) {
+      SendReply(r.worker, r.header, std::move(r.payload), n);
+      continue;
+    }
+    FusedBuilder& b = fused[r.worker];
+    std::deque<ServerReply>& h = held[r.worker];
+    if (b.count() && b.bytes() + FusedCost(n) > fusion_bytes_) flush(r.worker, &b, &h);
+    FusedPart fp;
+    std::memset(&fp, 0, sizeof(fp));
+    fp.key = r.header.key;
+    fp.round = r.header.round;
+    fp.request_id = r.header.request_id;
+    fp.payload_bytes = n;
+    fp.dtype = r.header.dtype;
+    fp.contributors = r.header.contributors;
+    fp.reduce_op = r.header.reduce_op;
+    fp.members = r.header.members;
+    h.push_back(std::move(r));
+    b.Add(fp, h.back().payload.data());
+  }
+  for (auto& kv : fused) flush(kv.first, &kv.second, &held[kv.first]);
+}
+
+void ServerNode::Handle(Message& m) {
+  if (membership_.FromScheduler(m)) return HandleControl(m);
+  // Nothing a peer sends may stop the server: a message that fails any
+  // check is dropped and counted.
+  try {
+    if (static_cast<MsgType>(m.header.type) == MsgType::kPush ||
+        static_cast<MsgType>(m.header.type) == MsgType::kPushCompressed ||
+        static_cast<MsgType>(m.header.type) == MsgType::kJoin ||
+        static_cast<MsgType>(m.header.type) == MsgType::kPushFused) {
+      return HandlePush(m);
+    }
+    if (scheduler_) {
+      std::vector<Outgoing> out;
+      scheduler_->Handle(m.from, m.header, m.payload.str(), &out);
+      SendOutgoing(&out);
+      return;
+    }
+    Stats::Get().frames_dropped++;
+  } catch (const std::exception& e) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kDebug, "dropped a frame: " << e.what());
+  }
+}
+
+void ServerNode::HandlePush(Message& m) {
+  const FrameHeader& h = m.header;
+  if (!engine_ || h.sender_role != static_cast<uint16_t>(Role::kWorker) || h.sender < 0 ||
+      h.sender >= num_workers_ || !ValidDType(h.dtype)) {
+    Stats::Get().frames_dropped++;
+    return;
+  }
+  // A rank is bound to the connection that first spoke for it, so a stray
+  // peer cannot push in another worker's name.
+  auto it = worker_peer_.find(h.sender);
+  if (it == worker_peer_.end()) {
+    worker_peer_[h.sender] = m.from;
+  } else if (it->second != m.from) {
+    Stats::Get().frames_dropped++;
+    return;
+  }
+  if (h.type == static_cast<uint16_t>(MsgType::kJoin)) return engine_->SubmitJoin(h.sender);
+  Stats::Get().bytes_received += h.payload_bytes;
+  if (h.type == static_cast<uint16_t>(MsgType::kPushFused)) return SubmitFused(m);
+  Stats::Get().pushes_received++;
+  engine_->Submit(JobOf(h.sender, h.key, h.round, h.dtype, h.request_id, h.contributors,
+                        h.members, h.reduce_op, std::move(m.payload),
+                        h.type == static_cast<uint16_t>(MsgType::kPushCompressed)));
+}
+
+void ServerNode::SubmitFused(Message& m) {
+  std::vector<FusedView> parts;
+  std::string why = ParseFused(m.payload.data(), m.payload.size(), &parts);
+  for (const FusedView& v : parts) {
+    if (!why.empty()) break;
+    const FusedPart& p = v.part;
+    if (!ValidDType(p.dtype)) why = "a fused part of unknown dtype";
+    // The checks ValidateHeader makes of a single push's header.
+    if (p.reduce_op > kMaxReduceOp) why = "a fused part with an unknown reduce op";
+    if (p.members != 0 && static_cast<uint32_t>(__builtin_popcountll(p.members)) != p.contributors) {
+      why = "a fused part whose member mask disagrees with its contributors";
+    }
+  }
+  if (!why.empty()) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kDebug, "dropped a fused push of worker " << m.header.sender << ": " << why);
+    return;
+  }
+  Stats::Get().fused_messages_received++;
+  // In the sub-headers' order, which is the worker's priority order.
+  // Each part becomes exactly the job its single push would.
+  for (const FusedView& v : parts) {
+    const FusedPart& p = v.part;
+    Stats::Get().pushes_received++;
+    engine_->Submit(JobOf(m.header.sender, p.key, p.round, p.dtype, p.request_id, p.contributors,
+                          p.members, p.reduce_op, Msg(v.data, p.payload_bytes), false));
+  }
+}
+
+void ServerNode::OnWelcome() {
+  SetLogIdentity(Who());
+  Stats::Get().node_state = 1;  // the cluster met (read by the health service)
+  if (!is_server_) return;
+  engine_.reset(new SumEngine(membership_.id(), num_workers_,
+                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
+                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
+}
+
+void ServerNode::HandleControl(const Message& m) {
+  if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
+  switch (static_cast<MsgType>(m.header.type)) {
+    case MsgType::kShutdown:
+      Stats::Get().node_state = 2;
+      done_ = true;
+      break;
+    case MsgType::kError:
+      if (!scheduler_) Stop(m.payload.str());  // else our own scheduler decides when we stop
+      break;
+    default:
+      break;
+  }
+}
+
+int ServerNode::Run(std::string* error) {
+  if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
+    Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
+  }
+  std::string scheduler_at;
+  Peer listener = Start(&scheduler_at);
+  auto started = Clock::now();
+  auto last_tick = Clock::now();
+  Clock::time_point fatal_since{};
+  Message m;
+  std::vector<Outgoing> out;
+  while (!done_) {
+    if (!channel_->Wait(100)) break;
+    while (channel_->Receive(&m)) Handle(m);
+    SendReplies();
+    if (scheduler_ && SecondsSince(last_tick) >= 0.2) {
+      last_tick = Clock::now();
+      TickScheduler(&out, &fatal_since);
+    }
+    WatchScheduler(scheduler_at, started);
+  }
+  return Finish(listener, error);
+}
+
+Peer ServerNode::Start(std::string* scheduler_at) {
+  std::string bind_host = cfg_.Get("bind_host", "0.0.0.0");
+  int64_t port = cfg_.GetInt("port", 0);
+  if (cfg_.Get("role") == "scheduler") port = cfg_.GetInt("scheduler_port", 0);
+  // Bound the size of anything a peer can make us allocate.
+  std::string bound;
+  const int64_t max_message_bytes =
+      std::max<int64_t>(cfg_.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20) + 4096;
+  Peer listener = channel_->Listen(Endpoint(bind_host, port), max_message_bytes, &bound);
+  int actual_port = PortOf(bound);
+  SetLogIdentity(Who());
+
+  std::string scheduler_host = cfg_.Get("scheduler_host", "127.0.0.1");
+  int64_t scheduler_port = cfg_.GetInt("scheduler_port", 0);
+  if (hosts_scheduler_) {
+    scheduler_.reset(new Scheduler(cfg_));
+    scheduler_port = actual_port;
+    std::string ready = cfg_.Get("ready_file");
+    if (!ready.empty()) WriteReadyFile(ready, actual_port);
+  }
+  BPS_LOG(kInfo, "listening on " << bound);
+  *scheduler_at = scheduler_host + ":" + std::to_string(scheduler_port);
+
+  if (is_server_) {
+    Config extra;
+    extra.Set("data_addr", Endpoint(cfg_.Get("advertise_host", scheduler_host), actual_port));
+    // Workers on this machine (same kernel and network namespace) push over
+    // a Unix socket (local_links.h): the kernel moves bulk data through it
+    // 1.4-1.9x as fast as through loopback TCP. An abstract name vanishes
+    // with the process.
+    std::string machine = MachineNetnsId();
+    if (!machine.empty() && cfg_.GetInt("enable_ipc", 1) != 0) {
+      try {
+        std::string local;
+        channel_->Listen(NewServerSocketEndpoint(), max_message_bytes, &local);
+        extra.Set("local_addr", local);
+        extra.Set("machine", machine);
+      } catch (const std::exception& e) {  // std::random_device's too
+        BPS_LOG(kWarning, e.what() << "; workers on this machine reach this server over TCP");
+      }
+    }
+    membership_.Join(Endpoint(scheduler_host, scheduler_port), cfg_, extra);
+  }
+  return listener;
+}
+
+void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since) {
+  scheduler_->Tick(out);
+  SendOutgoing(out);
+  if (scheduler_->finished() && !is_server_) done_ = true;
+  if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
+    Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
+  }
+  if (!scheduler_->fatal().empty()) {
+    Stats::Get().node_state = 3;
+    // Stay a little to tell late joiners why the job failed.
+    if (*fatal_since == Clock::time_point{}) *fatal_since = Clock::now();
+    if (SecondsSince(*fatal_since) > 3) Stop(scheduler_->fatal());
+  }
+}
+
+void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_point started) {
+  membership_.Tick();
+  if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
+    Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
+         std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
+  }
+  std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
+  if (!refusal.empty()) {
+    Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
+  } else if (!membership_.welcomed() && !hosts_scheduler_ &&
+             SecondsSince(started) > rendezvous_timeout_s_) {
+    Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
+         std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
+         " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
+  }
+}
+
+int ServerNode::Finish(const Peer& listener, std::string* error) {
+  Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
+  // Flush the last replies (e.g. the shutdown notices) before closing.
+  SendReplies(/*ignore_credit=*/true);
+  uint64_t dropped = Stats::Get().frames_dropped;
+  if (dropped) BPS_LOG(kWarning, "dropped " << dropped << " malformed frames");
+  uint64_t refused = Stats::Get().connections_refused;
+  if (refused) {
+    BPS_LOG(kWarning, "refused " << refused
+                                 << " connections that failed the security handshake");
+  }
+  engine_.reset();
+  membership_.Close();
+  // The scheduler host lingers until its Shutdown notices are out.
+  channel_->Close(listener, scheduler_ && is_server_ && exit_code_ == 0 ? 2000 : 0);
+  channel_.reset();
+  *error = error_;
+  return exit_code_;
+}
+
+}  // namespace
+
+int RunServerNode(const Config& cfg, std::string* error) {
+  SetLogLevel(cfg.Get("log_level", "WARNING"));
+  try {
+    ServerNode node(cfg);
+    return node.Run(error);
+  } catch (const Error& e) {
+    *error = e.what();
+    return 1;
+  }
+}
+
+}  // namespace bps

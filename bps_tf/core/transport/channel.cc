@@ -1,0 +1,279 @@
+// Channel over ZeroMQ: a DEALER per link this node opens and a ROUTER to
+// listen on, each secured as LinkSecurity says and watched for failed
+// handshakes.
+#include "transport/channel.h"
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include "common/common.h"
+#include "common/stats.h"
+#include "transport/security.h"
+
+namespace bps {
+
+namespace {
+
+// A closed connection in the middle of a handshake has an innocent cause
+// now and then (the peer was restarting); the same failure again and again
+// means the two ends cannot agree.
+constexpr int kFailuresBeforeRefusal = 3;
+
+#ifndef TCP_NOTSENT_LOWAT
+#define TCP_NOTSENT_LOWAT 25
+#endif
+
+// Caps the bytes a connection keeps in the kernel not yet sent. Without a
+// cap the kernel takes megabytes from libzmq (autotuned send buffers), and
+// an urgent partition queued behind them waits for all of them to leave:
+// the priority queue can only reorder what the kernel has not taken. An fd
+// closed (and even reused) since libzmq reported it only makes the call
+// fail or touch another TCP socket of this process, both harmless.
+void CapUnsentBytes(int fd, int bytes) {
+  if (bytes <= 0) return;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
+    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
+  } else {
+    Stats::Get().connections_capped++;
+  }
+}
+
+struct Link {
+  std::unique_ptr<Socket> socket;         // null once closed
+  std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
+  bool routed = false;                    // the listening link
+  std::string endpoint;
+  int failures_in_a_row = 0;
+};
+
+class ZmqChannel : public Channel {
+ public:
+  ZmqChannel(int io_threads, Wakeup* wake, const LinkSecurity& security, int unsent_cap)
+      : ctx_(io_threads),
+        wake_(wake),
+        security_(security),
+        local_security_(security.ForLocalLinks()),
+        unsent_cap_(unsent_cap) {}
+  ~ZmqChannel() override {  // sockets before the context
+    links_.clear();
+    zap_.reset();
+  }
+
+  Peer Connect(const std::string& endpoint, const std::string& name) override {
+    links_.emplace_back();
+    Link& l = links_.back();
+    l.socket.reset(new Socket(ctx_, zmqc::kDealer, name));
+    // A local link does not authenticate the listening side (PLAIN): once
+    // its server is gone, another process of this namespace could take the
+    // name and would get the credential from a reconnect. Servers are never
+    // restarted, so a lost local link stays lost (the job fails as for any
+    // lost server).
+    if (IsIpcEndpoint(endpoint)) l.socket->SetReconnectInterval(-1);
+    SecurityOf(endpoint).ApplyClient(l.socket->get());
+    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    l.endpoint = endpoint;
+    l.socket->Connect(endpoint);
+    return Peer{static_cast<int>(links_.size() - 1), ""};
+  }
+
+  Peer Listen(const std::string& endpoint, int64_t max_message_bytes,
+              std::string* bound) override {
+    // libzmq admits every client when no ZAP handler is bound: it must be
+    // there before the first peer can reach the port.
+    if (security_.mode != LinkSecurity::Mode::kNone && !zap_) {
+      zap_.reset(new ZapHandler(ctx_, security_, local_security_));
+    }
+    Link l;
+    l.socket.reset(new Socket(ctx_, zmqc::kRouter));
+    l.routed = true;
+    l.socket->SetMaxMsgSize(max_message_bytes);
+    SecurityOf(endpoint).ApplyServer(l.socket->get());
+    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    *bound = l.endpoint = l.socket->Bind(endpoint);  // a failure leaves no link behind
+    links_.push_back(std::move(l));
+    return Peer{static_cast<int>(links_.size() - 1), ""};
+  }
+
+  bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) override {
+    Socket* s = Open(to.link);
+    if (!s) return false;
+    FrameHeader h = header;
+    h.payload_bytes = payload.size();
+    std::vector<Msg> frames;
+    if (links_[static_cast<size_t>(to.link)].routed) frames.emplace_back(to.route.data(), to.route.size());
+    frames.emplace_back(&h, sizeof(h));
+    frames.push_back(std::move(payload));
+    return s->SendFrames(&frames);
+  }
+
+  bool Wait(long timeout_ms) override {
+    items_.clear();
+    items_.push_back({nullptr, wake_->fd(), zmqc::kPollIn, 0});
+    if (zap_) items_.push_back({zap_->socket(), 0, zmqc::kPollIn, 0});
+    for (auto& l : links_) {
+      if (!l.socket) continue;
+      items_.push_back({l.socket->get(), 0, zmqc::kPollIn, 0});
+      items_.push_back({l.watch->socket(), 0, zmqc::kPollIn, 0});
+    }
+    if (zmq_poll(items_.data(), static_cast<int>(items_.size()), timeout_ms) < 0) {
+      return zmq_errno() == EINTR;
+    }
+    if (items_[0].revents) wake_->Drain();
+    CheckHandshakes();
+    return true;
+  }
+
+  bool Receive(Message* m) override {
+    for (; next_ < links_.size(); ++next_) {
+      Socket* s = links_[next_].socket.get();
+      while (s && s->RecvFrames(&frames_)) {
+        if (Unpack(static_cast<int>(next_), m)) return true;
+      }
+    }
+    next_ = 0;
+    return false;
+  }
+
+  void Close(const Peer& link, int linger_ms) override {
+    Socket* s = Open(link.link);
+    if (!s) return;
+    s->SetLinger(linger_ms);
+    Link& l = links_[static_cast<size_t>(link.link)];
+    l.watch.reset();
+    l.socket.reset();
+  }
+
+  std::string Refusal() const override { return refusal_; }
+
+ private:
+  const LinkSecurity& SecurityOf(const std::string& endpoint) const {
+    return IsIpcEndpoint(endpoint) ? local_security_ : security_;
+  }
+
+  Socket* Open(int link) {
+    if (link < 0 || static_cast<size_t>(link) >= links_.size()) return nullptr;
+    return links_[static_cast<size_t>(link)].socket.get();
+  }
+
+  void CheckHandshakes() {
+    if (zap_) zap_->Serve();
+    for (Link& l : links_) {
+      HandshakeEvent e;
+      while (l.watch && l.watch->Next(&e)) {
+        if (e.connection()) {
+          if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+        } else if (!e.failed()) {
+          l.failures_in_a_row = 0;
+        } else if (l.routed) {
+          uint64_t n = ++Stats::Get().connections_refused;
+          // An intruder retrying must not flood the log: the first refusal
+          // says why, the count comes at exit.
+          if (n == 1) {
+            BPS_LOG(kWarning, "refused a connection on " << l.endpoint << ": "
+                                  << ExplainHandshakeFailure(e, SecurityOf(l.endpoint), false));
+          }
+        } else if (++l.failures_in_a_row >= kFailuresBeforeRefusal || e.definitive()) {
+          if (refusal_.empty()) {
+            refusal_ = "the connection to " + l.endpoint + " was refused: " +
+                       ExplainHandshakeFailure(e, SecurityOf(l.endpoint), true);
+          }
+        }
+      }
+    }
+  }
+
+  // [route] [header] [payload] on the listening link, [header] [payload]
+  // on the others.
+  bool Unpack(int link, Message* m) {
+    size_t first = links_[static_cast<size_t>(link)].routed ? 1 : 0;
+    m->from = Peer{link, first ? frames_[0].str() : std::string()};
+    std::string bad = frames_.size() != first + 2 ? "unexpected frame count"
+                      : ValidateHeader(frames_[first].data(), frames_[first].size(),
+                                       frames_[first + 1].size());
+    if (!bad.empty()) {
+      Stats::Get().frames_dropped++;
+      if (!ForeignRelease(link, m->from, frames_[first])) {
+        BPS_LOG(kDebug, "dropped a frame" << (first ? " from " + m->from.route : "") << ": " << bad);
+      }
+      return false;
+    }
+    std::memcpy(&m->header, frames_[first].data(), sizeof(m->header));
+    m->payload = std::move(frames_[first + 1]);
+    return true;
+  }
+
+  // A frame with our magic number but another protocol version comes from a
+  // process of another bps_tf release: mixing releases in one job is a setup
+  // error, and without this its nodes would only time out at rendezvous with
+  // "dropped malformed frames". The first such frame of each peer is logged
+  // as an error, and a peer on the listening link (every node says HELLO to
+  // the scheduler first) gets an ERROR frame stamped with *its* version, so
+  // it fails at once with the reason, whichever release it runs: the magic
+  // number, version field and 64-byte header are the part of the protocol
+  // every release keeps.
+  bool ForeignRelease(int link, const Peer& from, const Msg& header) {
+    uint32_t magic = 0;
+    uint16_t version = 0;
+    if (header.size() < sizeof(magic) + sizeof(version)) return false;
+    std::memcpy(&magic, header.data(), sizeof(magic));
+    std::memcpy(&version, header.data() + sizeof(magic), sizeof(version));
+    if (magic != kMagic || version == kProtocolVersion) return false;
+    Stats::Get().frames_foreign_release++;
+    if (foreign_peers_.size() >= kMaxForeignPeersRemembered ||
+        !foreign_peers_.insert(std::to_string(link) + "/" + from.route).second) {
+      return true;
+    }
+    std::string who = from.route.empty() ? links_[static_cast<size_t>(link)].endpoint
+                                         : "a peer (" + PrintableRoute(from.route) + ")";
+    std::string why = "mixed bps_tf releases in one job: " + who + " speaks wire protocol version " +
+                      std::to_string(version) + ", this node speaks version " +
+                      std::to_string(kProtocolVersion) +
+                      ". Every worker, server and scheduler of a job must run the same bps_tf "
+                      "release (compare `python -c 'import bps_tf; print(bps_tf.__version__)'` "
+                      "on each host).";
+    BPS_LOG(kError, why);
+    if (links_[static_cast<size_t>(link)].routed && header.size() == sizeof(FrameHeader)) {
+      FrameHeader h = MakeHeader(MsgType::kError, Role::kScheduler, -1);
+      h.version = version;
+      Send(from, h, Msg(why.data(), why.size()));
+    }
+    return true;
+  }
+
+  static std::string PrintableRoute(const std::string& route) {
+    std::string out;
+    for (char c : route) out += (c >= 32 && c < 127) ? c : '?';
+    return out;
+  }
+
+  // Bounds the memory a stream of forged versions can take.
+  static constexpr size_t kMaxForeignPeersRemembered = 256;
+
+  Context ctx_;
+  Wakeup* wake_;
+  LinkSecurity security_;
+  LinkSecurity local_security_;  // ipc:// links
+  int unsent_cap_;  // TCP_NOTSENT_LOWAT of every connection (0: the kernel's)
+  std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
+  std::vector<Link> links_;
+  std::vector<zmq_pollitem_t> items_;
+  std::vector<Msg> frames_;
+  std::string refusal_;
+  std::set<std::string> foreign_peers_;  // link/route of peers already told
+  size_t next_ = 0;  // the link Receive drains now
+};
+
+}  // namespace
+
+std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
+                                        const LinkSecurity& security, int unsent_cap) {
+  return std::unique_ptr<Channel>(new ZmqChannel(io_threads, wake, security, unsent_cap));
+}
+
+}  // namespace bps

@@ -1,0 +1,86 @@
+// The engines' view of the network (the role ps-lite calls the "Van"): whole
+// messages to and from peers, and one wait for all of them. Sockets, frames,
+// routing identities, the checking of headers and the security of every
+// connection (security.h) stay behind it, so an engine only decides what to
+// say and to whom.
+//
+// A channel belongs to one thread. Other threads reach that thread through
+// the Wakeup it was made with, which outlives it: libzmq may release a
+// zero-copy buffer, and its owner notify, while the channel is closing.
+#ifndef BPS_TF_CORE_TRANSPORT_CHANNEL_H_
+#define BPS_TF_CORE_TRANSPORT_CHANNEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "transport/protocol.h"
+#include "transport/security.h"
+#include "transport/transport.h"
+
+namespace bps {
+
+// Where a message came from, and where a reply goes. `link` is a connection
+// this node opened or the one it listens on; on the listening link, `route`
+// tells the peers apart. Engines keep peers but never look inside.
+struct Peer {
+  int link = -1;
+  std::string route;
+
+  bool valid() const { return link >= 0; }
+  bool operator==(const Peer& o) const { return link == o.link && route == o.route; }
+  bool operator!=(const Peer& o) const { return !(*this == o); }
+  bool operator<(const Peer& o) const {
+    return link != o.link ? link < o.link : route < o.route;
+  }
+};
+
+struct Message {
+  Peer from;
+  FrameHeader header;
+  Msg payload;
+};
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+
+  // Opens a link to a listening node; `name` tells it who this end is. An
+  // ipc:// endpoint (a Unix socket on this machine) gets the security of
+  // local links (security.h), any other the job's.
+  virtual Peer Connect(const std::string& endpoint, const std::string& name) = 0;
+  // Starts listening; *bound is the endpoint bound (port 0 picks one). No
+  // peer can make this node allocate a message over max_message_bytes.
+  virtual Peer Listen(const std::string& endpoint, int64_t max_message_bytes,
+                      std::string* bound) = 0;
+  // Sends the header, its payload size filled in, and the payload. False
+  // (errno in zmq_errno()) when the peer is unknown or its link is closed.
+  virtual bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) = 0;
+  bool Send(const Peer& to, const FrameHeader& header, const std::string& payload) {
+    return Send(to, header, Msg(payload.data(), payload.size()));
+  }
+  // Blocks up to timeout_ms for traffic or a notice on the channel's
+  // Wakeup; false if waiting failed.
+  virtual bool Wait(long timeout_ms) = 0;
+  // Takes the next message without blocking; false when none is left.
+  // Malformed messages never come out: they are counted in
+  // Stats::frames_dropped. Peers that fail the security handshake never
+  // get this far: they are counted in Stats::connections_refused.
+  virtual bool Receive(Message* m) = 0;
+  // Why a link this node opened was refused at its handshake (wrong token,
+  // security settings that differ, ...), for the user; empty while none was.
+  // A refused link never carries a message, so the caller should give up.
+  virtual std::string Refusal() const = 0;
+  // Closes a link; what it still queues is kept for up to linger_ms, then
+  // dropped, which also hands zero-copy buffers back to their owners.
+  virtual void Close(const Peer& link, int linger_ms = 0) = 0;
+};
+
+// unsent_cap: TCP_NOTSENT_LOWAT for every TCP connection of the channel,
+// bytes (0 leaves the kernel's default).
+std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
+                                        const LinkSecurity& security, int unsent_cap = 0);
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_TRANSPORT_CHANNEL_H_

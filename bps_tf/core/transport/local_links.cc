@@ -1,0 +1,62 @@
+#include "transport/local_links.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "transport/transport.h"
+
+namespace bps {
+
+std::string NetnsLink() {
+  char netns[64] = {0};
+  ssize_t len = readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  return len > 0 ? std::string(netns, static_cast<size_t>(len)) : "";
+}
+
+std::string MachineNetnsId() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  if (!std::getline(in, boot) || boot.empty()) return "";
+  std::string netns = NetnsLink();
+  return netns.empty() ? "" : boot + " " + netns;
+}
+
+std::string NewServerSocketEndpoint() {
+  std::random_device rd;
+  char name[96];
+  std::snprintf(name, sizeof(name), "ipc://@bps_tf-server-%d-%08x%08x",
+                static_cast<int>(getpid()), rd(), rd());
+  return name;
+}
+
+bool AbstractEndpointListed(const std::string& endpoint) {
+  if (!IsIpcEndpoint(endpoint) || endpoint.compare(6, 1, "@") != 0) return false;
+  const std::string name = endpoint.substr(6);  // "@...", as /proc/net/unix lists it
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t space = line.find_last_of(' ');
+    if (space != std::string::npos && line.compare(space + 1, std::string::npos, name) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
+                           bool* local) {
+  const std::string key = "server." + std::to_string(s);
+  const std::string ipc = welcome.Get(key + ".local");
+  *local = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
+  if (*local && !AbstractEndpointListed(ipc)) {
+    BPS_LOG(kWarning, "server " << s << "'s Unix socket " << ipc
+                                 << " is not visible here; reaching it over TCP");
+    *local = false;
+  }
+  return *local ? ipc : welcome.Get(key);
+}
+
+}  // namespace bps

@@ -1,0 +1,41 @@
+// Which servers a worker can reach over an abstract Unix socket (ZeroMQ
+// ipc://@name) instead of loopback TCP: a server names its socket and its
+// machine, the scheduler passes both on in the WELCOME, and a worker picks
+// per server which endpoint to use (BYTEPS_ENABLE_IPC, docs/engine.md).
+#ifndef BPS_TF_CORE_TRANSPORT_LOCAL_LINKS_H_
+#define BPS_TF_CORE_TRANSPORT_LOCAL_LINKS_H_
+
+#include <string>
+
+#include "common/common.h"
+
+namespace bps {
+
+// This process's network namespace as /proc/self/ns/net names it, "" if
+// unknown.
+std::string NetnsLink();
+
+// The kernel and network namespace this process runs in, "" if unknown.
+// Processes with the same id can reach each other's abstract Unix sockets:
+// the boot id tells machines apart (a machine's containers share it), the
+// namespace tells apart the emulated hosts of one machine.
+std::string MachineNetnsId();
+
+// A fresh ipc:// endpoint for a server: its pid and 64 random bits, so two
+// jobs' servers never meet. Throws what std::random_device throws.
+std::string NewServerSocketEndpoint();
+
+// Whether an "ipc://@name" endpoint is listening in this network namespace
+// (listed in /proc/net/unix), so a connection to it cannot wait forever on
+// a name that only looked local.
+bool AbstractEndpointListed(const std::string& endpoint);
+
+// Where a worker reaches server s, from the scheduler's WELCOME: the
+// server's Unix socket when it has this machine's id (`machine`:
+// MachineNetnsId(), "" for TCP only) and is listed here, else its TCP
+// endpoint. *local says which.
+std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine, bool* local);
+
+}  // namespace bps
+
+#endif  // BPS_TF_CORE_TRANSPORT_LOCAL_LINKS_H_

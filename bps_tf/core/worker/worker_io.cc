@@ -1,0 +1,310 @@
+// The worker's I/O thread: the only user of its channel. It hands
+// declarations to the scheduler, partitions to the servers, replies to their
+// tasks, and watches the clocks.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/stats.h"
+#include "transport/fusion.h"
+#include "transport/local_links.h"
+#include "worker/trace.h"
+#include "worker/worker_task.h"
+
+namespace bps {
+
+void WorkerEngine::IoLoop() {
+  Message m;
+  while (!stop_requested_) {
+    long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
+    // Wake up when a hold on sending ends (a fusion cycle, a burst's limit
+    // on the credit), to send what it held.
+    if (cycle_s_ > 0 || burst_.Enabled()) {
+      auto wake_within = [&wait_ms](double s) {
+        wait_ms = std::min(wait_ms, static_cast<long>(std::max(1.0, std::ceil(s * 1000))));
+      };
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cycle_s_ > 0 && hold_since_ != Clock::time_point{}) {
+        wake_within(cycle_s_ - SecondsSince(hold_since_));
+      }
+      double burst_left = ready_.empty() ? 0 : BurstLeftLocked();
+      if (burst_left > 0) wake_within(burst_left);
+    }
+    if (!channel_->Wait(wait_ms)) {
+      Fatal(ZmqError("polling sockets"), BPS_ERR_INTERNAL);
+      break;
+    }
+    try {
+      while (channel_->Receive(&m)) {
+        if (membership_->FromScheduler(m)) {
+          HandleControl(m);
+        } else {
+          HandleData(m);
+        }
+      }
+      FlushControl();
+      if (!servers_.empty()) SendReadyParts();
+      if (!servers_.empty()) SendJoin();
+      CheckTimers();
+    } catch (const std::exception& e) {
+      Fatal(e.what(), BPS_ERR_INTERNAL);
+    }
+  }
+  Leave();
+}
+
+void WorkerEngine::FlushControl() {
+  std::vector<std::pair<uint64_t, std::string>> outbox;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outbox.swap(control_outbox_);
+  }
+  for (auto& item : outbox) {
+    Config kv = Config::Parse(item.second);
+    membership_->Send(MsgType::kDeclare, item.second, item.first,
+                      static_cast<uint16_t>(kv.GetInt("dtype", 0)));
+  }
+}
+
+void WorkerEngine::HandleData(const Message& m) {
+  if (m.header.type == static_cast<uint16_t>(MsgType::kJoin)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (joining_) ++join_acks_;
+    state_cv_.notify_all();
+    return;
+  }
+  // Only the I/O thread touches joins_seen_ (here and in SendJoin).
+  joins_seen_ |= m.header.members;
+  if (m.header.type != static_cast<uint16_t>(MsgType::kPullReplyFused)) {
+    HandleReply(m.header, m.payload.data(), m.payload.size());
+    return;
+  }
+  std::vector<FusedView> parts;
+  std::string why = ParseFused(m.payload.data(), m.payload.size(), &parts);
+  if (!why.empty()) {
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kWarning, "dropped a reply of server " << m.header.sender << ": " << why);
+    return;
+  }
+  Stats::Get().fused_messages_received++;
+  FrameHeader h = m.header;
+  h.type = static_cast<uint16_t>(MsgType::kPullReply);
+  for (const FusedView& v : parts) {
+    h.key = v.part.key;
+    h.round = v.part.round;
+    h.dtype = v.part.dtype;
+    h.request_id = v.part.request_id;
+    h.payload_bytes = v.part.payload_bytes;
+    HandleReply(h, v.data, v.part.payload_bytes);
+  }
+}
+
+void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t size) {
+  auto it = in_flight_.find(h.key);
+  if (it == in_flight_.end() || it->second.task->round != h.round) {
+    Stats::Get().frames_dropped++;
+    return;
+  }
+  PartRef p = it->second;
+  Task* t = p.task;
+  uint64_t len = t->PartLength(p.part);
+  in_flight_.erase(it);
+  if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && t->compressor) {
+    PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
+    if (times) times->replied = Clock::now();
+    try {
+      Decompress(*t->compressor, data, size, len / sizeof(float),
+                 reinterpret_cast<float*>(t->out + t->PartOffset(p.part)));
+      Stats::Get().bytes_received += size;
+      if (times) {
+        times->copied = Clock::now();  // decompressed into the output
+        times->server_sum_us = h.request_id;
+      }
+    } catch (const std::exception& e) {
+      FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': the reply of server " +
+                                        std::to_string(h.sender) + " does not decompress: " +
+                                        e.what());
+    }
+  } else if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && size == len) {
+    PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
+    if (times) times->replied = Clock::now();
+    std::memcpy(t->out + t->PartOffset(p.part), data, len);
+    if (times) {
+      times->copied = Clock::now();
+      times->server_sum_us = h.request_id;  // the server reports its summing time here
+    }
+    Stats::Get().bytes_received += len;
+  } else if (h.type == static_cast<uint16_t>(MsgType::kError)) {
+    // Servers refuse a partition only when workers pushed it inconsistently.
+    FailTask(t, BPS_ERR_MISMATCH, "push_pull '" + t->name + "': " + std::string(data, size));
+  } else {
+    FailTask(t, BPS_ERR_INTERNAL, "push_pull '" + t->name + "': malformed reply from server " +
+                                      std::to_string(h.sender));
+  }
+  Release(t, 1);
+}
+
+void WorkerEngine::OnWelcome(const Config& w) {
+  size_ = static_cast<int>(w.GetInt("num_workers", size_));
+  local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
+  local_size_ = static_cast<int>(w.GetInt("local_size", 1));
+  cross_rank_ = static_cast<int>(w.GetInt("cross_rank", rank_));
+  cross_size_ = static_cast<int>(w.GetInt("cross_size", size_));
+  homogeneous_ = w.GetInt("homogeneous", 1) != 0;
+  host_group_.num_hosts = static_cast<int>(w.GetInt("num_hosts", size_));
+  host_group_.host_index = static_cast<int>(w.GetInt("host_index", rank_));
+  host_group_.job_nonce = w.Get("job_nonce");
+  host_group_.ranks.clear();
+  std::string ranks = w.Get("host_ranks", std::to_string(rank_));
+  for (size_t pos = 0; pos < ranks.size();) {
+    size_t comma = ranks.find(',', pos);
+    if (comma == std::string::npos) comma = ranks.size();
+    host_group_.ranks.push_back(std::atoi(ranks.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
+  std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
+  const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
+  for (int s = 0; s < num_servers_; ++s) {
+    bool local = false;
+    std::string endpoint = ServerEndpoint(w, s, machine, &local);
+    if (local) Stats::Get().links_local++;
+    servers_.push_back(channel_->Connect(endpoint, id));
+  }
+}
+
+void WorkerEngine::HandleControl(const Message& m) {
+  if (membership_->Handle(m, [this](const Config& w) { OnWelcome(w); })) {
+    if (membership_->ready()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ == State::kJoining) state_ = State::kReady;
+      state_cv_.notify_all();
+    }
+    return;
+  }
+  switch (static_cast<MsgType>(m.header.type)) {
+    case MsgType::kDeclared:
+      OnDeclared(m.header.request_id, Config::Parse(m.payload.str()));
+      break;
+    case MsgType::kError:
+      Fatal(m.payload.str(), BPS_ERR_UNAVAILABLE);
+      break;
+    case MsgType::kJoinNotice: {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (joining_) join_last_ = static_cast<int>(Config::Parse(m.payload.str()).GetInt("last", 0));
+      state_cv_.notify_all();
+      break;
+    }
+    case MsgType::kStall:
+      BPS_LOG(kWarning, m.payload.str());
+      break;
+    case MsgType::kPeerLeft: {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer_left_.empty()) {
+        peer_left_ = m.payload.str();
+        peer_left_at_ = Clock::now();
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void WorkerEngine::CheckTimers() {
+  membership_->Tick();
+  State state;
+  std::string left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    state = state_;
+    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS) {
+      // Asynchronous keys need no partner (protocol.h): only the others fail.
+      for (const std::string& name : names_in_flight_) {
+        if (!IsAsyncName(name)) {
+          left = peer_left_;
+          break;
+        }
+      }
+    }
+  }
+  std::string refused = channel_->Refusal();
+  if (!refused.empty()) {
+    Fatal((state == State::kJoining ? "could not meet the cluster: " : "worker " +
+                                      std::to_string(rank_) + ": ") + refused,
+          BPS_ERR_UNAVAILABLE);
+    return;
+  }
+  if (!left.empty()) {
+    // Operations still pending after a partner left can never complete.
+    Fatal("push_pull cannot complete: " + left + " has left the job", BPS_ERR_UNAVAILABLE,
+          /*peer_failure=*/false);
+    return;
+  }
+  if (state == State::kReady && membership_->Silent(timeout_s_)) {
+    Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
+              scheduler_endpoint_ + ": nothing heard for " +
+              std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)",
+          BPS_ERR_UNAVAILABLE);
+    return;
+  }
+  // The limits are seconds; the I/O loop wakes for every message.
+  if (state == State::kReady && SecondsSince(stall_scanned_) >= 0.25) {
+    stall_scanned_ = Clock::now();
+    CheckStalledPushes();
+  }
+}
+
+// A name's first push_pull waits at the scheduler, whose stall check names
+// the missing workers. A later round of a name is sent at once, so a worker
+// that skips it (a call under a rank-dependent branch) leaves the others'
+// pushes waiting at the servers: reported here from the waiting side.
+void WorkerEngine::CheckStalledPushes() {
+  for (auto& kv : in_flight_) {
+    Task* task = kv.second.task;
+    if (IsAsyncName(task->name)) continue;   // never waits for other workers
+    double age = SecondsSince(task->start);
+    if (op_timeout_s_ > 0 && age > op_timeout_s_) {
+      Fatal("push_pull '" + task->name + "' did not complete within " +
+                std::to_string(static_cast<int>(op_timeout_s_)) +
+                " s (BYTEPS_OP_TIMEOUT): another worker did not push it",
+            BPS_ERR_TIMEOUT);
+      return;
+    }
+    if (stall_check_s_ <= 0 || age < stall_check_s_) continue;
+    std::string what = "push_pull '" + task->name + "' (call " + std::to_string(task->round + 1) +
+                       " of this name) has waited " + std::to_string(static_cast<int>(age)) +
+                       " s for the other workers: a worker skipped this call (every worker must "
+                       "make the same push_pull/broadcast calls) or is stuck elsewhere";
+    if (op_timeout_s_ <= 0 && stall_shutdown_s_ > 0 && age >= stall_shutdown_s_) {
+      Fatal(what + "; stopping after BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=" +
+                std::to_string(static_cast<int>(stall_shutdown_s_)),
+            BPS_ERR_TIMEOUT);
+      return;
+    }
+    if (!task->stall_warned) {
+      task->stall_warned = true;
+      BPS_LOG(kWarning, what << " (BYTEPS_STALL_CHECK_TIME_SECONDS="
+                             << static_cast<int>(stall_check_s_) << ")");
+    }
+  }
+}
+
+void WorkerEngine::Leave() {
+  bool ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready = state_ == State::kReady;
+  }
+  Fatal("bps_tf was shut down", BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
+  std::string trace = Trace::Get().Flush();
+  if (!trace.empty()) BPS_LOG(kInfo, "timeline written to " << trace);
+  if (ready) {
+    membership_->Leave(2000);  // let the goodbye reach the scheduler
+  } else {
+    membership_->Close();
+  }
+}
+
+}  // namespace bps
