@@ -38,6 +38,8 @@ def _env():
     # the installed package.
     env = dict(os.environ)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    # Replicas compared every 4 steps: every fit here checks its weights.
+    env["BYTEPS_FINGERPRINT_STEPS"] = "4"
     for name in ("TF_CONFIG", "DMLC_ROLE"):   # a stray cluster must not leak in
         env.pop(name, None)
     return env
@@ -140,19 +142,44 @@ def test_workers_with_different_local_device_counts_are_refused(cluster):
 
 
 def test_workers_in_different_keras_phases_fail_at_once_in_keras_terms(cluster):
-    # fit(epochs=1 + rank): rank 1 starts epoch 2 while rank 0 ends fit; then
-    # rank 0 evaluates while rank 1 fits. Each fails on every worker at that
-    # boundary, naming what each worker was doing, well within 10 s.
+    # fit(epochs=1 + rank); then rank 0 evaluates while rank 1 fits; then a
+    # callback stops rank 1 after epoch 1. Each fails on every worker at that
+    # boundary, naming what each worker was doing, well within 10 s, and
+    # the job goes on.
     _, _, reports = cluster
     for report in reports:
         phases = report["phases"]
-        assert "error" in phases["epochs"] and "evaluate" in phases, phases
-        epochs, evaluate = phases["epochs"]["error"], phases["evaluate"]["error"]
-        assert epochs and "worker 1 started epoch 2 of fit" in epochs, epochs
-        assert "worker 0 ended fit after epoch 1" in epochs, epochs
+        assert set(phases) == {"epochs", "evaluate", "stop"}, phases
+        epochs, evaluate, stop = (phases[k]["error"] for k in ("epochs", "evaluate", "stop"))
+        assert epochs and "worker 1 started fit with epochs=2" in epochs, epochs
+        assert "worker 0 started fit with epochs=1" in epochs, epochs
         assert evaluate and "worker 0 started evaluate" in evaluate, evaluate
-        assert "worker 1 started fit" in evaluate, evaluate
-        assert phases["epochs"]["seconds"] < 10 and phases["evaluate"]["seconds"] < 10, phases
+        assert "worker 1 started fit with epochs=1" in evaluate, evaluate
+        assert stop and "worker 1 ended epoch 1 of fit and stops training" in stop, stop
+        assert "worker 0 ended epoch 1 of fit and goes on to epoch 2" in stop, stop
+        assert all(phases[k]["seconds"] < 10 for k in phases), phases
+
+
+def test_variables_built_in_another_order_are_refused_naming_both(cluster):
+    _, _, reports = cluster
+    for report in reports:
+        error = report["drift"]["build_order"]
+        assert error and "differs across workers" in error, error
+        assert "var=encoder/kernel" in error and "var=decoder/kernel" in error, error
+
+
+@pytest.mark.parametrize("case", ["fit_perturbed", "tape_skipped", "optimizer_skipped"])
+def test_replicas_that_drifted_apart_are_caught_within_the_check_interval(cluster, case):
+    # One worker's weight is changed between steps (fit), or one worker skips
+    # one step's exchange and applies its own gradient (a custom loop with
+    # DistributedGradientTape, with DistributedOptimizer): every worker fails
+    # at the next fingerprint check (every 4 steps here), naming a variable.
+    _, _, reports = cluster
+    for report in reports:
+        error = report["drift"][case]
+        assert error and "drifted apart" in error and "rank 0" in error and "rank 1" in error, \
+            error
+        assert "kernel" in error, error
 
 
 def test_workers_must_agree_on_the_early_data_check(cluster):

@@ -340,6 +340,16 @@ def creating_variable(path: str):
         _creating.path = previous
 
 
+def variable_identity(path: str) -> str:
+    """What workers must agree a variable is, from its Keras path: each
+    component without the number Keras appends per process (``dense_3`` is
+    ``dense``), so the same model built after other models still agrees,
+    while a layer of another type or a user-named layer in another place
+    does not. No spaces (it travels in an agreement text)."""
+    parts = [re.sub(r"_\d+$", "", part) for part in str(path or "").split("/")]
+    return "/".join(p for p in parts if p).replace(" ", "_") or "variable"
+
+
 def display_path(name) -> str:
     """The path a person knows a variable being created now by (Keras 3's
     ``model/layer/kernel``), for error messages and the timeline only: it is

@@ -27,7 +27,7 @@ import pickle
 import numpy as np
 import tensorflow as tf
 
-from bps_tf.comm import async_training, collectives
+from bps_tf.comm import async_training, collectives, fingerprint
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm import naming
 from bps_tf.comm.collectives import SUPPORTED_DTYPES, require_init
@@ -480,4 +480,8 @@ def reduce_gradients(grads, sources, prefix, compression=Compression.none,
             out.append(push_pull(grad, name=name, compression=compression, op=op,
                                  priority=priority, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, process_set=process_set))
-    return out
+    if process_sets.resolve(process_set, prefix, members_only=False).ranks is not None:
+        return out     # a process set's members only: the fingerprint table spans all
+    # Every N steps: the variables must still be the same on every worker.
+    trained = [s for s, g in zip(sources, grads) if g is not None and hasattr(s, "assign")]
+    return fingerprint.checked(out, trained, prefix, f"{prefix} gradients")

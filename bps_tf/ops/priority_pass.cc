@@ -23,6 +23,10 @@
 // counts of a sparse gradient's allgather, which size the rows' buffer)
 // takes the priority of the push_pull it feeds. A push_pull whose node has
 // `_bps_keep_priority` = true (a user's priority_fn chose it) is left alone.
+// Under cross-step overlap a BytepsPushPullStart carries the gradient and
+// the BytepsPushPullWait of the same tensor_name (applied in the same
+// traced step, for the previous step) leads to the variable: the start is
+// ranked by that variable's first read, like a push_pull.
 //
 // The pass only changes `priority` attrs (never a result), computes them
 // from scratch each time (idempotent), and returns at once on graphs without
@@ -59,6 +63,10 @@ using tensorflow::Graph;
 using tensorflow::Node;
 
 constexpr char kPushPull[] = "BytepsPushPull";
+// Cross-step overlap: a gradient's push_pull starts in one step and its sum
+// is waited for, and applied, in the next (bps_tf.overlap).
+constexpr char kPushPullStart[] = "BytepsPushPullStart";
+constexpr char kPushPullWait[] = "BytepsPushPullWait";
 constexpr int64_t kUnread = std::numeric_limits<int64_t>::max();
 
 // Ops that write a variable given as an input (resource or ref).
@@ -353,13 +361,21 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     // The early exit is this scan: one string compare per node, which
     // rejects on the length for almost every op type.
     static const std::string* kType = new std::string(kPushPull);
+    static const std::string* kStart = new std::string(kPushPullStart);
+    static const std::string* kWait = new std::string(kPushPullWait);
     std::vector<Node*> pps;
+    std::vector<const Node*> waits;
     for (Node* n : g->op_nodes()) {
-      if (n->type_string() == *kType) pps.push_back(n);
+      const std::string& t = n->type_string();
+      if (t == *kType || t == *kStart) {
+        pps.push_back(n);
+      } else if (t == *kWait) {
+        waits.push_back(n);
+      }
     }
     bool has = !pps.empty();
     if (has && Enabled()) {
-      Assign(*g, pps);
+      Assign(*g, pps, waits);
     } else if (has) {
       Keep(pps);
     }
@@ -377,26 +393,45 @@ class PriorityPass : public tensorflow::GraphOptimizationPass {
     PassStats::Get().RecordDecisions(kept);
   }
 
-  static void Assign(const Graph& g, const std::vector<Node*>& pps) {
+  // Of the variables `n`'s value updates, the one read first (-1: none).
+  static int VariableOf(const Graph& g, Analysis& a, const Node* n) {
+    std::set<int> roots = a.UpdatedVariables(n);
+    if (roots.empty()) return -1;
+    auto key = [&](int id) { return std::make_pair(a.FirstRead(id), g.FindNodeId(id)->name()); };
+    int best = *roots.begin();
+    for (int r : roots) {
+      if (key(r) < key(best)) best = r;
+    }
+    return best;
+  }
+
+  static void Assign(const Graph& g, const std::vector<Node*>& pps,
+                     const std::vector<const Node*>& waits) {
     Analysis a(g);
     a.FindReads();
-    std::vector<const Node*> cpps(pps.begin(), pps.end());
+    std::vector<const Node*> cpps;
+    for (const Node* pp : pps) {
+      if (pp->type_string() == kPushPull) cpps.push_back(pp);
+    }
     std::vector<bool> feeds = FeedsPushPull(g, cpps);
-    // gradient push_pull -> its variable (root id)
+    // A waited sum's key -> the variable it updates (overlap's starts).
+    std::unordered_map<std::string, int> waited;
+    for (const Node* w : waits) {
+      int v = VariableOf(g, a, w);
+      if (v >= 0) waited[TensorName(w)] = v;
+    }
+    // gradient push_pull (or overlap start) -> its variable (root id)
     std::unordered_map<const Node*, int> variable_of;
     for (const Node* pp : pps) {
       if (KeepsPriority(pp)) continue;  // chosen by the user (priority_fn)
-      if (feeds[pp->id()]) continue;   // forward-pass reduction: keep
-      std::set<int> roots = a.UpdatedVariables(pp);
-      if (roots.empty()) continue;     // not traced to a variable: keep
-      auto key = [&](int id) {
-        return std::make_pair(a.FirstRead(id), g.FindNodeId(id)->name());
-      };
-      int best = *roots.begin();
-      for (int r : roots) {
-        if (key(r) < key(best)) best = r;
+      if (pp->type_string() != kPushPull) {
+        auto it = waited.find(TensorName(pp));
+        if (it != waited.end()) variable_of[pp] = it->second;
+        continue;                       // a start without its wait: keep
       }
-      variable_of[pp] = best;
+      if (feeds[pp->id()]) continue;   // forward-pass reduction: keep
+      int v = VariableOf(g, a, pp);
+      if (v >= 0) variable_of[pp] = v;  // else not traced to a variable: keep
     }
     // Rank the variables by (first read, name), the name being the smallest
     // tensor_name of the variable's push_pulls: the same on every worker.

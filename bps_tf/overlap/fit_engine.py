@@ -16,7 +16,6 @@ import weakref
 from typing import Dict, List, Optional
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.framework import indexed_slices
 
@@ -133,7 +132,6 @@ class FitOverlap:
         self._windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.enabled = True
         self.dirty = False        # a step ran since the last flush
-        self.priorities: Dict[str, int] = {}   # key -> priority of its start (last trace)
         self._sparse_logged = set()
         self._flush_fns: Dict[tuple, object] = {}   # pending indices -> traced flush
         self.step_lock = overlap_guard.StepLock(f"model {model.name!r}")
@@ -238,26 +236,25 @@ class FitOverlap:
 
     def _finish_trace(self, graph):
         """Checks the traced step's reads (bps_tf.overlap.guard.stale_reads:
-        raises _Retrace if one is outside its variable's overlap window) and
-        sets each start's priority from where the next forward pass first
-        reads its variable: the first read leaves first."""
+        raises _Retrace if one is outside its variable's overlap window).
+        Each start's priority is the C++ priority pass's (bps_tf/ops/
+        priority_pass.cc): the start takes the rank of the variable its key's
+        wait updates, by that variable's first read in the step."""
         entries = {i: w for i, w in self._windows.get(graph, {}).items() if w[0] is not None}
-        starts = {i: op for i, (_, op) in entries.items() if op is not None}
         windows = {i: (applied, op._id if op is not None else None)  # pylint: disable=protected-access
                    for i, (applied, op) in entries.items()}
         handles = {i: overlap_guard.resource_handles([self.variables[i]]) for i in windows}
         names = {i: naming.variable_name(self.variables[i]) for i in windows}
-        first_reads: Dict[int, int] = {}
-        stale = overlap_guard.stale_reads(graph, handles, windows, names, first_reads)
+        stale = overlap_guard.stale_reads(graph, handles, windows, names)
         if stale:
             raise _Retrace(f"the train step reads weights outside the layers' own forward "
                            f"passes ({'; '.join(stale[:3])}{'; ...' if len(stale) > 3 else ''})")
-        if self._fifo:
-            return
-        order = sorted(starts, key=lambda i: (first_reads.get(i, float("inf")), i))
-        for rank, i in enumerate(order):
-            starts[i]._set_attr("priority", attr_value_pb2.AttrValue(i=-rank))  # pylint: disable=protected-access
-            self.priorities[self.keys[i]] = -rank
+
+    @property
+    def priorities(self) -> Dict[str, int]:
+        """key -> the priority the pass gave its start (once the step ran)."""
+        decided = collectives.decided_priorities()
+        return {k: decided[k] for k in self.keys if k in decided}
 
     def disable(self, reason: str) -> None:
         """Back to the barrier for this model (eager): pending updates are

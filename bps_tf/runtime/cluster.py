@@ -160,7 +160,9 @@ def _resolve_dmlc(environ: Mapping[str, str]) -> ClusterConfig:
         role=role, num_workers=num_workers, num_servers=num_servers,
         scheduler_host=root_host, scheduler_port=root_port,
         advertise_host=_strip_brackets(environ.get("DMLC_NODE_HOST", "").strip()) or root_host,
-        bind_host=_bind_host(environ, [root_host, environ.get("DMLC_NODE_HOST", "").strip()]),
+        bind_host=_bind_host(environ, [root_host, environ.get("DMLC_NODE_HOST", "").strip()],
+                             _strip_brackets(environ.get("DMLC_NODE_HOST", "").strip())
+                             or root_host),
         ready_file=environ.get("BYTEPS_READY_FILE", "").strip(),
         source="DMLC")
     if role == "worker":
@@ -265,7 +267,8 @@ def _resolve_tf_config(text: str, environ: Mapping[str, str]) -> ClusterConfig:
         role="worker" if rank >= 0 else "server", rank=rank,
         num_workers=len(tf.workers), num_servers=len(tf.ps),
         scheduler_host=scheduler_host, scheduler_port=scheduler_port,
-        bind_host=_bind_host(environ, [h for h, _ in tf.workers + tf.ps]),
+        bind_host=_bind_host(environ, [h for h, _ in tf.workers + tf.ps],
+                             tf.ps[index][0] if rank < 0 else tf.workers[rank][0]),
         ready_file=environ.get("BYTEPS_READY_FILE", "").strip(),
         source="TF_CONFIG")
     if rank >= 0:
@@ -439,16 +442,17 @@ def _host_var(environ: Mapping[str, str], name: str) -> str:
     return host
 
 
-def _bind_host(environ: Mapping[str, str], hosts: List[str]) -> str:
-    """BYTEPS_BIND_HOST, else loopback when every address of the job is a
-    loopback one (a cluster on one machine is not reachable from others),
-    else every address of this host."""
+def _bind_host(environ: Mapping[str, str], hosts: List[str], own: str = "") -> str:
+    """BYTEPS_BIND_HOST, else a loopback address when every address of the
+    job is a loopback one (a cluster on one machine is not reachable from
+    others): this node's own (e.g. 127.0.0.2) when it is an IPv4 literal,
+    else 127.0.0.1; else every address of this host."""
     chosen = _strip_brackets(environ.get("BYTEPS_BIND_HOST", "").strip())
     if chosen:
         return chosen
     known = [h for h in hosts if h]
     if known and all(is_loopback(h) for h in known):
-        return LOOPBACK_BIND_HOST
+        return own if own.count(".") == 3 and is_loopback(own) else LOOPBACK_BIND_HOST
     return DEFAULT_BIND_HOST
 
 

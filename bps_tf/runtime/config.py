@@ -242,6 +242,10 @@ SETTINGS = (
     Setting("BYTEPS_LOG_LEVEL", "log_level", "WARNING", _log_level,
             "DEBUG, INFO, WARNING or ERROR, for the core and the Python logs."),
     # -- read by Python only (strategy, launcher, server) --
+    Setting("BYTEPS_FINGERPRINT_STEPS", "", "100", _nonnegative_int,
+            "Every this many steps, the workers compare an exact fingerprint of each "
+            "variable they train (one small push_pull); a difference fails the step on "
+            "every worker, naming the variables and ranks (replicas drifted apart). 0: off."),
     Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,
             "Rank gradient push_pulls by the forward pass's topological order "
             "(earliest layer first); 0 sends them first come, first served."),

@@ -188,6 +188,11 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         key = naming.next_init_key()   # claimed now, in creation order
         if kwargs.get("name"):
             collectives.label_tensor(key, naming.display_path(kwargs["name"]))
+        # Keys pair variables by creation order; the variable's identity
+        # rides along, so workers that created different variables at this
+        # position (a rank-dependent layer, another build order) fail at
+        # once, naming both, instead of pairing equal-shaped weights wrongly.
+        identity = naming.variable_identity(naming.display_path(kwargs.get("name")))
 
         def initial_value_fn():
             with tf.device(device):
@@ -197,7 +202,8 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if value.dtype in (tf.string, tf.resource, tf.variant):
                     return value
-                return collectives.broadcast(value, key, root_rank=0)
+                with collectives.agreement_scope(var=identity):
+                    return collectives.broadcast(value, key, root_rank=0)
         return initial_value_fn
 
 

@@ -31,7 +31,7 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf.comm import async_training, naming
+from bps_tf.comm import async_training, fingerprint, naming
 from bps_tf.horovod import optimizer_variables
 from bps_tf.overlap import fit as overlap_fit
 from bps_tf.runtime import basics, config, hooks
@@ -91,7 +91,7 @@ def _predict(original):
     @functools.wraps(original)
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         overlap_fit.flush_model(self)
-        phases.boundary(multi_worker(self), phases.PREDICT, steps=steps)
+        phases.boundary(multi_worker(self), phases.PREDICT, steps)
         args = dict(batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
         strategy = async_mode(self)
         if strategy is not None:
@@ -143,6 +143,32 @@ def _shard_rows(arguments, rank: int, size: int) -> None:
             arguments[name] = tf.nest.map_structure(lambda a: a[rank::size], value)
 
 
+class _DriftCheck:
+    """Added to ``fit`` under a multi-worker BytePSStrategy: every
+    BYTEPS_FINGERPRINT_STEPS optimizer steps, between two steps, the workers
+    compare the fingerprints of the model's variables (bps_tf.comm.fingerprint)."""
+
+    def __init__(self, model):
+        self._model = model
+        self._last = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = getattr(self._model, "optimizer", None)
+        if optimizer is None:
+            return
+        step = int(optimizer.iterations.numpy())
+        if step == self._last or step % fingerprint.every():
+            return
+        self._last = step
+        overlap_fit.flush_model(self._model)
+        # Floating variables: weights, moving statistics, optimizer slots
+        # (random generators' states may differ by design).
+        variables = [v for v in naming.model_variables(self._model, skip_on_read=True)
+                     if tf.as_dtype(v.dtype).is_floating]
+        fingerprint.check_now(variables, naming.strategy_key("fit", "weights"),
+                              f"model.fit, step {step}")
+
+
 @_register("keras.Model.fit",
            "async: starts from rank 0's weights, ends with a pull, each worker on its rows",
            "an asynchronous worker trains alone; no tf.distribute call marks fit's start/end")
@@ -157,14 +183,22 @@ def _fit(original):
             if strategy is None:
                 return original(self, *args, **kwargs)
             bound = signature.bind(self, *args, **kwargs)
-            phases.boundary(strategy, phases.FIT)
-            callbacks = bound.arguments.get("callbacks")
+            given = dict(bound.arguments)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            phases.boundary(strategy, phases.FIT, arguments.get("epochs"),
+                            arguments.get("initial_epoch"), arguments.get("steps_per_epoch"))
+            callbacks = given.get("callbacks")
             if callbacks is None or isinstance(callbacks, (list, tuple)):
                 import keras
-                checks = phases.PhaseCallback(strategy)
-                bound.arguments["callbacks"] = list(callbacks or []) + [
-                    keras.callbacks.LambdaCallback(on_epoch_begin=checks.on_epoch_begin,
-                                                   on_train_end=checks.on_train_end)]
+                checks = phases.PhaseCallback(strategy, int(arguments.get("epochs") or 1))
+                checks.model = self
+                extra = [keras.callbacks.LambdaCallback(on_epoch_end=checks.on_epoch_end)]
+                if fingerprint.every() > 0:
+                    drift = _DriftCheck(self)
+                    extra.append(keras.callbacks.LambdaCallback(
+                        on_train_batch_end=drift.on_train_batch_end))
+                arguments["callbacks"] = list(callbacks or []) + extra
             return original(*bound.args, **bound.kwargs)
         import keras
         ends = _StartAndPull(self)
@@ -186,10 +220,15 @@ def _fit(original):
            "pending overlapped updates applied first; async: this worker alone over all of x",
            "evaluate reads the weights; no tf.distribute call comes before its first read")
 def _evaluate(original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def evaluate(self, *args, **kwargs):
         overlap_fit.flush_model(self)
-        phases.boundary(multi_worker(self), phases.EVALUATE)
+        strategy = multi_worker(self)
+        if strategy is not None:
+            phases.boundary(strategy, phases.EVALUATE,
+                            signature.bind(self, *args, **kwargs).arguments.get("steps"))
         strategy = async_mode(self)
         if strategy is None:
             return original(self, *args, **kwargs)

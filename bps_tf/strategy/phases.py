@@ -2,14 +2,15 @@
 
 Workers of a synchronous job must make the same push_pulls in the same
 order. A rank-dependent script (``epochs=args.epochs + rank``, an
-``evaluate`` on rank 0 only) breaks that, and used to hang until a stall
-timeout named internal keys. Under a multi-worker ``BytePSStrategy``, each
-``fit``, ``evaluate`` and ``predict`` call, each epoch's start and each
-``fit``'s end is one small exchange of what every worker is doing (phase,
-call, epoch, steps): the n-th boundary of one worker meets the n-th of every
-other, so a worker that is somewhere else fails at once, on every worker,
-with a message in Keras' terms ("worker 1 started epoch 4 of fit while
-worker 0 ended fit after epoch 3").
+``evaluate`` on rank 0 only, an early stop on one worker) breaks that, and
+used to hang until a stall timeout named internal keys. Under a multi-worker
+``BytePSStrategy``, the start of each ``fit``, ``evaluate`` and ``predict``
+call and the end of each epoch is one small exchange of what every worker is
+doing -- before any other collective of that phase, so the n-th boundary of
+one worker always meets the n-th of every other -- and a worker that is
+somewhere else fails at once, on every worker, with a message in Keras'
+terms ("worker 1 started fit with epochs=4 while worker 0 started fit with
+epochs=3").
 """
 from __future__ import annotations
 
@@ -22,10 +23,8 @@ import tensorflow as tf
 from bps_tf.comm import collectives, naming
 from bps_tf.runtime import basics
 
-# What a worker can be doing at a boundary.
-FIT, EPOCH, FIT_END, EVALUATE, PREDICT = 1, 2, 3, 4, 5
-_NAMES = {FIT: "started fit", EPOCH: "started epoch", FIT_END: "ended fit",
-          EVALUATE: "started evaluate", PREDICT: "started predict"}
+FIT, EPOCH_END, EVALUATE, PREDICT = 1, 2, 3, 4
+_COLUMNS = 5      # phase, call, and three numbers of the phase
 
 
 class PhaseMismatchError(RuntimeError):
@@ -33,64 +32,60 @@ class PhaseMismatchError(RuntimeError):
 
 
 class PhaseCallback:
-    """Added to ``fit``'s callbacks: each epoch's start and the end of
-    training are boundaries (Keras calls the methods it finds)."""
+    """Added last to ``fit``'s callbacks: the end of each epoch (after the
+    user's callbacks, which may stop training) is a boundary."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, epochs: int):
         self._strategy = strategy
+        self._epochs = epochs
+        self.model = None
 
-    def on_epoch_begin(self, epoch, logs=None):
-        boundary(self._strategy, EPOCH, epoch)
-
-    def on_train_end(self, logs=None):
-        boundary(self._strategy, FIT_END)
+    def on_epoch_end(self, epoch, logs=None):
+        stops = bool(getattr(self.model, "stop_training", False)) or epoch + 1 >= self._epochs
+        boundary(self._strategy, EPOCH_END, epoch, int(stops))
 
 
 _count = itertools.count()
 _lock = threading.Lock()
-_where = {"phase": 0, "epoch": -1}       # this worker's last boundary (for messages)
+
+
+def _number(value) -> int:
+    return -1 if value is None else int(value)
 
 
 def describe(row) -> str:
-    phase, _, epoch, steps = (int(v) for v in row[:4])
-    text = _NAMES.get(phase, f"phase {phase}")
-    if phase == EPOCH:
-        text += f" {epoch + 1} of fit"
-    elif phase == FIT_END:
-        text += f" after epoch {epoch + 1}" if epoch >= 0 else ""
-    elif epoch >= 0:
-        text += f" (last fit epoch {epoch + 1})"
-    if steps > 0:
-        text += f", {steps} steps"
-    return text
+    phase, _, a, b, c = (int(v) for v in row[:_COLUMNS])
+    if phase == FIT:
+        text = f"started fit with epochs={a}, initial_epoch={b}"
+        return text + (f", steps_per_epoch={c}" if c >= 0 else "")
+    if phase == EPOCH_END:
+        return f"ended epoch {a + 1} of fit and " + (
+            "stops training" if b else f"goes on to epoch {a + 2}")
+    name = {EVALUATE: "evaluate", PREDICT: "predict"}.get(phase, f"phase {phase}")
+    return f"started {name}" + (f" with steps={a}" if a >= 0 else "")
 
 
-def boundary(strategy, phase: int, epoch: int = -1, steps=None) -> None:
-    """One exchange of (phase, call, epoch, steps) with every worker; raises
+def boundary(strategy, phase: int, a=None, b=None, c=None) -> None:
+    """One exchange of (phase, call, a, b, c) with every worker; raises
     PhaseMismatchError on every worker if one of them is elsewhere."""
     if strategy is None or strategy.num_workers <= 1 or getattr(strategy, "mode", "") == "async":
         return
     size, rank = basics.size(), basics.rank()
     with _lock:
         call = next(_count)
-        if phase == EPOCH:
-            _where["epoch"] = epoch
-        elif phase == FIT:
-            _where["epoch"] = -1
-        epoch = epoch if epoch >= 0 else _where["epoch"]
-    mine = np.array([[phase, call, epoch, int(steps or 0)]], np.int64)
-    table = tf.scatter_nd([[rank]], tf.constant(mine), [size, 4])
+    mine = np.array([[phase, call, _number(a), _number(b), _number(c)]], np.int64)
+    table = tf.scatter_nd([[rank]], tf.constant(mine), [size, _COLUMNS])
     # One name for every boundary: the n-th exchange of each worker meets
     # the n-th of the others, whatever phase each is in.
     rows = collectives.push_pull_sum(table, naming.strategy_key("phase", "boundary"),
                                      collectives.BLOCKING_PRIORITY).numpy()
-    # Steps may differ (an unsized epoch); the phase, call and epoch may not.
-    if all((rows[r, :3] == rows[0, :3]).all() for r in range(size)):
+    if all((rows[r] == rows[0]).all() for r in range(size)):
         return
+    other = next(r for r in range(size) if not (rows[r] == rows[rank]).all())
     shown = "; ".join(f"worker {r} {describe(rows[r])}" for r in range(size))
-    others = [r for r in range(size) if not (rows[r, :3] == rows[rank, :3]).all()]
     raise PhaseMismatchError(
-        f"BytePSStrategy: the workers are in different phases of training: {shown}. Every "
-        f"worker must call fit/evaluate/predict alike, with the same epochs (worker {rank} "
-        f"{describe(rows[rank])} while worker {others[0]} {describe(rows[others[0]])}); "
-        f"look for a value that depends on the rank (epochs=, an evaluate on rank 0 only).")
+        f"BytePSStrategy: the workers are in different phases of training: worker {rank} "
+        f"{describe(rows[rank])} while worker {other} {describe(rows[other])} ({shown}). "
+        f"Every worker must call fit/evaluate/predict alike, with the same arguments, and "
+        f"stop training at the same epoch; look for a value that depends on the rank "
+        f"(epochs=, an evaluate on rank 0 only, a callback that stops one worker).")

@@ -23,6 +23,7 @@ if MODE in ("on", "off"):
     os.environ["BYTEPS_LOCAL_RANK"] = str(RANK % 2)
     os.environ["BYTEPS_LOCAL_SIZE"] = "2"
 
+import bps_tf  # noqa: E402
 from bps_tf.runtime import basics  # noqa: E402
 from check_record import Checks  # noqa: E402
 

@@ -294,8 +294,9 @@ def weights_of(model):
 
 
 def phase_mismatches(rank):
-    """Rank-dependent epochs, then an evaluate on rank 0 only: each fails on
-    every worker at the next boundary, in Keras' terms, within seconds."""
+    """Rank-dependent epochs, an evaluate on rank 0 only, a stop on rank 1
+    only: each fails on every worker at the boundary, in Keras' terms,
+    within seconds, and the job goes on (a last fit agrees)."""
     import time as _time
     from bps_tf.strategy.phases import PhaseMismatchError
     strategy = new_strategy()
@@ -308,13 +309,74 @@ def phase_mismatches(rank):
     for name, run in (
             ("epochs", lambda: model.fit(x, y, batch_size=8, epochs=1 + rank, verbose=0)),
             ("evaluate", lambda: (model.evaluate(x, y, batch_size=8, verbose=0) if rank == 0
-                                  else model.fit(x, y, batch_size=8, epochs=1, verbose=0)))):
+                                  else model.fit(x, y, batch_size=8, epochs=1, verbose=0))),
+            # A callback stops training on one worker only (a rank-dependent EarlyStopping).
+            ("stop", lambda: model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+                keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(
+                    model, "stop_training", rank == 1 and epoch == 0))]))):
         started = _time.monotonic()
         try:
             run()
             out[name] = {"error": None}
         except PhaseMismatchError as exc:
             out[name] = {"error": str(exc), "seconds": _time.monotonic() - started}
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)    # every worker alike again
+    return out
+
+
+def drift_checks(rank):
+    """Replicas that are not the same model: refused or caught (fingerprints
+    every BYTEPS_FINGERPRINT_STEPS=4 steps, set by test_strategy.py)."""
+    from bps_tf.comm.fingerprint import ReplicasDriftedError
+    out = {}
+    # Two user-named layers built in another order on each worker.
+    try:
+        with new_strategy().scope():
+            first, second = ("encoder", "decoder") if rank == 0 else ("decoder", "encoder")
+            keras.layers.Dense(4, name=first).build((None, 4))
+            keras.layers.Dense(4, name=second).build((None, 4))
+        out["build_order"] = None
+    except Exception as exc:  # the scheduler's error, on every worker
+        out["build_order"] = str(exc)
+    x = np.random.RandomState(3).randn(64, 4).astype("float32")
+    y = x[:, :2] * 2.0
+
+    class Perturb(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and batch == 1:
+                kernel = self.model.layers[0].kernel
+                kernel.assign(kernel + 1e-3)
+    strategy = new_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[Perturb()])
+        out["fit_perturbed"] = None
+    except ReplicasDriftedError as exc:
+        out["fit_perturbed"] = str(exc)
+    for case in ("tape_skipped", "optimizer_skipped"):
+        keras.utils.set_random_seed(4)
+        dense = keras.layers.Dense(2)
+        dense.build((None, 4))
+        bps_tf.broadcast_variables(dense.trainable_variables, root_rank=0)
+        sgd = keras.optimizers.SGD(0.1)
+        opt = bps_tf.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        try:
+            for step in range(8):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((dense(x[:8]) - y[:8]) ** 2)
+                skip = rank == 1 and step == 2      # its own gradient, no exchange
+                if case == "tape_skipped":
+                    grads = (tape if skip else bps_tf.DistributedGradientTape(tape)).gradient(
+                        loss, dense.trainable_variables)
+                    sgd.apply(grads, dense.trainable_variables)
+                else:
+                    grads = tape.gradient(loss, dense.trainable_variables)
+                    (sgd if skip else opt).apply(grads, dense.trainable_variables)
+            out[case] = None
+        except ReplicasDriftedError as exc:
+            out[case] = str(exc)
     return out
 
 
@@ -382,10 +444,6 @@ def main(out_dir):
     except ValueError as exc:
         report["device_count_vote"] = str(exc)
     try:
-        report["phases"] = phase_mismatches(rank)
-    except Exception as exc:  # recorded, asserted by the test
-        report["phases"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
-    try:
         report["uneven_data"] = uneven_data(strategy, rank)
     except Exception as exc:  # recorded, asserted by the test
         report["uneven_data"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
@@ -449,6 +507,16 @@ def main(out_dir):
         write()
 
     bps_mirrored(out_dir, rank, x, y, report)
+    write()
+    # Last of the collective checks: they end fits early on purpose.
+    try:
+        report["drift"] = drift_checks(rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["drift"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
+    try:
+        report["phases"] = phase_mismatches(rank)
+    except Exception as exc:  # recorded, asserted by the test
+        report["phases"] = {"error": f"{exc}\n{traceback.format_exc()[-4000:]}"}
     write()
 
     # References, spread over the workers (they run side by side).
