@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
@@ -21,7 +21,8 @@ from tensorflow.python.framework import indexed_slices
 
 from bps_tf.comm import collectives, naming
 from bps_tf.overlap import guard as overlap_guard
-from bps_tf.runtime import config, hooks
+from bps_tf.overlap.engine import DeferredApply, current_graph
+from bps_tf.runtime import config
 
 log = logging.getLogger("bps_tf")
 
@@ -44,12 +45,6 @@ class _Retrace(OverlapError):
 
 def log_barrier(reason: str) -> None:
     log.warning("BytePSStrategy overlap: off for this model (barrier between steps): %s.", reason)
-
-
-def _last_op_id(graph) -> int:
-    """Id of the op created last in ``graph`` (ids grow in creation order)."""
-    ops = graph.get_operations()
-    return ops[-1]._id if ops else 0  # pylint: disable=protected-access
 
 
 def _local_values(value) -> list:
@@ -110,31 +105,25 @@ class _BatchRecorder:
         self._replay = []
 
 
-class FitOverlap:
+class FitOverlap(DeferredApply):
     """The deferred apply of one model's optimizer under BytePSStrategy."""
 
     def __init__(self, model, strategy):
+        variables = list(model.trainable_variables)
+        _model_count[0] += 1   # same order on every worker: fit is collective
+        super().__init__(variables,
+                         naming.overlap_index_keys(len(variables), f"fit{_model_count[0]}"),
+                         f"model {model.name!r}")
         self.model = model
         self.strategy = strategy
         self.optimizer = model.optimizer
-        self.variables = list(model.trainable_variables)
-        self._index = {id(v): i for i, v in enumerate(self.variables)}
-        _model_count[0] += 1   # same order on every worker: fit is collective
-        self.keys = naming.overlap_index_keys(len(self.variables), f"fit{_model_count[0]}")
         for key, v in zip(self.keys, self.variables):
             collectives.label_tensor(key, naming.variable_name(v))
         self._fifo = not config.value("BYTEPS_PRIORITY_SCHEDULING")
         self._active = 0          # train steps being traced right now
         self._graph = None        # the replica graph of the step being traced
-        # graph -> {variable index: op of its deferred update in that graph}
-        self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        # graph -> {variable index: [ops of its apply (first, last id), id of its start op]}
-        self._windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.enabled = True
-        self.dirty = False        # a step ran since the last flush
         self._sparse_logged = set()
-        self._flush_fns: Dict[tuple, object] = {}   # pending indices -> traced flush
-        self.step_lock = overlap_guard.StepLock(f"model {model.name!r}")
         if not self.optimizer.built:
             self.optimizer.build(self.variables)
         # The iteration count of the pending gradients, read by their
@@ -175,15 +164,10 @@ class FitOverlap:
             self._hook(owners[key], tuple(indices))
 
     def _hook(self, layer, indices):
-        original = layer.call
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
+        def before():
             if self._active and self.enabled:
                 self._apply_before_forward(layer, indices)
-            return original(*args, **kwargs)
-
-        object.__setattr__(layer, "call", call)
+        self.hook_call(layer, before, self)
 
     def _patch_optimizer(self):
         opt = self.optimizer
@@ -240,7 +224,7 @@ class FitOverlap:
         Each start's priority is the C++ priority pass's (bps_tf/ops/
         priority_pass.cc): the start takes the rank of the variable its key's
         wait updates, by that variable's first read in the step."""
-        entries = {i: w for i, w in self._windows.get(graph, {}).items() if w[0] is not None}
+        entries = {i: w for i, w in self.windows.get(graph, {}).items() if w[0] is not None}
         windows = {i: (applied, op._id if op is not None else None)  # pylint: disable=protected-access
                    for i, (applied, op) in entries.items()}
         handles = {i: overlap_guard.resource_handles([self.variables[i]]) for i in windows}
@@ -307,37 +291,32 @@ class FitOverlap:
                 f"BytePSStrategy overlap: layer {layer.name!r} is called inside control flow "
                 f"(a loop or condition in the train step), where its pending update cannot be "
                 f"applied before its forward pass")
-        done = self._applied.setdefault(graph, {})
+        done = self.applied(graph)
         todo = [i for i in indices if i not in done]
         if todo:
             tf.distribute.get_replica_context().merge_call(
-                lambda _strategy: self._apply(todo))
+                lambda _strategy: self.apply_pending(todo))
 
     def _start(self, strategy, grads, variables, learning_rate):
         """Cross-replica: starts the sums of this step's dense gradients."""
         del strategy
         indices = [self._index_of(v) for v in variables]
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        done = self._applied.setdefault(graph, {}) if graph is not None else {}
+        graph = current_graph()
+        done = self.applied(graph) if graph is not None else {}
         # A variable whose layer did not run in this step: its pending
         # update goes first (the same key cannot be started twice).
         missing = [i for i in indices if i not in done]
         if missing:
-            self._apply(missing)
+            self.apply_pending(missing)
         # Read before apply() counts this step.
         self._step.assign(tf.convert_to_tensor(self.optimizer.iterations.value))
         self._lr.assign(tf.cast(_local_values(learning_rate)[0], tf.float32))
-        for i, grad in zip(indices, grads):
+        local = []
+        for grad in grads:
             values = [tf.convert_to_tensor(g) for g in _local_values(grad)]
             with tf.device(values[0].device):
-                local = values[0] if len(values) == 1 else tf.math.add_n(values)
-            deps = [done[i]] if i in done else []
-            with tf.control_dependencies(deps):
-                token = collectives.push_pull_start(local, self.keys[i],
-                                                    priority=0 if self._fifo else -i)
-            done.pop(i, None)
-            if graph is not None:
-                self._windows.setdefault(graph, {}).setdefault(i, [None, None])[1] = token.op
+                local.append(values[0] if len(values) == 1 else tf.math.add_n(values))
+        self.start_sums(indices, local, lambda i: 0 if self._fifo else -i)
 
     def _index_of(self, variable) -> int:
         i = self._index.get(id(variable))
@@ -346,30 +325,6 @@ class FitOverlap:
                                f"{naming.variable_name(variable)}, which is not one of the "
                                f"model's trainable variables; use overlap=False.")
         return i
-
-    def _apply(self, indices) -> int:
-        """Cross-replica: waits for and applies the pending sums of
-        ``indices``. Eager: returns how many were applied."""
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        applied = 0
-        for i in indices:
-            var = self.variables[i]
-            like = tf.zeros(var.shape, var.dtype)
-            first = _last_op_id(graph) if graph is not None else None
-            summed, valid = collectives.push_pull_wait(like, self.keys[i])
-            if graph is None:
-                if bool(valid):
-                    self._update(var, summed)
-                    applied += 1
-                continue
-
-            def update(var=var, summed=summed):
-                self._update(var, summed)
-                return tf.constant(True)
-            applied_op = tf.cond(valid, update, lambda: tf.constant(False))
-            self._applied.setdefault(graph, {})[i] = applied_op
-            self._windows.setdefault(graph, {})[i] = [(first, _last_op_id(graph)), None]
-        return applied
 
     @contextlib.contextmanager
     def _pending_step(self):
@@ -383,9 +338,10 @@ class FitOverlap:
         finally:
             object.__setattr__(opt, "_iterations", saved)
 
-    def _update(self, var, grad):
-        """Weight decay then ``update_step`` on ``var``, as the optimizer's
-        apply does, for the pending step."""
+    def update(self, i, grad):
+        """Weight decay then ``update_step`` on variable ``i``, as the
+        optimizer's apply does, for the pending step (cross-replica)."""
+        var = self.variables[i]
         opt = self.optimizer
         learning_rate = self._lr
         with self._pending_step():
@@ -398,11 +354,6 @@ class FitOverlap:
             self.strategy.extended.update(var.value, fn, args=(grad,), group=False)
 
     # -- flush ---------------------------------------------------------------
-    def pending(self) -> List[str]:
-        """This model's keys still pending (eager)."""
-        mine = set(self.keys)
-        return [k for k in collectives.pending_push_pulls() if k in mine]
-
     def flush(self) -> int:
         """Waits for and applies every pending update (eager). Returns how
         many variables were updated; a second flush applies nothing."""
@@ -411,26 +362,4 @@ class FitOverlap:
         with self.step_lock.held():   # a step running in another thread ends first
             if self._active:
                 return 0
-            self.dirty = False
-            pending = set(self.pending())
-            if not pending:
-                return 0
-            indices = tuple(i for i, k in enumerate(self.keys) if k in pending)
-            with self.strategy.scope(), overlap_guard.flushing.scope():
-                return int(self._flush_fn(indices)())
-
-    def _flush_fn(self, indices):
-        """A traced flush of ``indices``. Traced, not eager, so the update
-        is the train step's arithmetic: Grappler rewrites a graph's update
-        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), and an eager
-        update would differ from the barrier's by an ulp."""
-        fn = self._flush_fns.get(indices)
-        if fn is None:
-            def flush_graph():
-                graph = tf.compat.v1.get_default_graph()
-                self._apply(list(indices))
-                applied = self._applied.pop(graph, {})
-                self._windows.pop(graph, None)
-                return tf.add_n([tf.cast(applied[i], tf.int32) for i in indices])
-            fn = self._flush_fns[indices] = tf.function(flush_graph, autograph=False)
-        return fn
+            return self.flush_pending(self.strategy.scope())

@@ -271,7 +271,6 @@ _WHY_READS = ("reads of a weight between steps must see the barrier's value; Ker
 
 
 def _concrete_function_class():
-    import tensorflow as tf
     concrete = tf.function(lambda: tf.constant(0)).get_concrete_function()
     return hooks.defining_class(type(concrete), "_call_flat"), "_call_flat"
 
@@ -280,7 +279,6 @@ def _concrete_function_class():
                 changes="an eager read of a weight whose model has pending overlapped updates "
                         "applies them first", why=_WHY_READS, when_missing="fallback")
 def _value(original):
-    import tensorflow as tf
 
     def value(self):
         ref = _watched.get(id(self))
@@ -291,7 +289,6 @@ def _value(original):
 
 
 def _flush_before_write(original):
-    import tensorflow as tf
 
     @functools.wraps(original)
     def write(self, *args, **kwargs):
@@ -319,7 +316,6 @@ for _name in ("assign", "assign_add", "assign_sub"):
                 when_missing="fallback", private=True,
                 found_by="role: the class of a traced tf.function's concrete function")
 def _call_flat_wrapper(call_flat):
-    import tensorflow as tf
 
     def _call_flat(self, tensor_inputs, captured_inputs):
         if _watched_handles and not flushing and tf.executing_eagerly():

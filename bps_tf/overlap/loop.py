@@ -52,15 +52,14 @@ exact. Sparse gradients (``IndexedSlices``) are sent dense.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import weakref
 from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.overlap import guard as overlap_guard
+from bps_tf.overlap.engine import DeferredApply, current_graph
 from bps_tf.runtime import basics, hooks
 
 log = logging.getLogger("bps_tf")
@@ -84,7 +83,7 @@ def _own_variables(layer) -> list:
     return list(getattr(layer, "_trainable_variables", []) or [])
 
 
-class OverlappedApply:
+class OverlappedApply(DeferredApply):
     """Deferred per-layer optimizer update with split push_pulls.
 
     ``model``: a built Keras model or layer; its layers (recursively) get a
@@ -119,26 +118,19 @@ class OverlappedApply:
                              f"if its update of a variable reads only that variable, its slots, "
                              f"the learning rate and iterations; else use "
                              f"DistributedGradientTape + optimizer.apply.")
+        variables = list(model.trainable_variables if variables is None else variables)
+        if not variables:
+            raise ValueError("OverlappedApply: no trainable variables (build the model first).")
+        super().__init__(variables, naming.overlap_keys(variables, prefix),
+                         "OverlappedApply(prefix=" + repr(prefix) + ")")
         self.model = model
         self.optimizer = optimizer
-        self.variables = list(model.trainable_variables if variables is None else variables)
-        if not self.variables:
-            raise ValueError("OverlappedApply: no trainable variables (build the model first).")
         self.average = average
-        self.keys = naming.overlap_keys(self.variables, prefix)
-        self._index = {id(v): i for i, v in enumerate(self.variables)}
         if not optimizer.built:
             optimizer.build(self.variables)
-        # graph -> {variable index: op of its deferred update in that graph}
-        self._applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        # graph -> {variable index: token of its start in that graph}
-        self._tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._flush_fn = None
-        self.step_lock = overlap_guard.StepLock("OverlappedApply(prefix=" + repr(prefix) + ")")
         self._install_hooks()
         # Reads between steps (an eager numpy(), a tf.function reading the
         # weights directly) apply the pending updates first.
-        self.dirty = False
         overlap_guard.watch(self.variables, overlap_guard.resource_handles(self.variables), self)
         overlap_guard.install_flushes()
         hooks.require(overlap_guard.GROUP, "OverlappedApply", policy=None)
@@ -153,7 +145,7 @@ class OverlappedApply:
         # Deepest owner wins: the layer whose own variables hold it.
         for layer in layers:
             for v in _own_variables(layer):
-                if id(v) in self._index:
+                if self.index_of(v) is not None:
                     owner[id(v)] = layer
         groups: Dict[int, List[int]] = {}
         by_id = {}
@@ -163,65 +155,20 @@ class OverlappedApply:
             by_id[id(layer)] = layer
         self.groups = [(by_id[k], idx) for k, idx in groups.items()]
         for layer, indices in self.groups:
-            self._hook(layer, tuple(indices))
-
-    def _hook(self, layer, indices):
-        original = layer.call
-        if getattr(original, "_bps_overlap", None) is self:
-            return
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            self._apply(indices)
-            return original(*args, **kwargs)
-
-        call._bps_overlap = self
-        object.__setattr__(layer, "call", call)
-
-    # ------------------------------------------------------------------
-    def _graph(self):
-        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            self.hook_call(layer, lambda indices=tuple(indices): self._apply(indices), self)
 
     def _apply(self, indices) -> int:
-        """Waits for and applies the pending sums of ``indices`` (once per
-        traced graph). Returns how many were applied (eager only; 0 in a graph)."""
-        graph = self._graph()
-        applied = 0
+        """Waits for and applies the pending sums of ``indices``, outside
+        the user's GradientTape."""
         with _stop_recording():
-            for i in indices:
-                if graph is not None:
-                    done = self._applied.setdefault(graph, {})
-                    if i in done:
-                        continue
-                    done[i] = self._apply_one(i, graph)
-                else:
-                    applied += int(self._apply_one(i, None))
-        return applied
+            return self.apply_pending(indices)
 
-    def _apply_one(self, i, graph):
-        var, key = self.variables[i], self.keys[i]
-        deps = []
-        if graph is not None:
-            token = self._tokens.get(graph, {}).get(i)
-            if token is not None:   # a start of this key earlier in this graph
-                deps = [token]
-        with tf.control_dependencies(deps):
-            like = tf.zeros(var.shape, var.dtype)
-            summed, valid = collectives.push_pull_wait(like, key)
-        grad = collectives.divide(summed, basics.size()) if self.average else summed
-        if graph is None:
-            if bool(valid):
-                self._update(grad, var)
-                return True
-            return False
-        return tf.cond(valid, lambda: self._update(grad, var), lambda: tf.constant(False))
-
-    def _update(self, grad, var):
+    def update(self, i, summed):
         # start() counted this step already; the update must see the count
         # of the step the gradient came from, and apply() adds it back.
+        grad = collectives.divide(summed, basics.size()) if self.average else summed
         self.optimizer.iterations.assign_sub(1)
-        self.optimizer.apply([grad], [var])
-        return tf.constant(True)
+        self.optimizer.apply([grad], [self.variables[i]])
 
     # ------------------------------------------------------------------
     def start(self, grads, variables: Optional[Sequence] = None):
@@ -236,34 +183,22 @@ class OverlappedApply:
             raise ValueError(f"start: {len(grads)} gradients for {len(variables)} variables.")
         indices = []
         for v in variables:
-            if id(v) not in self._index:
+            if self.index_of(v) is None:
                 raise ValueError(f"start: variable {naming.variable_name(v)} is not one of "
                                  f"this OverlappedApply's variables.")
-            indices.append(self._index[id(v)])
+            indices.append(self.index_of(v))
         # Anything still pending under these keys must be applied before
         # the same keys are started again.
         self._apply(indices)
-        graph = self._graph()
+        graph = current_graph()
         if graph is not None:
             overlap_guard.mark_train_graph(graph, self)
         else:
             self.dirty = True
-        done = self._applied.get(graph, {}) if graph is not None else {}
-        updates = list(done.values())
-        tokens = []
-        for i, grad in zip(indices, grads):
-            if grad is None:
-                continue
-            if isinstance(grad, tf.IndexedSlices):
-                grad = tf.convert_to_tensor(grad)
-            # A start may not overtake the wait of the same key.
-            deps = [done[i]] if i in done else []
-            with tf.control_dependencies(deps):
-                token = collectives.push_pull_start(grad, self.keys[i], priority=-i)
-            if graph is not None:
-                self._tokens.setdefault(graph, {})[i] = token
-                done.pop(i, None)   # a later step in this graph waits again
-            tokens.append(token)
+        updates = list(self.applied(graph).values()) if graph is not None else []
+        chosen = [(i, tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
+                  for i, g in zip(indices, grads) if g is not None]
+        tokens = self.start_sums([i for i, _ in chosen], [g for _, g in chosen], lambda i: -i)
         with tf.control_dependencies(updates):
             self.optimizer.iterations.assign_add(1)
         return tokens
@@ -273,33 +208,12 @@ class OverlappedApply:
         variables were updated (eager; 0 when traced). A second flush is a
         no-op. Call it before evaluation, saving or reading the weights."""
         if tf.executing_eagerly():
-            with self.step_lock.held(), overlap_guard.flushing.scope():
-                self.dirty = False
-                return int(self._traced_flush()())
+            with self.step_lock.held():
+                return self.flush_pending()
         # In a graph each key is applied once per graph; a flush must wait
         # again even for keys a hook already applied in this graph.
-        graph = self._graph()
-        self._applied.setdefault(graph, {})
+        done = self.applied(current_graph())
         for i in range(len(self.variables)):
-            self._applied[graph].pop(i, None)
+            done.pop(i, None)
         self._apply(range(len(self.variables)))
         return 0
-
-    def _traced_flush(self):
-        """The eager flush runs traced: Grappler rewrites a graph's update
-        (RMSprop's ``x / sqrt(y)`` becomes ``x * rsqrt(y)``), so an eager
-        update would differ from the train step's by an ulp."""
-        if self._flush_fn is None:
-            def flush_graph():
-                graph = self._graph()
-                self._apply(range(len(self.variables)))
-                done = self._applied.pop(graph, {})
-                self._tokens.pop(graph, None)
-                return tf.add_n([tf.cast(done[i], tf.int32) for i in range(len(self.variables))])
-            self._flush_fn = tf.function(flush_graph, autograph=False)
-        return self._flush_fn
-
-    def pending(self) -> List[str]:
-        """This instance's keys still pending (eager)."""
-        mine = set(self.keys)
-        return [k for k in collectives.pending_push_pulls() if k in mine]
