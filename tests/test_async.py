@@ -143,3 +143,11 @@ def test_async_name_prefix_matches_the_core():
 def test_modes_must_agree_across_workers(cluster):
     for d in _phase(cluster, "modes"):
         assert "1 of 2 workers use mode='async'" in d["refused"], d
+
+
+def test_a_variable_missing_on_one_worker_is_refused(cluster):
+    # Asynchronous keys are answered per worker: the start compares every
+    # worker's list of variables and fails on all, naming the difference.
+    for d in _phase(cluster, "missing"):
+        assert "keep different variables" in d["refused"], d
+        assert "only_on_rank1" in d["refused"] and "rank 1 has 2" in d["refused"], d

@@ -26,7 +26,7 @@ EXACT = ["sgd", "momentum", "adam", "adamw_schedule_spe3", "momentum_bn", "globa
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("overlap_fit_checks"))
     env = {"BYTEPS_OP_TIMEOUT": "60"}   # a lost tensor fails instead of hanging
-    found, log, code = run_checks(WORKERS, SERVERS, CHECKS, out, env=env, timeout=420)
+    found, log, code = run_checks(WORKERS, SERVERS, CHECKS, out, env=env, timeout=600)
     return found, log, code
 
 

@@ -121,6 +121,40 @@ def _check_dtypes(variables, keys) -> None:
                             "supported: float16, bfloat16, float32, float64, int32, int64.")
 
 
+def _catalogue(variables, keys) -> list:
+    return [f"{k} {naming.variable_identity(naming.variable_name(v))} "
+            f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v, k in zip(variables, keys)]
+
+
+def _check_catalogue(variables, keys, tag: str) -> None:
+    """Every worker keeps the same variables under the same keys: the
+    servers answer an asynchronous worker without waiting for the others,
+    so nothing else would notice a variable missing on one worker, or two
+    swapped. One exchange of each worker's whole list, compared by all."""
+    mine = np.frombuffer("\n".join(_catalogue(variables, keys)).encode(), np.uint8)
+    rows, _ = collectives.allgather(tf.constant(mine), naming.strategy_key("async", tag + "/list"),
+                                    basics.rank(), basics.size())
+    counts = collectives.push_pull_sum(
+        tf.scatter_nd([[basics.rank()]], tf.constant([mine.size], tf.int64), [basics.size()]),
+        naming.strategy_key("async", tag + "/sizes"), collectives.BLOCKING_PRIORITY).numpy()
+    data, start, lists = rows.numpy().tobytes(), 0, []
+    for count in counts:
+        lists.append(data[start:start + int(count)].decode().split("\n"))
+        start += int(count)
+    if all(found == lists[0] for found in lists):
+        return
+    other = next(r for r, found in enumerate(lists) if found != lists[0])
+    first, second = lists[0], lists[other]
+    where = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b),
+                 min(len(first), len(second)))
+    shown = lambda found: found[where] if where < len(found) else "(nothing)"  # noqa: E731
+    raise RuntimeError(
+        f"asynchronous training: the workers keep different variables on the servers: rank 0 "
+        f"has {len(first)} ({shown(first)!r} at position {where}), rank {other} has "
+        f"{len(second)} ({shown(second)!r}). Every worker must build the same model, with the "
+        f"same variables in the same order.")
+
+
 def start_from_root(variables, root_rank: int = 0) -> None:
     """Every worker calls this (eagerly, at the same point): afterwards the
     store holds the root's values of ``variables`` and every worker holds
@@ -136,6 +170,7 @@ def start_from_root(variables, root_rank: int = 0) -> None:
     _check_dtypes(variables, keys)
     n = next(_start_counter)
     _barrier(f"start{n}/arrive")
+    _check_catalogue(variables, keys, f"start{n}")
     if basics.rank() == root_rank:
         for v, k in zip(variables, keys):
             local = np.asarray(tf.convert_to_tensor(v))

@@ -145,28 +145,28 @@ def _shard_rows(arguments, rank: int, size: int) -> None:
 
 class _DriftCheck:
     """Added to ``fit`` under a multi-worker BytePSStrategy: every
-    BYTEPS_FINGERPRINT_STEPS optimizer steps, between two steps, the workers
-    compare the fingerprints of the model's variables (bps_tf.comm.fingerprint)."""
+    BYTEPS_FINGERPRINT_STEPS batches of the call, between two steps, the
+    workers compare the fingerprints of the model's variables
+    (bps_tf.comm.fingerprint). Batches are counted here, not read from
+    ``optimizer.iterations``: every worker counts the same, and the count
+    never depends on another thread (the overlap swaps the optimizer's
+    iteration variable while it traces a deferred update)."""
 
     def __init__(self, model):
         self._model = model
-        self._last = None
+        self._batches = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        optimizer = getattr(self._model, "optimizer", None)
-        if optimizer is None:
+        self._batches += 1
+        if self._batches % fingerprint.every():
             return
-        step = int(optimizer.iterations.numpy())
-        if step == self._last or step % fingerprint.every():
-            return
-        self._last = step
         overlap_fit.flush_model(self._model)
         # Floating variables: weights, moving statistics, optimizer slots
         # (random generators' states may differ by design).
         variables = [v for v in naming.model_variables(self._model, skip_on_read=True)
                      if tf.as_dtype(v.dtype).is_floating]
         fingerprint.check_now(variables, naming.strategy_key("fit", "weights"),
-                              f"model.fit, step {step}")
+                              f"model.fit, batch {self._batches} of this fit")
 
 
 @_register("keras.Model.fit",

@@ -28,6 +28,7 @@ os.environ["BYTEPS_ASYNC_LOG_STEPS"] = "20"
 os.environ["BYTEPS_LOG_LEVEL"] = "INFO"
 
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
@@ -152,6 +153,22 @@ def main():
         return refused
 
     checks.run("modes", phase_modes)
+
+    def phase_missing():
+        # A variable missing on one worker: the servers answer each worker
+        # alone, so only the start's comparison of the lists can notice.
+        variables = [tf.Variable(tf.zeros([3]), name="shared")]
+        if rank == 1:
+            variables.append(tf.Variable(tf.zeros([2]), name="only_on_rank1"))
+        try:
+            async_training.start_from_root(variables)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        detail["missing"] = {"refused": refused}
+        return refused
+
+    checks.run("missing", phase_missing)
     strategy = BytePSStrategy(mode="async")
     keras.utils.set_random_seed(rank)    # different initial weights: rank 0's must win
 
