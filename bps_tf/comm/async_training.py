@@ -131,13 +131,15 @@ def _check_catalogue(variables, keys, tag: str) -> None:
     servers answer an asynchronous worker without waiting for the others,
     so nothing else would notice a variable missing on one worker, or two
     swapped. One exchange of each worker's whole list, compared by all."""
-    mine = np.frombuffer("\n".join(_catalogue(variables, keys)).encode(), np.uint8)
+    # One int32 per byte: the sum that carries the allgather takes no uint8,
+    # and the lists are small.
+    mine = np.frombuffer("\n".join(_catalogue(variables, keys)).encode(), np.uint8).astype(np.int32)
     rows, _ = collectives.allgather(tf.constant(mine), naming.strategy_key("async", tag + "/list"),
                                     basics.rank(), basics.size())
     counts = collectives.push_pull_sum(
         tf.scatter_nd([[basics.rank()]], tf.constant([mine.size], tf.int64), [basics.size()]),
         naming.strategy_key("async", tag + "/sizes"), collectives.BLOCKING_PRIORITY).numpy()
-    data, start, lists = rows.numpy().tobytes(), 0, []
+    data, start, lists = rows.numpy().astype(np.uint8).tobytes(), 0, []
     for count in counts:
         lists.append(data[start:start + int(count)].decode().split("\n"))
         start += int(count)

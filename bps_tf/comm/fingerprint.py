@@ -94,7 +94,6 @@ def check_now(variables: Sequence, key: str, what: str) -> None:
     compare(rows, [naming.variable_name(v) for v in variables], what)
 
 
-_counters: Dict[str, object] = {}
 _eager_steps: Dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -109,12 +108,9 @@ def checked(tensors: List, variables: Sequence, key: str, what: str) -> List:
     if n <= 0 or basics.size() <= 1 or not variables:
         return tensors
     if tf.executing_eagerly():
-        with _lock:
-            step = _eager_steps[key] = _eager_steps.get(key, 0) + 1
-        if step % n == 0:
+        if _due(key, n):
             check_now(variables, key, what)
         return tensors
-    counter = _counter(key)
     names = [naming.variable_name(v) for v in variables]
     fingerprint_key = naming.part_key(key, "fingerprint")
 
@@ -127,8 +123,12 @@ def checked(tensors: List, variables: Sequence, key: str, what: str) -> List:
             return np.int64(0)
         return tf.py_function(verify, [rows], tf.int64)
 
-    step = counter.assign_add(1)
-    done = tf.cond(tf.equal(step % n, 0), exchange, lambda: tf.constant(0, tf.int64))
+    # The step count lives in Python, not in a variable: a TF1 graph may run
+    # its initializer before the train op is built, and a graph-keyed
+    # variable would not survive a second graph of the same key.
+    due = tf.py_function(lambda: _due(key, n), [], tf.bool)
+    due.set_shape([])
+    done = tf.cond(due, exchange, lambda: tf.constant(0, tf.int64))
     with tf.control_dependencies([done]):
         return [_after(t) for t in tensors]
 
@@ -142,13 +142,8 @@ def _after(tensor):
     return tf.identity(tensor)
 
 
-def _counter(key: str):
-    """The step counter of ``key``'s checks (a variable, made once)."""
+def _due(key: str, n: int) -> bool:
+    """Counts one step of ``key``; whether its check is due now."""
     with _lock:
-        counter = _counters.get(key)
-        if counter is None:
-            with tf.init_scope():
-                counter = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name="bps_fingerprint_step")
-            _counters[key] = counter
-        return counter
+        step = _eager_steps[key] = _eager_steps.get(key, 0) + 1
+    return step % n == 0

@@ -12,46 +12,31 @@ __all__ = ["mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "c
            "rocm_built", "sycl_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported"]
 
 
-def mpi_built(verbose=False):
-    """False: bps_tf does not use MPI."""
-    del verbose
-    return False
+def _false(name: str, why: str, takes_verbose: bool = True):
+    """A Horovod build query that answers False for bps_tf, and says why."""
+    if takes_verbose:
+        def query(verbose=False):
+            del verbose
+            return False
+    else:
+        def query():
+            return False
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = f"False: {why}"
+    return query
 
 
-def gloo_built(verbose=False):
-    """False: bps_tf does not use Gloo."""
-    del verbose
-    return False
-
-
-def nccl_built(verbose=False):
-    """False: GPU tensors are reduced by the parameter servers, not NCCL."""
-    del verbose
-    return False
-
-
-def ddl_built(verbose=False):
-    """False: no IBM DDL."""
-    del verbose
-    return False
-
-
-def ccl_built(verbose=False):
-    """False: no oneCCL."""
-    del verbose
-    return False
-
-
-def rocm_built(verbose=False):
-    """False: no ROCm kernels."""
-    del verbose
-    return False
-
-
-def sycl_built(verbose=False):
-    """False: no SYCL (Intel GPU) kernels."""
-    del verbose
-    return False
+mpi_built = _false("mpi_built", "bps_tf does not use MPI.")
+gloo_built = _false("gloo_built", "bps_tf does not use Gloo.")
+nccl_built = _false("nccl_built", "GPU tensors are reduced by the parameter servers, not NCCL.")
+ddl_built = _false("ddl_built", "no IBM DDL.")
+ccl_built = _false("ccl_built", "no oneCCL.")
+rocm_built = _false("rocm_built", "no ROCm kernels.")
+sycl_built = _false("sycl_built", "no SYCL (Intel GPU) kernels.")
+mpi_enabled = _false("mpi_enabled", "jobs never run on MPI.", takes_verbose=False)
+gloo_enabled = _false("gloo_enabled", "jobs never run on Gloo.", takes_verbose=False)
+mpi_threads_supported = _false("mpi_threads_supported",
+                               "there is no MPI to share with mpi4py.", takes_verbose=False)
 
 
 def cuda_built(verbose=False):
@@ -59,18 +44,3 @@ def cuda_built(verbose=False):
     del verbose
     from bps_tf.comm import collectives  # imports TensorFlow: only when asked
     return "GPU" in collectives.kernel_devices()
-
-
-def mpi_enabled():
-    """False: jobs never run on MPI."""
-    return False
-
-
-def gloo_enabled():
-    """False: jobs never run on Gloo."""
-    return False
-
-
-def mpi_threads_supported():
-    """False: there is no MPI to share with mpi4py."""
-    return False
