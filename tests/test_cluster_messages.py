@@ -134,3 +134,25 @@ def test_a_job_whose_workers_finish_ends_with_exit_0(tmp_path):
         assert c.wait_all(c.workers + c.servers, timeout=60), "a process hung"
         codes = [p.returncode for p in c.workers + c.servers]
         assert codes == [0, 0, 0, 0], [c.log(n) for n in ("worker0", "server0")]
+
+
+def test_the_reason_a_worker_leaves_is_what_ended_its_program(monkeypatch):
+    from bps_tf.runtime import basics
+    monkeypatch.delattr(sys, "last_type", raising=False)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    assert basics.leave_reason() == ""
+    monkeypatch.setattr(sys, "last_type", KeyboardInterrupt, raising=False)
+    assert basics.leave_reason() == "was interrupted (SIGINT)"
+    monkeypatch.setattr(sys, "last_type", ValueError, raising=False)
+    monkeypatch.setattr(sys, "last_value", ValueError("bad\n  input"), raising=False)
+    assert basics.leave_reason() == "failed (ValueError: bad input)"
+
+
+def test_each_phase_boundary_says_what_the_worker_is_doing():
+    from bps_tf.strategy import phases
+    said = {phase: phases.activity([phase, 7, epoch, 0]) for phase, epoch in
+            [(phases.FIT, -1), (phases.EPOCH, 3), (phases.FIT_END, 9), (phases.EVALUATE, 9),
+             (phases.PREDICT, -1)]}
+    assert said == {phases.FIT: "fit, starting", phases.EPOCH: "fit, epoch 4",
+                    phases.FIT_END: "the code after fit (which ended after epoch 10)",
+                    phases.EVALUATE: "evaluate", phases.PREDICT: "predict"}
