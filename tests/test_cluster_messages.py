@@ -150,9 +150,8 @@ def test_the_reason_a_worker_leaves_is_what_ended_its_program(monkeypatch):
 
 def test_each_phase_boundary_says_what_the_worker_is_doing():
     from bps_tf.strategy import phases
-    said = {phase: phases.activity([phase, 7, epoch, 0]) for phase, epoch in
-            [(phases.FIT, -1), (phases.EPOCH, 3), (phases.FIT_END, 9), (phases.EVALUATE, 9),
-             (phases.PREDICT, -1)]}
-    assert said == {phases.FIT: "fit, starting", phases.EPOCH: "fit, epoch 4",
-                    phases.FIT_END: "the code after fit (which ended after epoch 10)",
-                    phases.EVALUATE: "evaluate", phases.PREDICT: "predict"}
+    rows = [(phases.FIT, 10, 3), (phases.EPOCH_END, 3, 0), (phases.EPOCH_END, 9, 1),
+            (phases.EVALUATE, -1, -1), (phases.PREDICT, 5, -1)]
+    said = [phases.activity([phase, 7, a, b, -1]) for phase, a, b in rows]
+    assert said == ["fit, epoch 4 of 10", "fit, epoch 5 of 10",
+                    "the end of fit (after epoch 10 of 10)", "evaluate", "predict"]
