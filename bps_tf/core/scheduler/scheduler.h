@@ -135,6 +135,9 @@ class Scheduler {
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   void CheckStalls(std::vector<Outgoing>* out);
+  // Until every node joined: who is missing, logged every 10 s (a third
+  // of a shorter BYTEPS_RENDEZVOUS_TIMEOUT), as the nodes log their waiting.
+  void ReportMissing();
   // Answers the declarations of `name` by `ranks` (all made with one process set).
   void Complete(const std::string& name, const std::vector<int>& ranks,
                 std::vector<Outgoing>* out);
@@ -162,10 +165,7 @@ class Scheduler {
   std::set<uint64_t> used_keys_;
   std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
   std::vector<uint64_t> server_load_;
-  // Until every node joined: who is missing, logged every 10 s (a third
-  // of a shorter BYTEPS_RENDEZVOUS_TIMEOUT), as the nodes log their waiting.
-  void ReportMissing();
-  double report_every_s_;
+  double report_every_s_;  // ReportMissing's period
   Clock::time_point started_ = Clock::now();
   Clock::time_point last_report_ = Clock::now();
   bool finished_ = false;
