@@ -1,16 +1,60 @@
-"""Suite-wide set-up: the op library exists before any timed test starts.
+"""Suite-wide set-up: the op library exists before any timed test starts,
+and the suite leaves nothing in the temporary folder.
 
 After `pip install .` with build isolation the op library is compiled at
 first import (bps_tf/runtime/op_build.py). Doing that once here keeps the compile
 out of tests that bound their processes' start-up time.
+
+The tests and every process they start (TMPDIR) use a temporary folder of
+this session's own, so what they leave there is theirs alone, even while
+other test sessions share the machine: at the end the session fails if
+anything is left in it (each creator must remove what it makes), and then
+removes it. pytest's own `tmp_path` folders stay where pytest keeps them.
 """
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 BUILD_TIMEOUT_S = 900
+_session_tmp = {}
+
+
+def pytest_configure(config):
+    real = tempfile.gettempdir()
+    # Before pytest first asks for its base folder, which it derives from it.
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", real)
+    # Caches a test keeps between runs on purpose (Bazel's output root).
+    os.environ.setdefault("BPS_TEST_CACHE_TMPDIR", real)
+    private = tempfile.mkdtemp(prefix="bps_tests_", dir=real)
+    _session_tmp.update(path=private, before=(os.environ.get("TMPDIR"), tempfile.tempdir))
+    os.environ["TMPDIR"] = private
+    tempfile.tempdir = private
+
+
+def pytest_sessionfinish(session, exitstatus):
+    private = _session_tmp.get("path")
+    if not private:
+        return
+    left = sorted(os.listdir(private)) if os.path.isdir(private) else []
+    shutil.rmtree(private, ignore_errors=True)
+    previous, tempfile.tempdir = _session_tmp["before"]
+    if previous is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = ("the tests left these in the temporary folder (removed now; the test or "
+                "worker that makes each must remove it): " + ", ".join(left))
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(text, red=True)
+        else:
+            print(text, file=sys.stderr)
+        session.exitstatus = 1
 
 
 def pytest_sessionstart(session):

@@ -2,6 +2,7 @@
 tests can kill, probe and attack individual processes."""
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,8 +40,9 @@ class ManualCluster:
             if os.path.exists(ready):
                 self.port = int(open(ready).read().strip())
             elif time.time() > deadline or self.servers[0].poll() is not None:
-                self.stop()
-                raise RuntimeError("server 0 did not start: " + self.log("server0"))
+                log = self.log("server0")
+                self.close()
+                raise RuntimeError("server 0 did not start: " + log)
             else:
                 time.sleep(0.02)
         for i in range(1, num_servers):
@@ -82,11 +84,16 @@ class ManualCluster:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def close(self):
+        """Stops every process and removes the logs' folder (read them before)."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.stop()
+        self.close()
 
 
 def rss_mb(pid):

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -19,8 +18,8 @@ pytest.importorskip("sklearn")   # the digits data ships with scikit-learn
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    out = tempfile.mkdtemp(prefix="bps_async_")
+def cluster(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("bps_async"))   # pytest's, not left in the temp folder
     proc = launch(2, 2, [WORKER, out], timeout=240)
     details = {}
     for rank in range(2):

@@ -24,7 +24,10 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUTPUT_ROOT = os.path.join(tempfile.gettempdir(), f"bps_tf-bazel-{os.getuid()}")
+# The machine's temporary folder, not the session's (tests/conftest.py): a
+# cache kept between runs on purpose.
+OUTPUT_ROOT = os.path.join(os.environ.get("BPS_TEST_CACHE_TMPDIR") or tempfile.gettempdir(),
+                           f"bps_tf-bazel-{os.getuid()}")
 # Bazel keys its output base by the workspace path; the convenience links
 # must be per clone too, or two clones tested at once overwrite each other's.
 LINKS = os.path.join(OUTPUT_ROOT, "links", hashlib.sha256(ROOT.encode()).hexdigest()[:16])

@@ -86,6 +86,9 @@ def test_a_stalled_push_pull_is_reported_then_stops_the_job(tmp_path):
             assert first < failure, log
             assert warning in log[failure:], log
             assert "BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=5" in log[failure:], log
+            # each worker adds what only it knows: labels, its Keras phase
+            assert ("; 'only_on_rank0' is variable dense/kernel while this worker is in "
+                    f"fit, epoch {r + 1}") in log[first:failure], log
         assert c.servers[0].returncode != 0
     assert elapsed < 40
 
@@ -101,11 +104,12 @@ def test_a_later_call_skipped_by_one_worker_is_reported_then_fails(tmp_path):
         assert c.wait_all([c.workers[1]], timeout=60)
         log = c.log("worker1")
         assert c.workers[1].returncode == 3, log
-        stalled = "push_pull 'shared' (call 2 of this name) has waited "
+        stalled = "push_pull 'shared' (variable dense_1/bias) (call 2 of this name) has waited "
         warning = log.index(stalled)
         assert "BYTEPS_STALL_CHECK_TIME_SECONDS=2" in log[warning:], log
         failure = log.index("push_pull failed: ")
         assert warning < failure and stalled in log[failure:], log
+        assert "for the other workers while this worker is in fit, epoch 4 of 10: " in log, log
         assert "BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=5" in log[failure:], log
 
 

@@ -53,9 +53,11 @@ int bps_worker_init(const char* config, char* err, size_t err_len) {
   }
 }
 
-void bps_worker_shutdown(void) {
+void bps_worker_shutdown(void) { bps_worker_leave(""); }
+
+void bps_worker_leave(const char* reason) {
   bps::LocalReduce::Get().Stop();
-  bps::WorkerEngine::Get().Shutdown();
+  bps::WorkerEngine::Get().Shutdown(reason ? reason : "");
 }
 int bps_is_initialized(void) { return bps::WorkerEngine::Get().initialized() ? 1 : 0; }
 int bps_rank(void) { return bps::WorkerEngine::Get().rank(); }
@@ -118,6 +120,8 @@ void bps_enqueue_push_pull_ex(const char* name, int dtype, const int64_t* shape,
 void bps_set_tensor_label(const char* name, const char* label) {
   bps::TensorLabels::Get().Set(name ? name : "", label ? label : "");
 }
+
+void bps_set_activity(const char* text) { bps::TensorLabels::Get().SetActivity(text ? text : ""); }
 
 void bps_trace_wait(const char* name, int64_t begin_ns, int64_t end_ns) {
   using bps::Clock;

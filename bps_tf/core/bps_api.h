@@ -50,6 +50,11 @@ typedef void (*bps_done_fn)(void* ctx, int status, const char* error);
 int bps_worker_init(const char* config, char* err, size_t err_len);
 // Leaves the cluster cleanly; pending operations fail. Safe to call twice.
 void bps_worker_shutdown(void);
+// bps_worker_shutdown that tells the other nodes why this worker leaves
+// ("was interrupted (SIGINT)", "failed (ValueError: ...)"); "" is a worker
+// that finished. The other workers' errors name the reason, and the servers
+// of a job that a worker left with a reason exit non-zero.
+void bps_worker_leave(const char* reason);
 int bps_is_initialized(void);
 int bps_rank(void);
 int bps_size(void);
@@ -113,6 +118,10 @@ void bps_refuse_when_joined(const char* name);
 // carries); errors and the timeline show it beside the key. Never matched
 // across workers. An empty label removes it.
 void bps_set_tensor_label(const char* name, const char* label);
+// Says what this worker's program is doing, in its own terms ("fit, epoch
+// 4 of 10", "evaluate"); stall warnings show it beside the keys that wait.
+// Never sent to other nodes. "" forgets it.
+void bps_set_activity(const char* text);
 
 // Puts a split push_pull's wait on the timeline (BYTEPS_TRACE_ON): the
 // span, in nanoseconds of std::chrono::steady_clock in this process, from

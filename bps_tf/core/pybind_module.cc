@@ -207,10 +207,10 @@ void AddEngine(py::module_& m) {
     std::string err = CallWithError(&bps_worker_init, config, &code);
     if (code != 0) throw std::runtime_error(err);
   });
-  m.def("worker_shutdown", [] {
+  m.def("worker_shutdown", [](const std::string& reason) {
     py::gil_scoped_release release;
-    bps_worker_shutdown();
-  });
+    bps_worker_leave(reason.c_str());
+  }, py::arg("reason") = "");
   m.def("is_initialized", [] { return bps_is_initialized() != 0; });
   m.def("rank", &bps_rank);
   m.def("size", &bps_size);
@@ -235,6 +235,7 @@ void AddEngine(py::module_& m) {
   m.def("set_tensor_label", [](const std::string& name, const std::string& label) {
     bps_set_tensor_label(name.c_str(), label.c_str());
   });
+  m.def("set_activity", [](const std::string& text) { bps_set_activity(text.c_str()); });
   m.def("join", [] {
     char err[1024] = {0};
     int last;

@@ -8,6 +8,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import time
 
 from bps_tf.runtime import cluster, config, security
@@ -84,10 +85,35 @@ def _configure_logging(level: str, rank: int) -> None:
     log.setLevel(getattr(logging, level, logging.WARNING))
 
 
-def shutdown() -> None:
-    """Leaves the cluster; pending operations fail. Safe to call twice."""
+def shutdown(reason: str = None) -> None:
+    """Leaves the cluster; pending operations fail. Safe to call twice.
+
+    ``reason`` tells the other workers why this one leaves ("was interrupted
+    (SIGINT)"); by default, what ended the program: at exit after an uncaught
+    exception, that exception. The job then fails on every node with it."""
     if _core is not None:
-        _core.worker_shutdown()
+        _core.worker_shutdown(leave_reason() if reason is None else reason)
+
+
+def set_activity(text: str) -> None:
+    """Tells the core what this worker is doing, in the program's terms ("fit,
+    epoch 4"); its stall warnings show it. Never sent to other workers."""
+    if is_initialized():
+        _core.set_activity(text)
+
+
+def leave_reason() -> str:
+    """Why this program ends, for the others: "" when it finished.
+
+    Python records an uncaught exception in ``sys.last_type`` before the
+    ``atexit`` functions (our shutdown) run: a Ctrl-C is KeyboardInterrupt."""
+    kind = getattr(sys, "last_type", None)
+    if kind is None or hasattr(sys, "ps1"):   # an interactive session keeps old ones
+        return ""
+    if issubclass(kind, KeyboardInterrupt):
+        return "was interrupted (SIGINT)"
+    text = " ".join(str(getattr(sys, "last_value", "") or "").split())
+    return f"failed ({kind.__name__}: {text[:300]})" if text else f"failed ({kind.__name__})"
 
 
 def suspend() -> None:

@@ -72,6 +72,13 @@ class ClusterConfig:
             "local_rank": self.local_rank,
             "local_size": self.local_size,
             "hostname": self.hostname,
+            # Where the scheduler's address and the cluster's size come
+            # from: the core's waiting lines and errors name them.
+            "scheduler_origin": {"TF_CONFIG": "TF_CONFIG's ps task 0"}.get(
+                self.source, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"),
+            "members_origin": {"TF_CONFIG": "TF_CONFIG's cluster (its chief, worker and ps "
+                                            "tasks)"}.get(
+                self.source, "DMLC_NUM_WORKER/DMLC_NUM_SERVER"),
         }
 
 

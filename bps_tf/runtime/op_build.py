@@ -2,8 +2,13 @@
 
 TensorFlow's C++ ABI changes with every release, so an op library is only
 valid for the exact TensorFlow (version and compile flags) it was compiled
-against. Every build is therefore stamped with a *key*: a hash of the
-TensorFlow version, its compile and link flags, and the op sources. At import, `ensure_op_library()` returns
+against. Every build is therefore stamped with a *key*: a hash of what
+changes the binary -- the TensorFlow version, its compile and link flags with
+TensorFlow's own install folder replaced by a placeholder, and the op sources.
+Where TensorFlow or bps_tf is installed changes nothing in the library (it
+finds both by their sonames, already loaded), so a new virtual environment
+with the same TensorFlow reuses the cached build. At import,
+`ensure_op_library()` returns
 
 1. the library built at install time, when its stamp matches this process's
    TensorFlow (the common case: `pip install --no-build-isolation .`), else
@@ -24,9 +29,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Sequence
 
@@ -48,6 +55,8 @@ WARNINGS = ("-Wall", "-Wno-sign-compare")
 # TensorFlow's headers are full of deprecations that are not ours to fix.
 TF_HEADER_QUIET = ("-Wno-deprecated-declarations", "-Wno-interference-size")
 BUILD_TIMEOUT_S = 900
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+BUILD_DIR_PREFIX = ".build-"   # a build's temporary folder, inside the cache entry
 
 
 class BuildError(ImportError):
@@ -55,19 +64,22 @@ class BuildError(ImportError):
 
 
 def tensorflow_info_in_process() -> Dict:
-    """Version and build flags of the TensorFlow imported in this process."""
+    """Version, build flags and install folder of the TensorFlow imported in
+    this process."""
     import tensorflow as tf
     return {"version": tf.__version__,
             "cflags": list(tf.sysconfig.get_compile_flags()),
-            "lflags": list(tf.sysconfig.get_link_flags())}
+            "lflags": list(tf.sysconfig.get_link_flags()),
+            "root": os.path.dirname(os.path.abspath(tf.__file__))}
 
 
 def tensorflow_info_of(python: str) -> Dict:
     """The same, for the TensorFlow that `python` imports (raises if none)."""
-    probe = ("import json, tensorflow as tf\n"
+    probe = ("import json, os, tensorflow as tf\n"
              "print(json.dumps({'version': tf.__version__,"
              " 'cflags': tf.sysconfig.get_compile_flags(),"
-             " 'lflags': tf.sysconfig.get_link_flags()}))\n")
+             " 'lflags': tf.sysconfig.get_link_flags(),"
+             " 'root': os.path.dirname(os.path.abspath(tf.__file__))}))\n")
     out = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -86,13 +98,38 @@ def _source_paths(package_dir: str) -> List[str]:
     return paths
 
 
+TF_ROOT_PLACEHOLDER = "<tensorflow>"
+
+
+def _tensorflow_root(tf_info: Dict) -> str:
+    """TensorFlow's install folder: given, or the one its include flag names."""
+    if tf_info.get("root"):
+        return tf_info["root"].rstrip(os.sep)
+    for flag in tf_info["cflags"]:
+        path = flag[2:].rstrip(os.sep)
+        if flag.startswith("-I") and os.path.basename(path) == "include":
+            return os.path.dirname(path)
+    return ""
+
+
+def portable_flags(tf_info: Dict) -> List[List[str]]:
+    """TensorFlow's compile and link flags with its install folder replaced
+    by a placeholder: what of them changes the binary."""
+    root = _tensorflow_root(tf_info)
+    return [[f.replace(root, TF_ROOT_PLACEHOLDER) if root else f for f in tf_info[kind]]
+            for kind in ("cflags", "lflags")]
+
+
 def build_key(tf_info: Dict, package_dir: str = PACKAGE_DIR) -> str:
     """What an op library must have been built with to load in this process."""
     # The ABI a library must match is TensorFlow's (version and flags) and
     # our sources'; the compiler on PATH today says nothing about a library
     # built before, and asking it would cost every import a subprocess.
+    # Paths are left out: TensorFlow's install folder (a placeholder stands
+    # for it in the flags), bps_tf's and the core library's; sources are
+    # hashed by their names inside the package.
     h = hashlib.sha256()
-    h.update(json.dumps([tf_info["version"], tf_info["cflags"], tf_info["lflags"]]).encode())
+    h.update(json.dumps([tf_info["version"], *portable_flags(tf_info)]).encode())
     for path in _source_paths(package_dir):
         h.update(os.path.relpath(path, package_dir).encode())
         with open(path, "rb") as f:
@@ -124,28 +161,133 @@ def link_flags(tf_info: Dict, core_lib_dir: str) -> List[str]:
 
 
 def run_commands(cmds: Sequence[Sequence[str]], parallel: bool = True, echo=None) -> None:
-    """Runs the compile commands (in parallel) and then the link command."""
+    """Runs the compile commands (in parallel) and then the link command.
+
+    However it ends (an error, Ctrl-C, SIGTERM), no compiler outlives it:
+    each runs in a process group of its own, so its own children (cc1plus,
+    as) are stopped with it, and all are reaped."""
     *compiles, link = cmds
     procs = []
     try:
         for cmd in compiles:
             if echo:
                 echo(" ".join(cmd))
-            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                stderr=subprocess.STDOUT, text=True)))
+            procs.append((cmd, _start(cmd)))
             if not parallel:
                 _finish(*procs[-1])
         for cmd, proc in procs:
             _finish(cmd, proc)
+        if echo:
+            echo(" ".join(link))
+        procs.append((link, _start(link)))
+        _finish(*procs[-1])
     finally:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if echo:
-        echo(" ".join(link))
-    _finish(link, subprocess.Popen(link, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True))
+        with signals_deferred():
+            for _, proc in procs:
+                _stop_tree(proc)
+
+
+def _start(cmd):
+    # A group of its own: stopping it reaches the driver's children too. A
+    # Ctrl-C in the terminal no longer reaches the compilers directly; the
+    # KeyboardInterrupt it raises here stops them (run_commands' finally).
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _group_members(pgid: int) -> List[int]:
+    """The live processes of process group `pgid` (from /proc; [] without it)."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue   # gone meanwhile
+        if len(fields) >= 3 and fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _stop_tree(proc, patience_s: float = 5.0) -> None:
+    """Ends a compiler driver and what it started, leaving no zombie.
+
+    The driver's children are killed first, while the driver lives to reap
+    them (killed together, they would be orphans that only init reaps, and
+    some container inits never do); then the driver, which we reap."""
+    if proc.poll() is None:
+        give_up = time.monotonic() + patience_s
+        while proc.poll() is None and time.monotonic() < give_up:
+            for pid in _group_members(proc.pid):
+                if pid != proc.pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Holds off SIGINT, SIGTERM and SIGHUP during a cleanup, so a second
+    Ctrl-C cannot cut it short, then acts on the first that came, as the
+    program's own handler would have. Only the main thread runs Python's
+    signal handlers; elsewhere nothing can interrupt the cleanup anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came, previous = [], {}
+    for signum in STOP_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is not None:   # None: a handler not set from Python; leave it
+            previous[signum] = signal.signal(signum, lambda n, _frame: came.append(n))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if came:
+            os.kill(os.getpid(), came[0])
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived during the build (see stops_cleanly)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stops_cleanly():
+    """SIGTERM and SIGHUP, which by default end the process on the spot,
+    unwind the build instead (its finally blocks remove the compilers and the
+    temporary folder), and then end the process as they would have. SIGINT
+    needs nothing: it raises KeyboardInterrupt."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                previous[signum] = signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    except _Stopped as stopped:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        previous.clear()
+        os.kill(os.getpid(), stopped.signum)   # the default action: the process ends
+        raise BuildError(f"interrupted by {signal.Signals(stopped.signum).name}") from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_stopped(signum, _frame):
+    raise _Stopped(signum)
 
 
 def _finish(cmd, proc):
@@ -222,14 +364,28 @@ def ensure_op_library(package_dir: str = PACKAGE_DIR, tf_info: Dict = None,
         log(f"bps_tf: the installed op library {why}; compiling it for TensorFlow "
             f"{tf_info['version']} into {target_dir} (once; about a minute)...")
         start = time.time()
-        with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as tmp:
-            partial = os.path.join(tmp, LIBRARY_NAME)
-            run_commands(compile_commands(tf_info, package_dir, tmp, partial, core_lib_dir,
-                                          cxx))
-            os.replace(partial, target)  # atomic: readers never see half a library
+        _remove_abandoned_builds(target_dir)
+        with stops_cleanly():
+            tmp = tempfile.mkdtemp(dir=target_dir, prefix=BUILD_DIR_PREFIX)
+            try:
+                partial = os.path.join(tmp, LIBRARY_NAME)
+                run_commands(compile_commands(tf_info, package_dir, tmp, partial, core_lib_dir,
+                                              cxx))
+                os.replace(partial, target)  # atomic: readers never see half a library
+            finally:
+                with signals_deferred():
+                    shutil.rmtree(tmp, ignore_errors=True)
         write_stamp(target, key, tf_info["version"])
         log(f"bps_tf: op library ready ({time.time() - start:.0f} s).")
     return target
+
+
+def _remove_abandoned_builds(target_dir: str) -> None:
+    """Temporary folders of builds whose process died (SIGKILL, a power
+    cut): only the holder of the lock builds, so under it none is alive."""
+    for entry in os.listdir(target_dir):
+        if entry.startswith(BUILD_DIR_PREFIX):
+            shutil.rmtree(os.path.join(target_dir, entry), ignore_errors=True)
 
 
 def main(argv=None) -> None:

@@ -65,6 +65,23 @@ def describe(row) -> str:
     return f"started {name}" + (f" with steps={a}" if a >= 0 else "")
 
 
+_fit_epochs = {"total": 0}   # of the last fit started (for activity)
+
+
+def activity(row) -> str:
+    """What a worker at this boundary goes on to do, as its stall warnings
+    say it ("fit, epoch 4 of 10", "evaluate")."""
+    phase, _, a, b, _ = (int(v) for v in row[:_COLUMNS])
+    if phase == FIT:
+        _fit_epochs["total"] = a
+        return f"fit, epoch {max(b, 0) + 1} of {a}"
+    total = _fit_epochs["total"]
+    if phase == EPOCH_END:
+        return f"the end of fit (after epoch {a + 1} of {total})" if b else \
+            f"fit, epoch {a + 2} of {total}"
+    return {EVALUATE: "evaluate", PREDICT: "predict"}.get(phase, "")
+
+
 def boundary(strategy, phase: int, a=None, b=None, c=None) -> None:
     """One exchange of (phase, call, a, b, c) with every worker; raises
     PhaseMismatchError on every worker if one of them is elsewhere."""
@@ -74,6 +91,7 @@ def boundary(strategy, phase: int, a=None, b=None, c=None) -> None:
     with _lock:
         call = next(_count)
     mine = np.array([[phase, call, _number(a), _number(b), _number(c)]], np.int64)
+    basics.set_activity(activity(mine[0]))
     table = tf.scatter_nd([[rank]], tf.constant(mine), [size, _COLUMNS])
     # One name for every boundary: the n-th exchange of each worker meets
     # the n-th of the others, whatever phase each is in.

@@ -435,7 +435,7 @@ def main():
     log_lines = LogLines()
     logging.getLogger("bps_tf").addHandler(log_lines)
     off, on = BytePSStrategy(overlap=False), BytePSStrategy(overlap=True)
-    ckpt_dir = tempfile.mkdtemp(prefix=f"overlap_fit_{rank}_")
+    ckpt_dir = tempfile.mkdtemp(prefix=f"overlap_fit_{rank}_", dir=out_dir)  # the test's own
     checks.run("sgd", check_case("sgd", off, on, ckpt_dir, log_lines.lines, hold_batch=3))
     checks.run("hold_log", lambda: {"log": collectives.debug_hold_log()})
     for case in CASES:
@@ -445,7 +445,7 @@ def main():
     checks.run("train_on_batch", check_train_on_batch(off, on))
     checks.run("thread_reads", check_thread_reads(off, on))
     checks.run("priorities", check_priorities(on))
-    checks.run("writes", check_writes(off, on))
+    checks.run("writes", check_writes(off, on, ckpt_dir))
     checks.run("arguments", check_arguments(rank))
     bps_tf.shutdown()
 

@@ -16,6 +16,11 @@ import tensorflow as tf
 import keras
 
 GLOBAL_BATCH, ROWS, FEATURES = 16, 128, 6    # 8 steps per epoch
+_scratch = {"dir": None}   # the test's folder for the files the cases write (check_writes)
+
+
+def _scratch_dir(prefix):
+    return tempfile.mkdtemp(prefix=prefix, dir=_scratch["dir"])
 
 
 def _model():
@@ -104,7 +109,7 @@ def _swap_ema(strategy):
 def _checkpoint_between_fits(strategy):
     model = _fit(strategy, [], epochs=1)
     checkpoint = tf.train.Checkpoint(model=model)
-    path = checkpoint.save(os.path.join(tempfile.mkdtemp(prefix="bps_overlap_ckpt_"), "c"))
+    path = checkpoint.save(os.path.join(_scratch_dir("bps_overlap_ckpt_"), "c"))
     _fit(strategy, [], epochs=1, model=model)          # pending updates, then...
     checkpoint.restore(path).assert_existing_objects_matched()   # ...a restore
     return _fit(strategy, [], epochs=1, model=model)
@@ -114,7 +119,7 @@ CASES = {
     "set_weights": lambda s: _fit(s, [SetWeights()]),
     "assign": lambda s: _fit(s, [Assign()]),
     "load_weights": lambda s: _fit(s, [LoadWeights(os.path.join(
-        tempfile.mkdtemp(prefix="bps_overlap_w_"), "mid.weights.h5"))]),
+        _scratch_dir("bps_overlap_w_"), "mid.weights.h5"))]),
     "lookahead": lambda s: _fit(s, [Lookahead()]),
     "early_stopping_restore": _early_stopping,
     "swap_ema": _swap_ema,
@@ -122,8 +127,11 @@ CASES = {
 }
 
 
-def check_writes(off, on):
-    """{case: {"same": bool, "max_diff": float}} for every write case."""
+def check_writes(off, on, scratch):
+    """{case: {"same": bool, "max_diff": float}} for every write case; the
+    files they write go under `scratch` (the test's folder, removed with it)."""
+    _scratch["dir"] = scratch
+
     def run():
         out = {}
         for name, case in CASES.items():

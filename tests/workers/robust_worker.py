@@ -72,6 +72,10 @@ if MODE == "stall":
     # Each worker push_pulls a tensor the other never does: both wait at
     # the scheduler until the stall check reports, then stops, the job.
     name = "only_on_rank0" if rank == 0 else "only_on_rank1"
+    # What the strategy tells the core: the variable behind each key, and
+    # the Keras phase; the stall warnings must show them.
+    core.set_tensor_label("only_on_rank0", "dense/kernel")
+    basics.set_activity(f"fit, epoch {rank + 1}")
     a = np.ones(10, np.float32)
     try:
         core.push_pull_async(name, a, np.empty_like(a), 0, "").wait(N or 120)
@@ -89,6 +93,8 @@ if MODE == "skip_round":
     if rank == 0:
         time.sleep(N or 20)
         sys.exit(0)
+    core.set_tensor_label("shared", "dense_1/bias")
+    basics.set_activity("fit, epoch 4 of 10")
     try:
         core.push_pull_async("shared", a, np.empty_like(a), 0, "").wait(120)
         print("push_pull returned", file=sys.stderr, flush=True)

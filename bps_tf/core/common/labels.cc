@@ -28,4 +28,35 @@ std::string TensorLabels::Annotate(const std::string& key, const std::string& me
   return message + " (variable " + label + ")";
 }
 
+std::string TensorLabels::QuotedLabels(const std::string& message) const {
+  std::string out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t open = message.find('\''); open != std::string::npos;) {
+    size_t close = message.find('\'', open + 1);
+    if (close == std::string::npos) break;
+    auto it = labels_.find(message.substr(open + 1, close - open - 1));
+    if (it != labels_.end()) {
+      out += (out.empty() ? "; " : ", ") + message.substr(open, close - open + 1) +
+             " is variable " + it->second;
+    }
+    open = message.find('\'', close + 1);
+  }
+  return out;
+}
+
+void TensorLabels::SetActivity(const std::string& text) {
+  std::lock_guard<std::mutex> lock(mu_);
+  activity_ = text;
+}
+
+std::string TensorLabels::Activity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return activity_;
+}
+
+std::string TensorLabels::WhileDoing() const {
+  std::string activity = Activity();
+  return activity.empty() ? std::string() : " while this worker is in " + activity;
+}
+
 }  // namespace bps

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 namespace bps {
 
 void Membership::Join(const std::string& endpoint, const Config& cfg, const Config& extra) {
@@ -9,6 +11,16 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
   std::string name = std::string("ctl-") + RoleName(role_) + "-" + std::to_string(id_) + "-" +
                      std::to_string(getpid());
   scheduler_ = channel_->Connect(endpoint, name);
+  endpoint_ = endpoint;
+  origin_ = cfg.Get("scheduler_origin", "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT");
+  members_origin_ = cfg.Get("members_origin", "DMLC_NUM_WORKER/DMLC_NUM_SERVER");
+  rendezvous_s_ = cfg.GetDouble("rendezvous_timeout_s", 120);
+  report_every_s_ = std::min(kWaitReportS, std::max(1.0, rendezvous_s_ / 3));
+  joined_at_ = last_report_ = Clock::now();
+  heard_ = false;
+  // A node that hosts the scheduler meets itself: the scheduler reports who
+  // is missing instead.
+  report_waiting_ = cfg.GetInt("host_scheduler", 0) == 0;
   Config hello = extra;
   for (const SharedSetting& s : kSharedSettings) hello.Set(s.key, cfg.Get(s.key));
   hello.Set("hostname", cfg.Get("hostname"));
@@ -20,6 +32,7 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
 
 bool Membership::Handle(const Message& m, const OnWelcome& on_welcome) {
   last_heard_ = Clock::now();
+  heard_ = true;
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kWelcome: {
       Config layout = Config::Parse(m.payload.str());
@@ -49,14 +62,47 @@ void Membership::Send(MsgType type, const std::string& payload, uint64_t request
 }
 
 void Membership::Tick() {
-  if (!joined() || SecondsSince(last_beat_) < heartbeat_s_) return;
+  if (!joined()) return;
+  if (!welcomed_ && report_waiting_ && SecondsSince(last_report_) >= report_every_s_) {
+    last_report_ = Clock::now();
+    BPS_LOG(kWarning, WaitingLine(SecondsSince(joined_at_)));
+  }
+  if (SecondsSince(last_beat_) < heartbeat_s_) return;
   last_beat_ = Clock::now();
   Send(MsgType::kHeartbeat, "");
 }
 
-void Membership::Leave(int linger_ms) {
+std::string Membership::WaitingLine(double waited_s) const {
+  std::string waited = std::to_string(static_cast<int>(waited_s)) + " s";
+  std::string limit = " (BYTEPS_RENDEZVOUS_TIMEOUT=" +
+                      std::to_string(static_cast<int>(rendezvous_s_)) + " s)";
+  if (!heard_) {
+    return "waiting for the scheduler at " + endpoint_ + " (from " + origin_ + ") for " + waited +
+           ": no answer yet; is that process started, and can this machine reach that "
+           "address?" + limit;
+  }
+  return "the scheduler at " + endpoint_ + " answered; waiting for the other workers and "
+         "servers of " + members_origin_ + " to join, for " + waited + limit;
+}
+
+std::string Membership::RendezvousFailure(double timeout_s) const {
+  std::string head = "could not meet the cluster at the scheduler " + endpoint_ + " within " +
+                     std::to_string(static_cast<int>(timeout_s)) +
+                     " s (BYTEPS_RENDEZVOUS_TIMEOUT): ";
+  if (!heard_) {
+    return head + "it never answered; check " + origin_ + " (the scheduler's address), that "
+           "the process there runs and that this machine can reach it, and that "
+           "BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION are the same on every node";
+  }
+  return head + "it answered, but not every worker and server joined; check that every "
+         "node of " + members_origin_ + " was started (the scheduler logs which are missing)";
+}
+
+void Membership::Leave(int linger_ms, const std::string& reason) {
   if (!joined()) return;
-  Send(MsgType::kBye, "");
+  Config bye;
+  if (!reason.empty()) bye.Set("reason", reason);
+  Send(MsgType::kBye, bye.Serialize());
   channel_->Close(scheduler_, linger_ms);
   scheduler_ = Peer();
 }

@@ -6,6 +6,7 @@
 #ifndef BPS_TF_CORE_SCHEDULER_MEMBERSHIP_H_
 #define BPS_TF_CORE_SCHEDULER_MEMBERSHIP_H_
 
+#include <atomic>
 #include <functional>
 #include <string>
 
@@ -36,12 +37,25 @@ class Membership {
 
   void Send(MsgType type, const std::string& payload, uint64_t request_id = 0,
             uint16_t dtype = 0);
-  // Sends a heartbeat when one is due.
+  // Sends a heartbeat when one is due; until the WELCOME, also logs every
+  // kWaitReportS (a third of a shorter BYTEPS_RENDEZVOUS_TIMEOUT) what this
+  // node waits for (WaitingLine).
   void Tick();
+  // What this node waits for after `waited_s` without a WELCOME: the
+  // scheduler's first answer, or the other nodes; names the scheduler and
+  // where its address came from (Join's cfg: scheduler_origin).
+  std::string WaitingLine(double waited_s) const;
+  // Why the meeting did not happen within BYTEPS_RENDEZVOUS_TIMEOUT =
+  // `timeout_s`, worded in the terms of the user's configuration (TF_CONFIG
+  // users are not sent to DMLC_* variables): "could not meet the cluster
+  // at the scheduler ... within N s: ...".
+  std::string RendezvousFailure(double timeout_s) const;
+  static constexpr double kWaitReportS = 10;
   // True once nothing came from the scheduler for longer than timeout_s.
   bool Silent(double timeout_s) const { return SecondsSince(last_heard_) > timeout_s; }
-  // Says goodbye and gives it linger_ms to reach the scheduler.
-  void Leave(int linger_ms);
+  // Says goodbye, with why this node leaves ("" when it finished), and gives
+  // it linger_ms to reach the scheduler.
+  void Leave(int linger_ms, const std::string& reason = "");
   void Close();
 
  private:
@@ -50,6 +64,16 @@ class Membership {
   int id_;
   double heartbeat_s_;
   Peer scheduler_;
+  std::string endpoint_;
+  // Where the scheduler's address and the cluster's size came from, in the
+  // user's terms (bps_tf/runtime/cluster.py): "TF_CONFIG's ps task 0", ...
+  std::string origin_, members_origin_;
+  double rendezvous_s_ = 0;
+  double report_every_s_ = kWaitReportS;
+  Clock::time_point joined_at_ = Clock::now();
+  Clock::time_point last_report_ = Clock::now();
+  std::atomic<bool> heard_{false};  // anything came from the scheduler
+  bool report_waiting_ = true;
   bool welcomed_ = false;
   bool ready_ = false;
   Clock::time_point last_heard_ = Clock::now();

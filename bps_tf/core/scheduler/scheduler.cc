@@ -25,7 +25,8 @@ Scheduler::Scheduler(const Config& cfg)
       timeout_s_(cfg.GetDouble("timeout_s", 30)),
       stall_check_s_(cfg.GetDouble("stall_check_s", 60)),
       stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),
-      server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0) {}
+      server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0),
+      report_every_s_(std::min(10.0, std::max(1.0, cfg.GetDouble("rendezvous_timeout_s", 120) / 3))) {}
 
 Outgoing Scheduler::Reply(const Peer& to, MsgType type, const std::string& payload,
                           uint64_t request_id) {
@@ -86,35 +87,49 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
     case MsgType::kHeartbeat:
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       return;
-    case MsgType::kBye: {
-      if (it == nodes_.end()) return;
-      it->second.departed = true;
-      BPS_LOG(kInfo, Describe(it->second) << " left");
-      // Workers still running can no longer complete a push_pull: tell them,
-      // so they fail instead of waiting for a partner that is gone.
-      for (const auto& n : nodes_) {
-        if (n.second.role == Role::kWorker && !n.second.departed) {
-          out->push_back(Reply(n.first, MsgType::kPeerLeft, Describe(it->second)));
-        }
-      }
-      int left = 0;
-      for (const auto& n : nodes_) {
-        if (n.second.role == Role::kWorker && n.second.departed) ++left;
-      }
-      if (left == num_workers_) {
-        for (auto& n : nodes_) {
-          if (n.second.role == Role::kServer) {
-            out->push_back(Reply(n.first, MsgType::kShutdown, ""));
-            n.second.departed = true;
-          }
-        }
-        finished_ = true;
-      }
+    case MsgType::kBye:
+      if (it != nodes_.end()) OnBye(&it->second, kv.Get("reason"), out);
       return;
-    }
     default:
       return;  // not for the scheduler
   }
+}
+
+void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoing>* out) {
+  if (node->departed) return;
+  node->departed = true;
+  std::string who = Describe(*node);
+  if (reason.empty()) {
+    BPS_LOG(kInfo, who << " left");
+  } else {
+    // Logged at once: the reason may explain the errors the others report next.
+    BPS_LOG(kWarning, who << " " << reason << " and left the job");
+    failure_ += (failure_.empty() ? "" : "; ") + who + " " + reason;
+  }
+  // Workers still running can no longer complete a push_pull: tell them,
+  // so they fail instead of waiting for a partner that is gone.
+  Config left;
+  left.Set("who", who);
+  left.Set("reason", reason);
+  for (const auto& n : nodes_) {
+    if (n.second.role == Role::kWorker && !n.second.departed) {
+      out->push_back(Reply(n.first, MsgType::kPeerLeft, left.Serialize()));
+    }
+  }
+  int gone = 0;
+  for (const auto& n : nodes_) {
+    if (n.second.role == Role::kWorker && n.second.departed) ++gone;
+  }
+  if (gone < num_workers_) return;
+  // The servers exit non-zero with the reasons when a worker did not finish.
+  std::string ending = failure_.empty() ? "" : "the job failed: " + failure_;
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kServer) {
+      out->push_back(Reply(n.first, MsgType::kShutdown, ending));
+      n.second.departed = true;
+    }
+  }
+  finished_ = true;
 }
 
 void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv,
@@ -263,6 +278,29 @@ Scheduler::HostLayout Scheduler::LayOutHosts() {
   return hosts;
 }
 
+void Scheduler::ReportMissing() {
+  if (SecondsSince(last_report_) < report_every_s_) return;
+  last_report_ = Clock::now();
+  std::set<int> workers;
+  int servers = 0;
+  for (const auto& n : nodes_) {
+    if (n.second.role == Role::kWorker) workers.insert(n.second.id);
+    if (n.second.role == Role::kServer) ++servers;
+  }
+  std::string missing;
+  for (int r = 0; r < num_workers_; ++r) {
+    if (!workers.count(r)) missing += (missing.empty() ? "worker(s) " : ", ") + std::to_string(r);
+  }
+  if (servers < num_servers_) {
+    missing += (missing.empty() ? "" : "; ") + std::to_string(num_servers_ - servers) + " of " +
+               std::to_string(num_servers_) + " servers";
+  }
+  BPS_LOG(kWarning, "waiting for the cluster to meet, for "
+                        << static_cast<int>(SecondsSince(started_)) << " s: not joined yet: "
+                        << missing << " (" << nodes_.size() << " of "
+                        << num_workers_ + num_servers_ << " nodes joined)");
+}
+
 Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
                             const std::vector<const Node*>& servers_by_id) const {
   Config w;
@@ -296,6 +334,7 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
 }
 
 void Scheduler::Tick(std::vector<Outgoing>* out) {
+  if (fatal_.empty() && !welcomed_) ReportMissing();
   if (!fatal_.empty() || !welcomed_ || finished_) return;
   for (const auto& kv : nodes_) {
     const Node& n = kv.second;

@@ -42,6 +42,10 @@ class Scheduler {
   void Tick(std::vector<Outgoing>* out);
 
   bool finished() const { return finished_; }
+  // Why a finished job failed: the workers that left with a reason (see
+  // bps_worker_leave), e.g. "worker 1 (host a, pid 7) was interrupted
+  // (SIGINT)"; "" when every worker finished.
+  const std::string& failure() const { return failure_; }
   bool welcomed() const { return welcomed_; }
   const std::string& fatal() const { return fatal_; }
 
@@ -125,10 +129,15 @@ class Scheduler {
   void MaybeDeclare(const std::string& name, const std::vector<int>& members,
                     std::vector<Outgoing>* out);
   void Fail(const std::string& message, std::vector<Outgoing>* out);
+  // A worker's goodbye: tells the others, and ends the job with the last one.
+  void OnBye(Node* node, const std::string& reason, std::vector<Outgoing>* out);
   Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
   void CheckStalls(std::vector<Outgoing>* out);
+  // Until every node joined: who is missing, logged every 10 s (a third
+  // of a shorter BYTEPS_RENDEZVOUS_TIMEOUT), as the nodes log their waiting.
+  void ReportMissing();
   // Answers the declarations of `name` by `ranks` (all made with one process set).
   void Complete(const std::string& name, const std::vector<int>& ranks,
                 std::vector<Outgoing>* out);
@@ -156,7 +165,11 @@ class Scheduler {
   std::set<uint64_t> used_keys_;
   std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
   std::vector<uint64_t> server_load_;
+  double report_every_s_;  // ReportMissing's period
+  Clock::time_point started_ = Clock::now();
+  Clock::time_point last_report_ = Clock::now();
   bool finished_ = false;
+  std::string failure_;  // the reasons workers gave for leaving, in order
   std::string fatal_;
 };
 

@@ -132,7 +132,9 @@ class ServerNode {
   void SubmitFused(Message& m);
   void Stop(const std::string& error);
   std::string Who() const {
-    return is_server_ ? "server " + std::to_string(membership_.id()) : std::string("scheduler");
+    if (!is_server_) return "scheduler";
+    // Before the WELCOME a server without BYTEPS_SERVER_ID has no id yet.
+    return membership_.id() >= 0 ? "server " + std::to_string(membership_.id()) : "server";
   }
 
   Config cfg_;
@@ -338,6 +340,12 @@ void ServerNode::HandleControl(const Message& m) {
   if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kShutdown:
+      // A job that a worker left with a reason (interrupted, failed) ends
+      // with that reason and a non-zero exit: it did not succeed.
+      if (m.payload.size() != 0) {
+        Stop(m.payload.str());
+        break;
+      }
       Stats::Get().node_state = 2;
       done_ = true;
       break;
@@ -422,7 +430,7 @@ Peer ServerNode::Start(std::string* scheduler_at) {
 void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since) {
   scheduler_->Tick(out);
   SendOutgoing(out);
-  if (scheduler_->finished() && !is_server_) done_ = true;
+  if (scheduler_->finished() && !is_server_ && !done_) Stop(scheduler_->failure());
   if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
     Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
   }
@@ -445,9 +453,7 @@ void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_poi
     Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
   } else if (!membership_.welcomed() && !hosts_scheduler_ &&
              SecondsSince(started) > rendezvous_timeout_s_) {
-    Stop(Who() + " could not meet the cluster at the scheduler " + scheduler_at + " within " +
-         std::to_string(static_cast<int>(rendezvous_timeout_s_)) +
-         " s (BYTEPS_RENDEZVOUS_TIMEOUT; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)");
+    Stop(Who() + " " + membership_.RendezvousFailure(rendezvous_timeout_s_));
   }
 }
 
@@ -465,7 +471,7 @@ int ServerNode::Finish(const Peer& listener, std::string* error) {
   engine_.reset();
   membership_.Close();
   // The scheduler host lingers until its Shutdown notices are out.
-  channel_->Close(listener, scheduler_ && is_server_ && exit_code_ == 0 ? 2000 : 0);
+  channel_->Close(listener, scheduler_ && is_server_ && scheduler_->finished() ? 2000 : 0);
   channel_.reset();
   *error = error_;
   return exit_code_;

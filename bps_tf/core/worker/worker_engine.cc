@@ -54,18 +54,12 @@ void WorkerEngine::Init(const Config& cfg) {
     BPS_LOG(kInfo, "joined: rank " << rank_ << " of " << size_ << ", " << num_servers_ << " servers");
     return;
   }
-  std::string why = !fatal_.empty()
-                        ? fatal_
-                        : "could not meet the cluster at the scheduler " + scheduler_endpoint_ +
-                              " within " + std::to_string(static_cast<int>(rendezvous_s)) +
-                              " s: not every worker and server joined (BYTEPS_RENDEZVOUS_TIMEOUT; "
-                              "check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, that all nodes started, "
-                              "and that BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION are the same on "
-                              "every node)";
+  std::string why = fatal_;
   lock.unlock();
   stop_requested_ = true;
   wake_.Notify();
   if (io_thread_.joinable()) io_thread_.join();
+  if (why.empty()) why = membership_->RendezvousFailure(rendezvous_s);
   CloseChannel();
   lock.lock();
   state_ = State::kStopped;
@@ -150,7 +144,7 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   io_thread_ = std::thread([this] { IoLoop(); });
 }
 
-void WorkerEngine::Shutdown() {
+void WorkerEngine::Shutdown(const std::string& reason) {
   if (!initialized_) return;
   initialized_ = false;
   if (local_mode_) {
@@ -158,6 +152,7 @@ void WorkerEngine::Shutdown() {
     state_ = State::kStopped;
     return;
   }
+  leave_reason_ = reason;  // read by the I/O thread once it sees stop_requested_
   stop_requested_ = true;
   wake_.Notify();
   if (io_thread_.joinable()) io_thread_.join();

@@ -44,7 +44,8 @@ class WorkerEngine {
   static WorkerEngine& Get();
 
   void Init(const Config& cfg);  // throws Error
-  void Shutdown();
+  // Leaves the cluster; `reason` (bps_worker_leave) travels with the goodbye.
+  void Shutdown(const std::string& reason = "");
   bool initialized() const { return initialized_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -135,8 +136,9 @@ class WorkerEngine {
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
   void CheckTimers();
+  static std::string PeerLeftText(const Config& left);
   void CheckStalledPushes();
-  void Leave();
+  void Leave(const std::string& reason);
   void CloseChannel();
 
   // Scheduling helpers; *_Locked run with mu_ held and never touch sockets.
@@ -178,6 +180,7 @@ class WorkerEngine {
   std::vector<Peer> servers_;  // empty until WELCOME and after a failure
   std::thread io_thread_;
   std::atomic<bool> stop_requested_{false};
+  std::string leave_reason_;  // set by Shutdown before the I/O thread stops
 
   // Guarded by mu_.
   std::mutex mu_;
@@ -185,7 +188,7 @@ class WorkerEngine {
   State state_ = State::kIdle;
   std::string fatal_;
   int fatal_status_ = BPS_OK;
-  std::string peer_left_;  // set when another worker shut down
+  std::string peer_left_;  // set when another worker shut down: who, and why
   Clock::time_point peer_left_at_;
   static constexpr double kPeerLeftGraceS = 3.0;
   std::set<std::string> names_in_flight_;

@@ -179,8 +179,7 @@ void WorkerEngine::Submit(Task* task, const std::string& sig, const std::vector<
       status = fatal_status_;
     } else if (!peer_left_.empty() && !IsAsyncName(name)) {
       // An asynchronous key is answered by the server alone: it still works.
-      error = "push_pull '" + name + "' cannot complete: " + peer_left_ +
-              " has left the job (every worker must make the same push_pulls)";
+      error = "push_pull '" + name + "' cannot complete: " + peer_left_;
       status = BPS_ERR_UNAVAILABLE;
     } else if (joining_) {
       error = "push_pull '" + name + "': this worker has called join() and is waiting for the "

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/labels.h"
 #include "common/stats.h"
 #include "transport/fusion.h"
 #include "transport/local_links.h"
@@ -52,7 +53,7 @@ void WorkerEngine::IoLoop() {
       Fatal(e.what(), BPS_ERR_INTERNAL);
     }
   }
-  Leave();
+  Leave(leave_reason_);
 }
 
 void WorkerEngine::FlushControl() {
@@ -196,13 +197,18 @@ void WorkerEngine::HandleControl(const Message& m) {
       state_cv_.notify_all();
       break;
     }
-    case MsgType::kStall:
-      BPS_LOG(kWarning, m.payload.str());
+    case MsgType::kStall: {
+      // The scheduler knows keys only: this worker adds its variable names
+      // and what its program is doing, which the scheduler cannot know.
+      std::string message = m.payload.str();
+      BPS_LOG(kWarning, message << TensorLabels::Get().QuotedLabels(message)
+                                << TensorLabels::Get().WhileDoing());
       break;
+    }
     case MsgType::kPeerLeft: {
       std::lock_guard<std::mutex> lock(mu_);
       if (peer_left_.empty()) {
-        peer_left_ = m.payload.str();
+        peer_left_ = PeerLeftText(Config::Parse(m.payload.str()));
         peer_left_at_ = Clock::now();
       }
       break;
@@ -210,6 +216,16 @@ void WorkerEngine::HandleControl(const Message& m) {
     default:
       break;
   }
+}
+
+// What the others are told when a worker leaves: its reason when it gave
+// one (interrupted, failed), else that it finished while they still need it.
+std::string WorkerEngine::PeerLeftText(const Config& left) {
+  std::string who = left.Get("who", "another worker");
+  std::string reason = left.Get("reason");
+  if (!reason.empty()) return who + " " + reason + " and has left the job";
+  return who + " has left the job: it shut down while this worker still makes push_pulls "
+               "(every worker must make the same push_pulls, e.g. train the same number of steps)";
 }
 
 void WorkerEngine::CheckTimers() {
@@ -238,8 +254,7 @@ void WorkerEngine::CheckTimers() {
   }
   if (!left.empty()) {
     // Operations still pending after a partner left can never complete.
-    Fatal("push_pull cannot complete: " + left + " has left the job", BPS_ERR_UNAVAILABLE,
-          /*peer_failure=*/false);
+    Fatal("push_pull cannot complete: " + left, BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
     return;
   }
   if (state == State::kReady && membership_->Silent(timeout_s_)) {
@@ -266,17 +281,23 @@ void WorkerEngine::CheckStalledPushes() {
     if (IsAsyncName(task->name)) continue;   // never waits for other workers
     double age = SecondsSince(task->start);
     if (op_timeout_s_ > 0 && age > op_timeout_s_) {
-      Fatal("push_pull '" + task->name + "' did not complete within " +
-                std::to_string(static_cast<int>(op_timeout_s_)) +
-                " s (BYTEPS_OP_TIMEOUT): another worker did not push it",
+      Fatal(TensorLabels::Get().Annotate(
+                task->name, "push_pull '" + task->name + "' did not complete within " +
+                                std::to_string(static_cast<int>(op_timeout_s_)) +
+                                " s (BYTEPS_OP_TIMEOUT): another worker did not push it" +
+                                TensorLabels::Get().WhileDoing()),
             BPS_ERR_TIMEOUT);
       return;
     }
     if (stall_check_s_ <= 0 || age < stall_check_s_) continue;
-    std::string what = "push_pull '" + task->name + "' (call " + std::to_string(task->round + 1) +
-                       " of this name) has waited " + std::to_string(static_cast<int>(age)) +
-                       " s for the other workers: a worker skipped this call (every worker must "
-                       "make the same push_pull/broadcast calls) or is stuck elsewhere";
+    std::string label = TensorLabels::Get().Of(task->name);
+    std::string what = "push_pull '" + task->name + "'" +
+                       (label.empty() ? "" : " (variable " + label + ")") + " (call " +
+                       std::to_string(task->round + 1) + " of this name) has waited " +
+                       std::to_string(static_cast<int>(age)) + " s for the other workers" +
+                       TensorLabels::Get().WhileDoing() +
+                       ": a worker skipped this call (every worker must make the same "
+                       "push_pull/broadcast calls) or is stuck elsewhere";
     if (op_timeout_s_ <= 0 && stall_shutdown_s_ > 0 && age >= stall_shutdown_s_) {
       Fatal(what + "; stopping after BYTEPS_STALL_SHUTDOWN_TIME_SECONDS=" +
                 std::to_string(static_cast<int>(stall_shutdown_s_)),
@@ -291,17 +312,24 @@ void WorkerEngine::CheckStalledPushes() {
   }
 }
 
-void WorkerEngine::Leave() {
+void WorkerEngine::Leave(const std::string& reason) {
   bool ready;
+  std::string why = reason;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ready = state_ == State::kReady;
+    // A worker that failed still says goodbye while the scheduler answers,
+    // so the job ends at once, and with a reason: it did not finish,
+    // whatever its program says.
+    ready = state_ == State::kReady ||
+            (state_ == State::kFailed && membership_->welcomed() &&
+             !membership_->Silent(2 * heartbeat_s_ + 1));
+    if (why.empty() && !fatal_.empty()) why = "stopped after an error (" + fatal_ + ")";
   }
   Fatal("bps_tf was shut down", BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
   std::string trace = Trace::Get().Flush();
   if (!trace.empty()) BPS_LOG(kInfo, "timeline written to " << trace);
   if (ready) {
-    membership_->Leave(2000);  // let the goodbye reach the scheduler
+    membership_->Leave(2000, why);  // let the goodbye reach the scheduler
   } else {
     membership_->Close();
   }
