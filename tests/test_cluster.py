@@ -8,7 +8,7 @@ from bps_tf.runtime.cluster import ClusterConfig, ClusterSpecError, describe, jo
 
 CORE_KEYS = {"role", "rank", "num_workers", "num_servers", "scheduler_host", "scheduler_port",
              "server_id", "advertise_host", "port", "bind_host", "host_scheduler", "ready_file",
-             "local_rank", "local_size", "hostname"}
+             "local_rank", "local_size", "hostname", "scheduler_origin", "members_origin"}
 
 
 def dmlc(role, **extra):
