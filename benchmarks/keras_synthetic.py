@@ -23,6 +23,10 @@ Runs, one after the other, each worker alone in a namespace host of its own
                the first overlapped run's timeline and draws two of its
                steps (benchmarks/timeline_svg.py);
 * with --unencrypted, also bps_tf CURVE off: bps_tf with BYTEPS_ENCRYPTION=0;
+* with --fingerprint, also bps_tf fingerprint off and bps_tf fingerprint
+               every step: bps_tf with BYTEPS_FINGERPRINT_STEPS=0 and =1 (the
+               default, 100, checks once in 100 steps: its cost is the
+               difference to "off" plus a hundredth of the every-step cost);
 * with --overlap --blocking-check, also bps_tf overlap blocking check:
                bps_tf overlap with BYTEPS_EARLY_DATA_CHECK=0 (every step waits for
                tf.distribute's end-of-data sum across workers, as before
@@ -58,6 +62,7 @@ from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 SCRIPT = str(WORKERS_DIR / "keras_fit.py")
 # "fifo" is short for "bps_tf FIFO".
 RUN_NAMES = ("single", "independent", "bps_tf", "fifo", "bps_tf FIFO", "bps_tf CURVE off",
+             "bps_tf fingerprint off", "bps_tf fingerprint every step",
              "comm only", "bps_tf overlap", "bps_tf overlap FIFO",
              "bps_tf overlap blocking check")
 
@@ -158,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--unencrypted", action="store_true",
                     help="also run bps_tf with BYTEPS_ENCRYPTION=0 (no CURVE between hosts, "
                          "as Horovod and BytePS send): what the encryption costs the step")
+    ap.add_argument("--fingerprint", action="store_true",
+                    help="also bps_tf with the replica fingerprint off and at every step")
     ap.add_argument("--blocking-check", action="store_true",
                     help="with --overlap: also run overlap with BYTEPS_EARLY_DATA_CHECK=0 "
                          "(every step waits for the cross-worker end-of-data sum)")
@@ -211,6 +218,11 @@ def main(argv=None) -> int:
             if args.unencrypted:
                 plan.append(("bps_tf CURVE off", lambda: run_cluster(
                     spec, workers, servers, args.timeout, env={"BYTEPS_ENCRYPTION": "0"})))
+            if args.fingerprint:
+                plan += [(f"bps_tf fingerprint {label}", lambda steps=steps: run_cluster(
+                    spec, workers, servers, args.timeout,
+                    env={"BYTEPS_FINGERPRINT_STEPS": steps}))
+                    for label, steps in (("off", "0"), ("every step", "1"))]
 
             def overlapped():
                 trace = None
@@ -292,6 +304,14 @@ def main(argv=None) -> int:
                       for rnd in by["independent"]["all_step_s"])
         summary["independent_as_if_synchronous_step_s"] = sync
         summary["efficiency_vs_independent_synchronous"] = sync / by["bps_tf"]["step_s"]
+    if "bps_tf" in by and "bps_tf fingerprint off" in by:
+        off = by["bps_tf fingerprint off"]["step_s"]
+        summary["fingerprint_default_cost"] = by["bps_tf"]["step_s"] / off - 1
+        if "bps_tf fingerprint every step" in by:
+            every = by["bps_tf fingerprint every step"]["step_s"] / off - 1
+            summary["fingerprint_every_step_cost"] = every
+            # The default checks once in BYTEPS_FINGERPRINT_STEPS (100) steps.
+            summary["fingerprint_default_amortized_cost"] = every / 100
     if "bps_tf" in by and "bps_tf FIFO" in by:
         summary["priority_speedup"] = by["bps_tf FIFO"]["step_s"] / by["bps_tf"]["step_s"]
     if "bps_tf" in by and "bps_tf overlap" in by:

@@ -22,8 +22,10 @@ PART = 65536
 # 5 dtypes x (0 + 1 + 1 + 1 + 4 partitions) + 3 rounds of one small tensor.
 PARTITIONS = 5 * 7 + 3
 NUMPY_OPS = 5 * 5 + 3
+# The worker script's helpers, before whatever PYTHONPATH the suite runs with.
 ENV = {"BYTEPS_PARTITION_BYTES": str(PART), "BYTEPS_TIMEOUT": "5",
-       "PYTHONPATH": os.path.join(ROOT, "tests", "workers")}
+       "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "tests", "workers"),
+                                                   os.environ.get("PYTHONPATH")]))}
 
 
 def _run(tmp_path, mode, env):

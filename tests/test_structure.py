@@ -33,7 +33,7 @@ LAYERS = (
     ("integrations", ("bps_tf.strategy", "bps_tf.compat")),
     ("keras", ("bps_tf.keras",)),
     ("public", ("bps_tf", "bps_tf.server", "bps_tf.distribute", "bps_tf.util",
-                "bps_tf.elastic", "bps_tf.mpi_ops")),
+                "bps_tf.elastic", "bps_tf.mpi_ops", "bps_tf.launcher", "bps_tf.op_build")),
 )
 DOCUMENTED = {"init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
               "push_pull", "allreduce", "allgather", "grouped_allreduce", "broadcast",
@@ -295,3 +295,15 @@ def test_star_import_gives_the_documented_api():
     assert out.returncode == 0, out.stderr[-3000:]
     names = set(out.stdout.split())
     assert DOCUMENTED <= names, DOCUMENTED - names
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("bps_tf.launch", "usage: bpslaunch"), ("bps_tf.launcher", "usage: bpslaunch"),
+    ("bps_tf.op_build", "usage: python -m bps_tf.op_build")])
+def test_documented_module_entry_points_run(module, expected, tmp_path):
+    """`python -m` paths that scripts and images call (older ones included)
+    still run, from a folder outside the source tree."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout

@@ -76,8 +76,11 @@ def _run(cmd, env=None, cwd=None, timeout=None, log=None):
 
 def _versions(python):
     probe = ("import json, tensorflow as tf, keras, numpy\n"
-             "print(json.dumps({'tensorflow': tf.__version__, 'keras': keras.__version__, "
-             "'numpy': numpy.__version__}))")
+             "found = {'tensorflow': tf.__version__, 'keras': keras.__version__, "
+             "'numpy': numpy.__version__}\n"
+             "try:\n    import tf_keras\n    found['tf_keras'] = tf_keras.__version__\n"
+             "except ImportError:\n    pass\n"
+             "print(json.dumps(found))")
     code, _, out = _run([python, "-c", probe], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if code != 0:
         return {}
@@ -90,8 +93,13 @@ def _versions(python):
 def _venv(name, requirements, root, reuse, log):
     path = os.path.join(root, name)
     python = os.path.join(path, "bin", "python")
-    wanted = next(r.split("==")[1] for r in requirements if r.startswith("tensorflow"))
-    if not (reuse and os.path.exists(python) and _versions(python).get("tensorflow") == wanted):
+    # Every pinned package must be the one found, not only TensorFlow: a
+    # venv of the same TensorFlow with another Keras is another combination.
+    pinned = {r.split("==")[0].replace("tensorflow-cpu", "tensorflow"): r.split("==")[1]
+              for r in requirements if "==" in r}
+    found = _versions(python) if os.path.exists(python) else {}
+    same = lambda a, b: (a or "").replace("-", "") == b.replace("-", "")  # noqa: E731  2.22.0-rc0
+    if not (reuse and all(same(found.get(k), v) for k, v in pinned.items())):
         shutil.rmtree(path, ignore_errors=True)
         code, _, out = _run([sys.executable, "-m", "venv", path], log=log)
         if code != 0:

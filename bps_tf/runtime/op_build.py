@@ -389,12 +389,12 @@ def _remove_abandoned_builds(target_dir: str) -> None:
 
 
 def main(argv=None) -> None:
-    """`python -m bps_tf.runtime.op_build`: build (or find) the op library now, e.g. in
+    """`python -m bps_tf.op_build`: build (or find) the op library now, e.g. in
     a container image, so that no worker compiles it at start-up.
     `--stamp PATH`: mark an op library built by other means (Bazel) against
     this environment's TensorFlow as built for it."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m bps_tf.runtime.op_build")
+    parser = argparse.ArgumentParser(prog="python -m bps_tf.op_build")
     parser.add_argument("--stamp", metavar="LIBRARY",
                         help="stamp LIBRARY as built for this TensorFlow instead of building")
     args = parser.parse_args(argv)

@@ -314,6 +314,9 @@ def phase_mismatches(rank):
             ("stop", lambda: model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
                 keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(
                     model, "stop_training", rank == 1 and epoch == 0))]))):
+        # Timed from when both workers are here: the divergence starts when
+        # the later one reaches the boundary, not when a faster one waits.
+        bps_tf.barrier()
         started = _time.monotonic()
         try:
             run()
