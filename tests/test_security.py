@@ -38,7 +38,9 @@ def test_secrets_are_derived_per_token_and_per_purpose():
 
 @pytest.mark.parametrize("env, mode, keys", [
     # with a token, the local links' credential too (Unix sockets on one machine)
-    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "curve",
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "aead",
+     {"plain_credential", "link_key", "local_credential"}),
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "curve"}, "curve",
      {"curve_server_secret", "curve_client_secret", "local_credential"}),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain",
      {"plain_credential", "local_credential"}),
@@ -48,7 +50,7 @@ def test_the_core_gets_derived_keys_never_the_token(env, mode, keys):
     values = config.core_settings(env)
     assert values["link_security"] == mode
     secret_keys = {"curve_server_secret", "curve_client_secret", "plain_credential",
-                   "local_credential"}
+                   "local_credential", "link_key"}
     assert secret_keys & set(values) == keys
     text = config.to_core_text(values)
     assert "s3cr3t" not in text and "job_token" not in text
@@ -84,7 +86,7 @@ print("initialized:", core.is_initialized())
     lines = proc.stdout.splitlines()
     assert len(lines) == 3, proc.stdout
     assert lines[0].startswith("refused:") and "curve_server_secret as 64 hex digits" in lines[0]
-    assert lines[1].startswith("refused:") and "link_security must be none, plain or curve" in lines[1]
+    assert lines[1].startswith("refused:") and "link_security must be none, plain, aead or curve" in lines[1]
     assert lines[2] == "initialized: False"
 
 
