@@ -316,18 +316,30 @@ class ZmqChannel : public Channel {
     // A peer with a verified handshake: the message was changed, forged,
     // replayed or reordered on the way. Accepting a later one would lose
     // or repeat it, so the link ends here, and with it the job.
-    Stats::Get().frames_rejected++;
+    const uint64_t rejected = ++Stats::Get().frames_rejected;
     const bool replayed = v == LinkCipher::Verdict::kReplayed;
     if (!l.routed) {
       if (refusal_.empty()) refusal_ = ExplainRejected(l.endpoint, replayed);
       return false;
     }
-    BPS_LOG(kError, "rejected a message from a peer (" << Printable(from.route) << ") on "
-                        << l.endpoint << ": " << ExplainRejected("it", replayed));
-    FrameHeader alert = MakeHeader(MsgType::kError, Role::kScheduler, -1);
-    alert.reserved[0] = kAlertMark;
-    const std::string text = ExplainRejectedFromPeer(l.endpoint, replayed);
-    Send(from, alert, Msg(text.data(), text.size()));
+    // The first says why; the count comes at exit (a peer of the job that
+    // keeps trying must not flood the log).
+    if (rejected == 1) {
+      BPS_LOG(kError, "rejected a message from a peer (" << Printable(from.route) << ") on "
+                          << l.endpoint << ": it " << RejectionCause(replayed)
+                          << "; the peer is told and its link closed");
+    }
+    LinkCipher* cipher = sealed_->Answered(link, from.route);
+    if (cipher) {
+      FrameHeader alert = MakeHeader(MsgType::kError, Role::kScheduler, -1);
+      alert.reserved[0] = kAlertMark;
+      const std::string text = ExplainRejectedFromPeer(l.endpoint, replayed);
+      alert.payload_bytes = text.size();
+      std::vector<Msg> frames;
+      frames.emplace_back(from.route.data(), from.route.size());
+      cipher->Seal(alert, Msg(text.data(), text.size()), &frames);
+      links_[static_cast<size_t>(link)].socket->SendFrames(&frames);
+    }
     sealed_->Forget(link, from.route);
     return false;
   }

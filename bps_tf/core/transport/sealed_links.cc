@@ -51,6 +51,13 @@ LinkCipher* SealedLinks::Cipher(int link, const std::string& route) {
   return it != peers_.end() && it->second.cipher.ready() ? &it->second.cipher : nullptr;
 }
 
+LinkCipher* SealedLinks::Answered(int link, const std::string& route) {
+  auto it = peers_.find({link, route});
+  if (it == peers_.end()) return nullptr;
+  if (it->second.cipher.ready()) return &it->second.cipher;
+  return it->second.pending.ready() ? &it->second.pending : nullptr;
+}
+
 LinkCipher::Verdict SealedLinks::Open(int link, const std::string& route, const Msg& sealed,
                                       Msg* payload, FrameHeader* h, bool* known) {
   auto out = outgoing_.find(link);
@@ -59,20 +66,18 @@ LinkCipher::Verdict SealedLinks::Open(int link, const std::string& route, const 
     return *known ? out->second.cipher.Open(sealed, payload, h) : LinkCipher::Verdict::kForged;
   }
   auto it = peers_.find({link, route});
-  *known = it != peers_.end() && it->second.cipher.ready();
-  if (it == peers_.end()) return LinkCipher::Verdict::kForged;
+  *known = it != peers_.end();
+  if (!*known) return LinkCipher::Verdict::kForged;
   PeerState& p = it->second;
+  LinkCipher::Verdict v = LinkCipher::Verdict::kForged;
   if (p.pending.ready()) {
     // A fresh handshake's first message confirms it; one that fails to
     // verify with it may still belong to the link's current cipher.
-    LinkCipher::Verdict v = p.pending.Open(sealed, payload, h);
-    if (v == LinkCipher::Verdict::kOk) {
-      p.cipher = std::move(p.pending);
-      *known = true;
-      return v;
-    }
+    v = p.pending.Open(sealed, payload, h);
+    if (v == LinkCipher::Verdict::kOk) p.cipher = std::move(p.pending);
+    if (v == LinkCipher::Verdict::kOk || !p.cipher.ready()) return v;
   }
-  return *known ? p.cipher.Open(sealed, payload, h) : LinkCipher::Verdict::kForged;
+  return p.cipher.Open(sealed, payload, h);
 }
 
 void SealedLinks::Forget(int link, const std::string& route) { peers_.erase({link, route}); }

@@ -37,9 +37,13 @@ class SealedLinks {
   bool Answer(int link, const std::string& route, const Msg& hello, Msg* answer,
               std::string* why);
   LinkCipher* Cipher(int link, const std::string& route);  // null until confirmed
+  // The cipher to tell a peer why its message was rejected: the confirmed
+  // one, else the one its hello was answered with; null for neither.
+  LinkCipher* Answered(int link, const std::string& route);
 
-  // A message on either kind of link. *known: the sender has a cipher on
-  // this link (a verified handshake); when false, nothing was checked.
+  // A message on either kind of link. *known: the sender did a verified
+  // handshake on this link (its hello was answered, or the answer came);
+  // when false, nothing was checked.
   LinkCipher::Verdict Open(int link, const std::string& route, const Msg& sealed, Msg* payload,
                            FrameHeader* h, bool* known);
   void Forget(int link, const std::string& route);  // a peer whose link failed

@@ -191,17 +191,19 @@ std::string ExplainRefusal(const std::string& endpoint, const std::string& their
          "; this node uses " + security.Describe() + "; " + kFixSettings;
 }
 
+std::string RejectionCause(bool replayed) {
+  return replayed ? "came again or out of order (replayed or reordered on the way)"
+                  : "failed authentication (changed on the way, or forged)";
+}
+
 std::string ExplainRejected(const std::string& endpoint, bool replayed) {
-  return "a message from " + endpoint +
-         (replayed ? " came again or out of order (replayed or reordered on the way)"
-                   : " failed authentication (changed on the way, or forged)") +
+  return "a message from " + endpoint + " " + RejectionCause(replayed) +
          ": the link to it cannot be trusted, so this node stops rather than lose or accept it";
 }
 
 std::string ExplainRejectedFromPeer(const std::string& endpoint, bool replayed) {
   return "the other end (" + endpoint + ") rejected a message of this node: it " +
-         (replayed ? "came again or out of order (replayed or reordered on the way)"
-                   : "failed authentication (changed on the way, or forged)") +
+         RejectionCause(replayed) +
          "; the link cannot be trusted, so this node stops rather than lose or accept it";
 }
 

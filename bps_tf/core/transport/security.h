@@ -88,8 +88,10 @@ std::string ExplainHandshakeFailure(const HandshakeEvent& e, const LinkSecurity&
 // of `endpoint` uses `theirs`.
 std::string ExplainRefusal(const std::string& endpoint, const std::string& theirs,
                            const LinkSecurity& security);
-// A sealed message that did not verify (`replayed`: it did, but came again
-// or out of order), on a link this node opened to `endpoint`, for the user.
+// Why a sealed message was rejected: it did not verify, or (`replayed`) it
+// did but came again or out of order.
+std::string RejectionCause(bool replayed);
+// The same on a link this node opened to `endpoint`, for the user.
 std::string ExplainRejected(const std::string& endpoint, bool replayed);
 // The same seen by the listening side, sent to the peer (an alert) and logged.
 std::string ExplainRejectedFromPeer(const std::string& endpoint, bool replayed);
