@@ -546,3 +546,34 @@ def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why
         if os.path.exists(tmp_path / f"rank{r}.json"):
             with open(tmp_path / f"rank{r}.json") as f:
                 assert json.load(f)["bad"] == []
+
+
+@pytest.mark.parametrize("job, newcomer, theirs, mine", [
+    ("1", "0", "BYTEPS_ENCRYPTION=1", "BYTEPS_ENCRYPTION=0"),
+    ("0", "1", "BYTEPS_ENCRYPTION=0", "BYTEPS_ENCRYPTION=1"),
+    ("1", "curve", None, "BYTEPS_ENCRYPTION=curve"),
+], ids=["off-joins-on", "on-joins-off", "curve-joins-sealed"])
+def test_nodes_that_disagree_on_encryption_refuse_each_other_with_why(tmp_path, job, newcomer,
+                                                                       theirs, mine):
+    """Encryption is agreed by every node or refused: a worker whose
+    BYTEPS_ENCRYPTION differs from the scheduler's stops at once, naming both
+    settings (with the token, both ends pass libzmq's gate; the first
+    record each sends tells the other what it uses)."""
+    # Worker 0 has the job's settings; worker 1 comes with its own.
+    env = {"BYTEPS_ENCRYPTION": job, "BYTEPS_RENDEZVOUS_TIMEOUT": "60",
+           "BYTEPS_ENABLE_IPC": "0", "DMLC_NUM_WORKER": "2"}
+    with ManualCluster(1, 1, [WORKER, "idle", str(tmp_path)], env=env) as c:
+        c.base["BYTEPS_ENCRYPTION"] = newcomer
+        started = time.time()
+        worker = c._start("newcomer", [sys.executable, WORKER, "loop", str(tmp_path)],
+                          {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1",
+                           "DMLC_PS_ROOT_PORT": str(c.port)})
+        c.workers.append(worker)
+        assert c.wait_all([worker], timeout=30)
+        assert time.time() - started < 20 and worker.returncode != 0
+        log = c.log("newcomer")
+        assert "could not meet the cluster: the connection to tcp://127.0.0.1:" in log, log
+        assert "was refused" in log and mine in log, log
+        assert theirs is None or theirs in log, log
+        assert "set BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION the same on every node" in log, log
+        assert "refused a connection on" in c.log("server0")
