@@ -577,3 +577,50 @@ def test_nodes_that_disagree_on_encryption_refuse_each_other_with_why(tmp_path, 
         assert theirs is None or theirs in log, log
         assert "set BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION the same on every node" in log, log
         assert "refused a connection on" in c.log("server0")
+
+
+def test_the_loaded_libzmq_is_known_to_run_curve_on_libsodium():
+    """BYTEPS_ENCRYPTION=curve warns when libzmq encrypts with its bundled
+    TweetNaCl (core/transport/curve_check.h); pyzmq's wheel links libsodium,
+    so no probe runs and no warning is due."""
+    backend = _core().curve_backend(True)
+    assert backend["libzmq"] and os.path.exists(backend["libzmq"]), backend
+    if "pyzmq.libs" in backend["libzmq"]:
+        assert backend["links_libsodium"] and not backend["measured"], backend
+    assert not backend["slow"], backend
+
+
+def test_libsodium_is_called_in_libsodium_not_in_a_tweetnacl_libzmq(tmp_path):
+    """A libzmq built with TweetNaCl exports sodium_init, crypto_verify_32 and
+    more under libsodium's names. Loaded first, a process-wide lookup would
+    bind the core to them: here a stand-in whose crypto_verify_32 accepts
+    everything and whose sodium_init fails. The core looks its functions up
+    in libsodium itself, so a hello made with another token is still refused."""
+    import shutil
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    # The build itself needs a C/C++ compiler, so one is always there.
+    assert compiler is not None, "no C compiler for the stand-in library"
+    src = tmp_path / "tweetnacl_names.c"
+    src.write_text("int sodium_init(void) { return -1; }\n"
+                   "int crypto_verify_32(const unsigned char* x, const unsigned char* y)"
+                   " { return 0; }\n")
+    lib = tmp_path / "libtweetnacl_names.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    script = f"""
+import ctypes, os
+ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)
+from bps_tf.runtime import basics
+core = basics.core()
+print(core.sodium_describe())
+try:
+    core.LinkEnd(os.urandom(32)).answer(core.LinkEnd(os.urandom(32)).hello())
+    print("accepted")
+except ValueError as exc:
+    print("refused:", exc)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    described, outcome = proc.stdout.splitlines()
+    assert described.startswith("libsodium 1.") and "libsodium" in described.split("(")[1]
+    assert outcome.startswith("refused:") and "MAC does not verify" in outcome

@@ -19,6 +19,7 @@
 #include "math/compressor.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
+#include "transport/curve_check.h"
 #include "transport/link_cipher.h"
 #include "transport/local_links.h"
 #include "transport/protocol.h"
@@ -353,6 +354,19 @@ void AddSchedulingProbes(py::module_& m) {
       .def("seal", &LinkEnd::Seal, py::arg("header"), py::arg("payload"))
       .def("open", &LinkEnd::Open, py::arg("sealed"), py::arg("payload"));
   m.def("sodium_describe", &bps::SodiumDescribe);
+  // What runs libzmq's CURVE (curve_check.h); measure: time it when the
+  // libzmq links no libsodium.
+  m.def("curve_backend", [](bool measure) {
+    bps::CurveBackend b = bps::CheckCurveBackend(measure);
+    py::dict d;
+    d["libzmq"] = b.libzmq;
+    d["links_libsodium"] = b.links_libsodium;
+    d["measured"] = b.measured;
+    d["curve_mb_s"] = b.curve_mb_s;
+    d["clear_mb_s"] = b.clear_mb_s;
+    d["slow"] = b.slow();
+    return d;
+  }, py::arg("measure") = true);
   m.def("push_priority_roundtrip", [](int64_t priority, uint64_t flags) {
     uint64_t id = bps::PushPriorityBits(priority) | flags;
     return py::make_tuple(bps::PushPriorityOf(id), id & 0xffffffffu);

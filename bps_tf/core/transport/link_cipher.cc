@@ -30,16 +30,17 @@ struct SuiteOps {
 };
 
 struct Sodium {
+  SodiumApi api;
   std::string missing;           // empty when usable
   std::vector<SuiteOps> suites;  // what this process runs, preferred first
   bool aes = false;              // the CPU has AES instructions
 };
 
 // A suite whose functions this libsodium has, with sizes the code can hold.
-bool Usable(bps_aead_encrypt_fn* enc, bps_aead_decrypt_fn* dec, bps_sodium_size_fn* key,
-            bps_sodium_size_fn* npub, bps_sodium_size_fn* abytes, Suite id, SuiteOps* out) {
-  if (!enc || !dec || !key || !npub || !abytes) return false;
-  *out = SuiteOps{id, enc, dec, key(), npub(), abytes()};
+bool Usable(const SodiumAead& a, Suite id, SuiteOps* out) {
+  if (!a.encrypt || !a.decrypt || !a.keybytes || !a.npubbytes || !a.abytes) return false;
+  if (a.is_available && !a.is_available()) return false;  // AES-256-GCM without AES-NI
+  *out = SuiteOps{id, a.encrypt, a.decrypt, a.keybytes(), a.npubbytes(), a.abytes()};
   return out->key >= 16 && out->key <= kLinkKeyBytes && out->npub >= 12 &&
          out->npub <= kMaxNonce && out->abytes >= 16 && out->abytes <= kMaxTag;
 }
@@ -50,36 +51,21 @@ Sodium Load() {
       ": pyzmq's wheel ships it (pyzmq.libs/libsodium-*.so) and bps_tf loads it with libzmq. "
       "Install pyzmq from its wheel, or the system's libsodium (libsodium23 or newer), or set "
       "BYTEPS_ENCRYPTION=curve (ZeroMQ CURVE, slower) on every node";
-  if (!sodium_init || !sodium_memzero || !crypto_verify_32 || !crypto_generichash ||
-      !crypto_kx_keypair || !crypto_kx_client_session_keys || !crypto_kx_server_session_keys) {
+  FindLoadedSodium(&s.api);
+  if (!s.api.complete()) {
     s.missing = std::string("BYTEPS_ENCRYPTION=1 needs libsodium, and none is loaded") + fix;
     return s;
   }
-  if (sodium_init() < 0) {
-    s.missing = "libsodium failed to initialize (sodium_init)";
+  if (s.api.init() < 0) {
+    s.missing = "libsodium failed to initialize (sodium_init in " + s.api.path + ")";
     return s;
   }
-  s.aes = sodium_runtime_has_aesni && sodium_runtime_has_aesni();
+  s.aes = s.api.runtime_has_aesni && s.api.runtime_has_aesni();
   SuiteOps aegis128l{}, aegis{}, gcm{}, xchacha{};
-  bool have_aegis128l = Usable(crypto_aead_aegis128l_encrypt_detached,
-                               crypto_aead_aegis128l_decrypt_detached,
-                               crypto_aead_aegis128l_keybytes, crypto_aead_aegis128l_npubbytes,
-                               crypto_aead_aegis128l_abytes, Suite::kAegis128L, &aegis128l);
-  bool have_aegis = Usable(crypto_aead_aegis256_encrypt_detached,
-                           crypto_aead_aegis256_decrypt_detached, crypto_aead_aegis256_keybytes,
-                           crypto_aead_aegis256_npubbytes, crypto_aead_aegis256_abytes,
-                           Suite::kAegis256, &aegis);
-  bool have_gcm = crypto_aead_aes256gcm_is_available && crypto_aead_aes256gcm_is_available() &&
-                  Usable(crypto_aead_aes256gcm_encrypt_detached,
-                         crypto_aead_aes256gcm_decrypt_detached, crypto_aead_aes256gcm_keybytes,
-                         crypto_aead_aes256gcm_npubbytes, crypto_aead_aes256gcm_abytes,
-                         Suite::kAes256Gcm, &gcm);
-  bool have_xchacha = Usable(crypto_aead_xchacha20poly1305_ietf_encrypt_detached,
-                             crypto_aead_xchacha20poly1305_ietf_decrypt_detached,
-                             crypto_aead_xchacha20poly1305_ietf_keybytes,
-                             crypto_aead_xchacha20poly1305_ietf_npubbytes,
-                             crypto_aead_xchacha20poly1305_ietf_abytes,
-                             Suite::kXChaCha20Poly1305, &xchacha);
+  bool have_aegis128l = Usable(s.api.aegis128l, Suite::kAegis128L, &aegis128l);
+  bool have_aegis = Usable(s.api.aegis256, Suite::kAegis256, &aegis);
+  bool have_gcm = s.api.aes256gcm.is_available && Usable(s.api.aes256gcm, Suite::kAes256Gcm, &gcm);
+  bool have_xchacha = Usable(s.api.xchacha20poly1305, Suite::kXChaCha20Poly1305, &xchacha);
   // Without AES instructions libsodium's AEGIS runs a portable AES, slower
   // than XChaCha20-Poly1305's plain arithmetic.
   if (s.aes && have_aegis128l) s.suites.push_back(aegis128l);
@@ -89,8 +75,7 @@ Sodium Load() {
   if (!s.aes && have_aegis128l) s.suites.push_back(aegis128l);
   if (!s.aes && have_aegis) s.suites.push_back(aegis);
   if (s.suites.empty()) {
-    s.missing = std::string("the libsodium loaded (") +
-                (sodium_version_string ? sodium_version_string() : "?") +
+    s.missing = "the libsodium loaded (" + s.api.path + ", " + s.api.version_string() +
                 ") has none of AEGIS-128L, AEGIS-256, AES-256-GCM, XChaCha20-Poly1305" + fix;
   }
   return s;
@@ -115,8 +100,8 @@ uint16_t OfferedSuites() {
 }
 
 void Wipe(void* p, size_t n) {
-  if (sodium_memzero) {
-    sodium_memzero(p, n);
+  if (Lib().api.memzero) {
+    Lib().api.memzero(p, n);
   } else {
     volatile unsigned char* v = static_cast<volatile unsigned char*>(p);
     while (n--) *v++ = 0;
@@ -145,7 +130,7 @@ void Nonce(uint64_t counter, uint8_t part, size_t size, unsigned char* out) {
 void KeyedHash(const std::string& key, const char* label, const std::string& data,
                unsigned char* out, size_t size = 32) {
   std::string msg = std::string(label) + '\0' + data;
-  crypto_generichash(out, size, reinterpret_cast<const unsigned char*>(msg.data()), msg.size(),
+  Lib().api.generichash(out, size, reinterpret_cast<const unsigned char*>(msg.data()), msg.size(),
                      reinterpret_cast<const unsigned char*>(key.data()), key.size());
   Wipe(&msg[0], msg.size());
 }
@@ -174,7 +159,7 @@ std::string CheckRecord(const Msg& m, uint8_t role, const std::string& key, cons
   *signed_part = std::string(d, kSignedBytes);
   unsigned char mac[kMacBytes];
   KeyedHash(key, label, *signed_part + also_covered, mac);
-  if (crypto_verify_32(mac, reinterpret_cast<const unsigned char*>(d + kSignedBytes)) != 0) {
+  if (Lib().api.verify_32(mac, reinterpret_cast<const unsigned char*>(d + kSignedBytes)) != 0) {
     return "its MAC does not verify: another BYTEPS_JOB_TOKEN, or not a process of this job";
   }
   return "";
@@ -242,8 +227,8 @@ std::string SodiumMissing() { return Lib().missing; }
 std::string SodiumDescribe() {
   const Sodium& s = Lib();
   if (!s.missing.empty()) return s.missing;
-  return std::string("libsodium ") + (sodium_version_string ? sodium_version_string() : "?") +
-         ", " + SuiteName(s.suites[0].id) + " preferred" +
+  return std::string("libsodium ") + s.api.version_string() + " (" + s.api.path + "), " +
+         SuiteName(s.suites[0].id) + " preferred" +
          (s.aes ? " (AES instructions)" : " (no AES instructions)");
 }
 
@@ -363,7 +348,7 @@ LinkHandshake::~LinkHandshake() {
 
 Msg LinkHandshake::Hello() {
   if (!SodiumMissing().empty()) throw Error(SodiumMissing());
-  crypto_kx_keypair(pk_, sk_);
+  Lib().api.kx_keypair(pk_, sk_);
   hello_ = Signed(kHelloRole, OfferedSuites(), pk_);
   return Record(key_, kHelloLabel, hello_, "");
 }
@@ -382,7 +367,7 @@ bool LinkHandshake::Finish(const Msg& answer, LinkCipher* out, std::string* why)
     return false;
   }
   unsigned char rx[kLinkKeyBytes], tx[kLinkKeyBytes];
-  if (crypto_kx_client_session_keys(rx, tx, pk_, sk_, PublicOf(signed_part)) != 0) {
+  if (Lib().api.kx_client_session_keys(rx, tx, pk_, sk_, PublicOf(signed_part)) != 0) {
     *why = "the other end's key is not a valid X25519 key";
     return false;
   }
@@ -416,8 +401,8 @@ bool LinkHandshake::Answer(const std::string& link_key, const Msg& hello, Msg* a
     return false;
   }
   unsigned char pk[kPublicBytes], sk[32], rx[kLinkKeyBytes], tx[kLinkKeyBytes];
-  crypto_kx_keypair(pk, sk);
-  bool ok = crypto_kx_server_session_keys(rx, tx, pk, sk, PublicOf(hello_part)) == 0;
+  Lib().api.kx_keypair(pk, sk);
+  bool ok = Lib().api.kx_server_session_keys(rx, tx, pk, sk, PublicOf(hello_part)) == 0;
   Wipe(sk, sizeof(sk));
   if (!ok) {
     *why = "its key is not a valid X25519 key";

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "transport/curve_check.h"
 #include "transport/link_cipher.h"
 
 namespace bps {
@@ -113,6 +114,8 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
         "BYTEPS_ENCRYPTION=0 on every node inside a trusted network");
   }
   s.mode = Mode::kCurve;
+  const std::string slow = CurveSlowWarning();
+  if (!slow.empty()) BPS_LOG(kWarning, slow);
   KeyPair(cfg, "curve_server_secret", &s.server_secret, &s.server_public);
   KeyPair(cfg, "curve_client_secret", &s.client_secret, &s.client_public);
   return s;
