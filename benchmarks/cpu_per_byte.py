@@ -69,24 +69,31 @@ def _cpu_ns(pid: int) -> int:
     return total
 
 
-def _descendants(roots) -> set:
-    """The processes started by `roots` (any depth, by parent id)."""
-    parent = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+def _children(pid: int) -> set:
+    """The live children of one process (/proc/PID/task/TID/children of
+    each of its threads: a few small reads, cheap enough for every sample)."""
+    out = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            parent[int(entry.name)] = int(fields[1])
-        except (OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.update(int(c) for c in f.read().split())
+        except (OSError, ValueError):
             continue
-    found = {r for r in roots if r in parent}
-    grew = True
-    while grew:
-        new = {p for p, pp in parent.items() if pp in found and p not in found}
-        found |= new
-        grew = bool(new)
+    return out
+
+
+def _descendants(roots) -> set:
+    """`roots` and the processes they started, at any depth."""
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(_children(pid))
     return found
 
 
@@ -110,11 +117,11 @@ class CpuSampler:
         self.thread.join()
 
     def _run(self):
-        members, k = set(), 0
+        members = set()
         while not self.stopping.is_set():
-            if k % 10 == 0:  # new processes appear only while a job starts
-                members |= _descendants({c.popen.pid for c in self.procs.children})
-            k += 1
+            # Every sample: a short job's processes may start and end
+            # between two samples otherwise, and go uncounted.
+            members |= _descendants({c.popen.pid for c in self.procs.children})
             for pid in members:
                 ns = _cpu_ns(pid)
                 if ns >= self.last.get(pid, 0):
@@ -147,6 +154,10 @@ def measure(results, cases, sampler, workers):
         reps = min(len(c["ends"]) for c in per_worker)
         moved = workers * reps * 2 * case["bytes"]
         cpu = sampler.at(end) - sampler.at(start)
+        if cpu <= 0:
+            raise common.JobFailed(f"no CPU time sampled for case {case['label']}: the "
+                                   "processes were not found, or the timed region is too short "
+                                   "for the 20 ms sampling (use more --reps)")
         out[case["label"]] = (median(common.rep_durations(per_worker)), cpu / moved)
     return out
 

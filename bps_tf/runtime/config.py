@@ -235,7 +235,8 @@ SETTINGS = (
     Setting("BYTEPS_ENCRYPTION", "encryption", "1", _encryption,
             "With a job token: 1 encrypts and authenticates every network "
             "connection and every message (a handshake keyed by the token, then "
-            "AEGIS-256 or another AEAD from libsodium per message; the Unix-socket "
+            "an AEAD from libsodium per message: AEGIS-128L on CPUs with AES "
+            "instructions, else XChaCha20-Poly1305; the Unix-socket "
             "links of BYTEPS_ENABLE_IPC are authenticated, not encrypted); curve "
             "does the same with ZeroMQ CURVE, about 3x slower; 0, for a trusted "
             "network, sends in clear and only checks a credential derived from the "
