@@ -101,6 +101,12 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
     if (s.mode == Mode::kAead) {
       s.link_key = RawKey(HexSetting(cfg, "link_key"));
       if (!SodiumMissing().empty()) throw Error(SodiumMissing());
+      // Once per process: which library and AEAD its TCP links are sealed with.
+      static const bool said = [] {
+        BPS_LOG(kInfo, "sealed links (BYTEPS_ENCRYPTION=1): " << SodiumDescribe());
+        return true;
+      }();
+      (void)said;
     }
     return s;
   }
