@@ -115,8 +115,9 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   }
   if (!zmq_has("curve")) {
     throw Error(
-        "BYTEPS_JOB_TOKEN is set and BYTEPS_ENCRYPTION=1, but the libzmq this process loaded "
-        "has no CURVE support; use pyzmq's wheel (its libzmq has it), or set "
+        "BYTEPS_JOB_TOKEN is set and BYTEPS_ENCRYPTION=curve, but the libzmq this process "
+        "loaded has no CURVE support; set BYTEPS_ENCRYPTION=1 on every node (sealed links, "
+        "on libsodium), use pyzmq's wheel (its libzmq has CURVE), or set "
         "BYTEPS_ENCRYPTION=0 on every node inside a trusted network");
   }
   s.mode = Mode::kCurve;
