@@ -27,8 +27,10 @@ CORE_SOURCES = ["api.cc",
                 "math/compressor.cc", "math/reduce.cc",
                 "scheduler/membership.cc", "scheduler/scheduler.cc", "scheduler/scheduler_declare.cc",
                 "server/reply_scheduler.cc", "server/server_node.cc", "server/sum_engine.cc",
-                "transport/channel.cc", "transport/fusion.cc", "transport/local_links.cc",
-                "transport/protocol.cc", "transport/security.cc", "transport/transport.cc",
+                "transport/channel.cc", "transport/curve_check.cc", "transport/fusion.cc",
+                "transport/link_cipher.cc",
+                "transport/local_links.cc", "transport/protocol.cc", "transport/sealed_links.cc",
+                "transport/security.cc", "transport/sodium_api.cc", "transport/transport.cc",
                 "worker/local_reduce.cc", "worker/local_reduce_gather.cc",
                 "worker/local_reduce_link.cc", "worker/trace.cc",
                 "worker/worker_engine.cc", "worker/worker_enqueue.cc", "worker/worker_io.cc",
@@ -122,9 +124,11 @@ class BuildNative(build_ext):
 
         core_lib = os.path.join(pkg, "libbps_core.so")
         if _newer(core_lib, objs["core"]):
-            # libzmq is deliberately not linked: bps_tf/runtime/loader.py supplies it.
+            # libzmq and libsodium are deliberately not linked:
+            # bps_tf/runtime/loader.py supplies them (libdl finds libsodium's
+            # functions in it; a stub inside libc since glibc 2.34).
             _run(base + ["-shared", "-Wl,-soname,libbps_core.so", "-o", core_lib]
-                 + objs["core"])
+                 + objs["core"] + ["-ldl"])
         ext = sysconfig.get_config_var("EXT_SUFFIX")
         py_mod = os.path.join(pkg, "_core" + ext)
         if _newer(py_mod, objs["py"] + [core_lib]):

@@ -2,7 +2,7 @@
 same data movement and against TensorFlow's collective all-reduce.
 
     python benchmarks/push_pull_bandwidth.py [--quick] [--sizes 4KiB,64MiB] [--tf-op]
-        [--encryption on|off|both]
+        [--encryption on|off|both|curve|all]
 
 Per tensor size, all measured in this run, one after the other:
 
@@ -21,9 +21,12 @@ Per tensor size, all measured in this run, one after the other:
 * TF ring: MultiWorkerMirroredStrategy, CommunicationImplementation.RING, W
   processes, all-reduce of the same tensor.
 
-bps_tf jobs run with a job token, so their connections are CURVE-encrypted
-unless --encryption off; --encryption both adds the numpy column with
-BYTEPS_ENCRYPTION=0, in the same rounds, to measure what encryption costs.
+bps_tf jobs run with a job token, so their connections are encrypted (sealed
+links, BYTEPS_ENCRYPTION=1, the default) unless --encryption off;
+--encryption curve runs them with ZeroMQ CURVE instead (BYTEPS_ENCRYPTION=curve).
+--encryption both adds the numpy column with BYTEPS_ENCRYPTION=0, in the same
+rounds, to measure what encryption costs; --encryption all adds that column and
+a CURVE numpy column (the main numpy column is then sealed).
 
 Bus bandwidth per worker = (bytes pushed + bytes pulled) / time = 2M / t, the
 same formula for every column, so the ratios are ratios of times. Time = the
@@ -43,6 +46,7 @@ from benchmarks.common import PYTHON, WORKERS_DIR, fmt_size, median  # noqa: E40
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB,256MiB"
 UNENCRYPTED = "bps_tf numpy no-enc"
+CURVE = "bps_tf numpy curve"
 QUICK_SIZES = "4KiB,1MiB,16MiB,64MiB"
 
 
@@ -140,9 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-output", action="store_true",
                     help="also time numpy workers that allocate a new output every repetition "
                          "(what TensorFlow does), to separate page-fault cost from the engine")
-    ap.add_argument("--encryption", choices=("on", "off", "both"), default="on",
-                    help="BYTEPS_ENCRYPTION of the bps_tf jobs; both: an extra numpy column "
-                         "without encryption, interleaved with the others")
+    ap.add_argument("--encryption", choices=("on", "off", "both", "curve", "all"), default="on",
+                    help="BYTEPS_ENCRYPTION of the bps_tf jobs (on: sealed links, the default; "
+                         "curve: ZeroMQ CURVE); both: an extra numpy column without encryption, "
+                         "interleaved with the others; all: that column and a CURVE one")
     ap.add_argument("--echo", choices=("cxx", "python"), default="cxx",
                     help="which raw-TCP echo is the bound (C++ tool or the Python one)")
     ap.add_argument("--ipc", choices=("on", "off"), default="on",
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
     sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     cases = make_cases(sizes, args.quick, args.warmup)
     ipc = {"BYTEPS_ENABLE_IPC": "1" if args.ipc == "on" else "0"}
-    enc = dict(ipc, BYTEPS_ENCRYPTION="0" if args.encryption == "off" else "1")
+    enc = dict(ipc, BYTEPS_ENCRYPTION={"off": "0", "curve": "curve"}.get(args.encryption, "1"))
     runners = {"tcp-echo bound": lambda: run_echo(cases, args.workers, args.servers, args.echo)}
     bound = "tcp-echo bound"
     if args.ipc == "on" and args.echo == "cxx":
@@ -163,7 +168,10 @@ def main(argv=None) -> int:
         runners[bound] = lambda: run_echo(cases, args.workers, args.servers, "cxx", unix=True)
     runners["bps_tf numpy"] = lambda: run_bps(cases, args.workers, args.servers,
                                               "bps_numpy.py", enc)
-    if args.encryption == "both":
+    if args.encryption == "all":
+        runners[CURVE] = lambda: run_bps(cases, args.workers, args.servers,
+                                         "bps_numpy.py", dict(ipc, BYTEPS_ENCRYPTION="curve"))
+    if args.encryption in ("both", "all"):
         runners[UNENCRYPTED] = lambda: run_bps(cases, args.workers, args.servers,
                                                "bps_numpy.py", dict(ipc, BYTEPS_ENCRYPTION="0"))
     if args.fresh_output:
@@ -197,6 +205,9 @@ def main(argv=None) -> int:
             # time with encryption / time without, per round then the median
             pairs = zip(times["bps_tf numpy"][c["label"]], times[UNENCRYPTED][c["label"]])
             row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
+        if CURVE in t and UNENCRYPTED in t:
+            pairs = zip(times[CURVE][c["label"]], times[UNENCRYPTED][c["label"]])
+            row["curve_over_unencrypted_time"] = median([a / b for a, b in pairs])
         if "TF ring" in t:
             row["speedup_over_tf_ring"] = t["TF ring"] / bps
         if "bps_tf TF op" in t:
@@ -209,12 +220,14 @@ def main(argv=None) -> int:
     names = list(runners)
     headers = ["size"] + [f"{n} ms" for n in names] + [f"{n} GB/s" for n in names] + \
         ["bps/bound", "op/bound", "bps vs TF"] + \
-        (["enc/no-enc time"] if UNENCRYPTED in names else [])
+        (["enc/no-enc time"] if UNENCRYPTED in names else []) + \
+        (["curve/no-enc time"] if CURVE in names else [])
     table = [[r["label"]] + [r["seconds"][n] * 1e3 for n in names] +
              [r["bus_GBps"][n] for n in names] +
              [r["bps_over_bound"], r.get("tf_op_over_bound", float("nan")),
               r.get("speedup_over_tf_ring", float("nan"))] +
-             ([r["encrypted_over_unencrypted_time"]] if UNENCRYPTED in names else [])
+             ([r["encrypted_over_unencrypted_time"]] if UNENCRYPTED in names else []) +
+             ([r["curve_over_unencrypted_time"]] if CURVE in names else [])
              for r in rows]
     common.print_table(f"push_pull, {args.workers} workers x {args.servers} servers on loopback "
                        f"(median of repetitions; bus bandwidth = 2*size/time per worker; "
@@ -224,7 +237,8 @@ def main(argv=None) -> int:
         "tf_api": args.tf_api, "encryption": args.encryption, "echo": args.echo,
         "ipc": args.ipc, "bound": bound,
         "columns": names, "rows": rows,
-        "targets": {"64MiB bps/bound": ">= 0.80", "64MiB bps vs TF ring": ">= 3.0"}},
+        "targets": {"64MiB bps/bound": ">= 0.80", "64MiB bps vs TF ring": ">= 3.0",
+                    "4MiB and 64MiB enc/no-enc time over TCP": "<= 1.25"}},
         args.out_dir)
     if not args.no_plot:
         plot(rows, names, out.with_suffix(".png"))

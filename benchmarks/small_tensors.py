@@ -2,7 +2,7 @@
 engine, which dominates models with many small gradients (biases, norms).
 
     python benchmarks/small_tensors.py [--quick] [--in-flight 1,16,256] [--no-tf-op]
-        [--encryption on|off|both] [--rounds R] [--compare-fusion] [--env NAME=VALUE]
+        [--encryption on|off|both|all] [--rounds R] [--compare-fusion] [--env NAME=VALUE]
 
 2 workers x 1 server on loopback. Each repetition enqueues K push_pulls of
 distinct 4 KiB tensors at once and waits for all of them; push_pulls/s =
@@ -11,8 +11,10 @@ TensorFlow) and through the TF op (K ops in one tf.function, all in flight):
 once with the K tensors passed as the function's arguments, once with them
 read from variables inside it ("TF op in-graph", as a train step's gradients
 are made in the step; 64 Python arguments alone cost a call ~0.8 ms).
-The jobs run with a job token, so CURVE-encrypted unless --encryption off;
---encryption both adds the numpy path with BYTEPS_ENCRYPTION=0. With
+The jobs run with a job token, so encrypted (sealed links, the default of
+BYTEPS_ENCRYPTION=1) unless --encryption off;
+--encryption both adds the numpy path with BYTEPS_ENCRYPTION=0, and all also
+the numpy path with ZeroMQ CURVE (BYTEPS_ENCRYPTION=curve). With
 --rounds R every path runs R times, interleaved, and the median is reported.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 
 UNENCRYPTED = "numpy no-enc"
+CURVE = "numpy curve"
 IN_GRAPH = "TF op in-graph"
 
 
@@ -66,9 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-tf-op", action="store_true", help="numpy API only")
-    ap.add_argument("--encryption", choices=("on", "off", "both"), default="on",
+    ap.add_argument("--encryption", choices=("on", "off", "both", "all"), default="on",
                     help="BYTEPS_ENCRYPTION of the jobs; both: the numpy path once more "
-                         "without encryption")
+                         "without encryption; all: and once more with CURVE")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every path this many times, interleaved; report the median")
     ap.add_argument("--compare-fusion", action="store_true",
@@ -89,8 +92,11 @@ def main(argv=None) -> int:
         paths[IN_GRAPH] = ("bps_tf_op.py", {**enc, "BPS_BENCH_TF_INPUTS": "variables"})
     if args.compare_fusion:
         paths["TF op unfused"] = ("bps_tf_op.py", {**enc, "BYTEPS_FUSION_THRESHOLD": "0"})
-    if args.encryption == "both":
-        paths[UNENCRYPTED] = ("bps_numpy.py", {"BYTEPS_ENCRYPTION": "0"})
+    if args.encryption == "all":
+        paths[CURVE] = ("bps_numpy.py", {**extra, "BYTEPS_ENCRYPTION": "curve"})
+    if args.encryption in ("both", "all"):
+        # The --env settings too (BYTEPS_ENABLE_IPC=0 compares over TCP).
+        paths[UNENCRYPTED] = ("bps_numpy.py", {**extra, "BYTEPS_ENCRYPTION": "0"})
     measured = {name: [] for name in paths}
     with common.stop_on_signals():
         for rnd in range(args.rounds):
@@ -111,15 +117,20 @@ def main(argv=None) -> int:
         if UNENCRYPTED in paths:
             pairs = zip(row["numpy"]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
             row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
+        if CURVE in paths:
+            pairs = zip(row[CURVE]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
+            row["curve_over_unencrypted_time"] = median([a / b for a, b in pairs])
         rows.append(row)
     both = UNENCRYPTED in paths
     headers = ["in flight"] + [f"{n} push_pulls/s" for n in paths] + \
-        [f"{n} ms per batch" for n in paths] + (["enc/no-enc time"] if both else [])
+        [f"{n} ms per batch" for n in paths] + (["enc/no-enc time"] if both else []) + \
+        (["curve/no-enc time"] if CURVE in paths else [])
     common.print_table(
         f"{args.bytes} push_pulls, {args.workers} workers x {args.servers} server on loopback",
         headers, [[r["in_flight"]] + [r[n]["push_pulls_per_s"] for n in paths] +
                   [r[n]["latency_ms"] for n in paths] +
-                  ([r["encrypted_over_unencrypted_time"]] if both else []) for r in rows])
+                  ([r["encrypted_over_unencrypted_time"]] if both else []) +
+                  ([r["curve_over_unencrypted_time"]] if CURVE in paths else []) for r in rows])
     common.write_json("small_tensors", {
         "encryption": args.encryption, "rounds": args.rounds, "env": extra,
         "workers": args.workers, "servers": args.servers, "tensor_bytes":

@@ -29,7 +29,10 @@ ENV = {"BYTEPS_PARTITION_BYTES": str(PART), "BYTEPS_TIMEOUT": "5",
 
 
 def _run(tmp_path, mode, env):
-    proc = launch(4, 2, [CHECKS, mode, str(tmp_path)], env=dict(ENV, **env), timeout=300)
+    # The workers end with os._exit (one dies on purpose), so TensorFlow's
+    # atexit never removes its autograph files: they go to the test's folder.
+    proc = launch(4, 2, [CHECKS, mode, str(tmp_path)],
+                  env=dict(ENV, TMPDIR=str(tmp_path), **env), timeout=300)
     log = (f"bpslaunch exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
            f"--- stderr\n{proc.stderr[-5000:]}")
     found = results(str(tmp_path))

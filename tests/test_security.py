@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -38,7 +39,9 @@ def test_secrets_are_derived_per_token_and_per_purpose():
 
 @pytest.mark.parametrize("env, mode, keys", [
     # with a token, the local links' credential too (Unix sockets on one machine)
-    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "curve",
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "aead",
+     {"plain_credential", "link_key", "local_credential"}),
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "curve"}, "curve",
      {"curve_server_secret", "curve_client_secret", "local_credential"}),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain",
      {"plain_credential", "local_credential"}),
@@ -48,7 +51,7 @@ def test_the_core_gets_derived_keys_never_the_token(env, mode, keys):
     values = config.core_settings(env)
     assert values["link_security"] == mode
     secret_keys = {"curve_server_secret", "curve_client_secret", "plain_credential",
-                   "local_credential"}
+                   "local_credential", "link_key"}
     assert secret_keys & set(values) == keys
     text = config.to_core_text(values)
     assert "s3cr3t" not in text and "job_token" not in text
@@ -84,7 +87,7 @@ print("initialized:", core.is_initialized())
     lines = proc.stdout.splitlines()
     assert len(lines) == 3, proc.stdout
     assert lines[0].startswith("refused:") and "curve_server_secret as 64 hex digits" in lines[0]
-    assert lines[1].startswith("refused:") and "link_security must be none, plain or curve" in lines[1]
+    assert lines[1].startswith("refused:") and "link_security must be none, plain, aead or curve" in lines[1]
     assert lines[2] == "initialized: False"
 
 
@@ -199,3 +202,451 @@ def test_payloads_are_not_readable_on_the_wire_with_encryption(tmp_path, encrypt
         assert not tap.contains(pushed) and not tap.contains(summed)
     else:
         assert tap.contains(pushed) and tap.contains(summed)
+
+
+# ---- sealed links (BYTEPS_ENCRYPTION=1): core/transport/link_cipher.h ----
+
+
+def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path):
+    """Every link sealed (TCP only: BYTEPS_ENABLE_IPC=0), two servers, tensors
+    of five dtypes from 0 bytes to 3 partitions: every sum is exact, no
+    message is rejected, and each process says what it seals with."""
+    env = {"BYTEPS_ENCRYPTION": "1", "BYTEPS_ENABLE_IPC": "0",
+           "BYTEPS_PARTITION_BYTES": str(64 * 1024), "BYTEPS_LOG_LEVEL": "INFO"}
+    with ManualCluster(2, 2, [WORKER, "exact", str(tmp_path), "120"], env=env) as c:
+        assert c.wait_all(c.workers + c.servers, timeout=120), "a process hung"
+        codes = [p.returncode for p in c.workers + c.servers]
+        logs = {n: c.log(n) for n in ("worker0", "worker1", "server0", "server1")}
+    assert codes == [0, 0, 0, 0], logs
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.json") as f:
+            result = json.load(f)
+        assert result["bad"] == [], result["bad"]
+        assert result["stats"]["frames_rejected"] == 0, result["stats"]
+    for name, log in logs.items():
+        line = [x for x in log.splitlines() if "sealed links (BYTEPS_ENCRYPTION=1)" in x]
+        assert line and any(s in line[0] for s in SUITES), (name, log[-2000:])
+
+
+# A push's header (protocol.h FrameHeader), as the worker sends it.
+HEADER = struct.pack("<IHHiHHQQQQIBQ3s", 0x31535042, 4, 7, 1, 0, 2, 0xABCDEF0001, 3, 0, 4096,
+                     0, 0, 0, b"\0" * 3)
+SUITES = {"AEGIS-128L", "AEGIS-256", "AES-256-GCM", "XChaCha20-Poly1305"}
+
+
+def _core():
+    from bps_tf.runtime import basics
+    return basics.core()
+
+
+def _link(client_key=None, server_key=None):
+    """Both ends of one link after its handshake: (connecting, listening)."""
+    key = os.urandom(32)
+    client = _core().LinkEnd(client_key or key)
+    server = _core().LinkEnd(server_key or key)
+    client.finish(server.answer(client.hello()))
+    return client, server
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 1 << 20])
+def test_a_sealed_link_carries_messages_both_ways_unreadable_to_others(size):
+    client, server = _link()
+    assert client.suite == server.suite and client.suite in SUITES
+    payload = struct.pack("<f", PATTERN_VALUE) * (size // 4) + b"x" * (size % 4)
+    for sender, receiver in ((client, server), (server, client)):
+        sealed, cipher = sender.seal(HEADER, payload)
+        assert len(cipher) == len(payload)           # nothing added to the payload frame
+        assert HEADER[:16] not in sealed and (size < 16 or payload[:16] not in cipher)
+        verdict, header, opened = receiver.open(sealed, cipher)
+        assert (verdict, header, opened) == ("ok", HEADER, payload)
+        # The same message sealed again looks nothing like the first time.
+        again = sender.seal(HEADER, payload)
+        assert again[0] != sealed and (size == 0 or again[1] != cipher)
+        assert receiver.open(*again)[0] == "ok"
+
+
+def test_a_changed_message_is_rejected_and_the_original_still_passes():
+    client, server = _link()
+    sealed, cipher = client.seal(HEADER, b"p" * 1000)
+    # counter | payload tag | sealed header | header tag
+    changes = [(i, None) for i in (0, 7, 8, 8 + 20, len(sealed) - 40, len(sealed) - 1)]
+    changes += [(None, i) for i in (0, 500, 999)]
+    for in_sealed, in_cipher in changes:
+        s, c = bytearray(sealed), bytearray(cipher)
+        if in_sealed is not None:
+            s[in_sealed] ^= 0x01
+        else:
+            c[in_cipher] ^= 0x80
+        assert server.open(bytes(s), bytes(c))[0] == "forged", (in_sealed, in_cipher)
+    assert server.open(sealed, cipher[:-1])[0] == "forged"           # truncated
+    assert server.open(sealed, cipher + b"\0")[0] == "forged"        # extended
+    assert server.open(sealed[:-1], cipher)[0] == "forged"
+    # None of that moved the receiver's counter: the real message passes.
+    assert server.open(sealed, cipher)[0] == "ok"
+    # A message reflected back to its sender, or moved to another link of the
+    # same job, does not open either: each link and direction has its own key.
+    assert client.open(sealed, cipher)[0] == "forged"
+    other_client, other_server = _link()
+    assert other_server.open(*client.seal(HEADER, b"p"))[0] == "forged"
+
+
+def test_a_replayed_or_reordered_message_is_rejected():
+    client, server = _link()
+    m1, m2, m3 = (client.seal(HEADER, bytes([i]) * 64) for i in range(3))
+    assert server.open(*m1)[0] == "ok"
+    assert server.open(*m1)[0] == "replayed"       # the same message again
+    assert server.open(*m3)[0] == "ok"
+    assert server.open(*m2)[0] == "replayed"       # an older one after a newer: reordered
+    assert server.open(*m3)[0] == "replayed"
+    assert server.open(*client.seal(HEADER, b"next"))[2] == b"next"
+
+
+def test_the_handshake_admits_only_holders_of_the_token():
+    core = _core()
+    key, other = os.urandom(32), os.urandom(32)
+    client = core.LinkEnd(other)
+    with pytest.raises(ValueError, match="MAC does not verify"):
+        core.LinkEnd(key).answer(client.hello())          # a hello made with another token
+    client = core.LinkEnd(key)
+    hello = bytearray(client.hello())
+    hello[20] ^= 1                                          # its X25519 key changed on the way
+    with pytest.raises(ValueError, match="MAC does not verify"):
+        core.LinkEnd(key).answer(bytes(hello))
+    answer = bytearray(core.LinkEnd(key).answer(client.hello()))
+    answer[20] ^= 1
+    with pytest.raises(ValueError, match="MAC does not verify"):
+        client.finish(bytes(answer))
+    # An answer made with another token: the connecting end refuses it too.
+    client = core.LinkEnd(key)
+    with pytest.raises(ValueError, match="MAC does not verify"):
+        client.finish(core.LinkEnd(other).answer(core.LinkEnd(other).hello()))
+
+
+def test_a_recorded_handshake_replayed_later_opens_nothing():
+    """Someone who recorded a link (its hello and sealed messages) replays
+    them: the listening end answers with fresh keys, so the recorded
+    messages do not open, and the recording taught nothing about the keys."""
+    core = _core()
+    key = os.urandom(32)
+    client, server = core.LinkEnd(key), core.LinkEnd(key)
+    hello = client.hello()
+    answer = server.answer(hello)
+    client.finish(answer)
+    recorded = client.seal(HEADER, b"secret gradient")
+    assert server.open(*recorded)[0] == "ok"
+    replaying = core.LinkEnd(key)
+    assert replaying.answer(hello) != answer              # fresh X25519 key each time
+    assert replaying.open(*recorded)[0] == "forged"
+
+
+class SealedPeer:
+    """A peer of the job on a pyzmq DEALER, with what a process holding the
+    token derives (the gate credential, the link key): it does the link's
+    handshake and seals its own messages, to send them changed, again or
+    out of order."""
+
+    def __init__(self, port, token, link_key=None):
+        import zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.plain_username = b"bps_tf"
+        self.sock.plain_password = security.derive(token, "plain_credential").hex().encode()
+        self.end = _core().LinkEnd(link_key or security.derive(token, "link_key"))
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.sock.send(self.end.hello())
+
+    def finish(self, timeout_ms=10000):
+        assert self.sock.poll(timeout_ms), "no answer to the hello"
+        self.end.finish(self.sock.recv_multipart()[0])
+        return self
+
+    def alert(self, timeout_ms=10000):
+        """The text of the ERROR the listening end sealed to this peer."""
+        assert self.sock.poll(timeout_ms), "no alert"
+        verdict, header, text = self.end.open(*self.sock.recv_multipart())
+        assert verdict == "ok" and struct.unpack("<IHH", header[:8])[2] == 13, verdict
+        return text.decode()
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+# Authentic but not of the protocol (magic 0): a server drops it after
+# opening it, so sending it confirms a link and changes nothing else.
+HARMLESS = b"\0" * 4 + HEADER[4:]
+
+
+def _attack_with_sealed_messages(port, token):
+    """Each attack on a fresh link: the server answers every one with an
+    alert naming what it rejected, and closes that link."""
+    alerts = {}
+    peer = SealedPeer(port, token).finish()
+    m1 = peer.end.seal(HARMLESS, b"a" * 100)
+    peer.sock.send_multipart(list(m1))
+    peer.sock.send_multipart(list(m1))                     # replayed
+    alerts["replayed"] = peer.alert()
+    peer.close()
+    peer = SealedPeer(port, token).finish()
+    m1, m2 = peer.end.seal(HARMLESS, b"a"), peer.end.seal(HARMLESS, b"b")
+    peer.sock.send_multipart(list(m2))
+    peer.sock.send_multipart(list(m1))                     # reordered
+    alerts["reordered"] = peer.alert()
+    peer.close()
+    peer = SealedPeer(port, token).finish()
+    peer.sock.send_multipart(list(peer.end.seal(HARMLESS, b"a" * 100)))
+    sealed, cipher = peer.end.seal(HARMLESS, b"a" * 100)
+    peer.sock.send_multipart([sealed, cipher[:50] + b"b" + cipher[51:]])   # changed
+    alerts["changed"] = peer.alert()
+    peer.close()
+    # The gate credential without the link key: the hello gets no answer, and
+    # anything sent in its place is dropped unopened.
+    peer = SealedPeer(port, token, link_key=os.urandom(32))
+    peer.sock.send_multipart([os.urandom(136), os.urandom(100)])
+    assert not peer.sock.poll(1000), "a peer without the link key got an answer"
+    peer.close()
+    return alerts
+
+
+def test_sealed_messages_changed_replayed_or_reordered_are_rejected(tmp_path):
+    """A process holding the token, on a link of its own to the scheduler's
+    server, sends a message again, two out of order and one changed: the
+    server rejects each with an alert the peer can read, logs it and closes
+    that link; a peer without the link key gets no answer. The job's own
+    workers go on with exact sums."""
+    release = tmp_path / "attack_done"
+    env = {"BYTEPS_ENCRYPTION": "1", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
+           "BYTEPS_LOG_LEVEL": "WARNING", "ROBUST_WAIT_FOR_FILE": str(release)}
+    with ManualCluster(2, 1, [WORKER, "exact", str(tmp_path), "100"], env=env) as c:
+        deadline = time.time() + 60
+        while not all(os.path.exists(tmp_path / f"joined{r}") for r in range(2)):
+            assert time.time() < deadline, c.log("server0")
+            time.sleep(0.05)
+        alerts = _attack_with_sealed_messages(c.port, c.base["BYTEPS_JOB_TOKEN"])
+        release.touch()
+        assert c.wait_all(c.workers, timeout=120)
+        assert [w.returncode for w in c.workers] == [0, 0], c.log("worker0") + c.log("worker1")
+        for r in range(2):
+            with open(tmp_path / f"rank{r}.json") as f:
+                assert json.load(f)["bad"] == []
+        assert c.wait_all(c.servers, timeout=20)
+        log = c.log("server0")
+    for kind, text in alerts.items():
+        assert "rejected a message of this node" in text, (kind, text)
+    assert "came again or out of order" in alerts["replayed"]
+    assert "came again or out of order" in alerts["reordered"]
+    assert "failed authentication" in alerts["changed"]
+    assert "rejected a message from a peer" in log, log
+    assert "rejected 3 sealed messages" in log, log
+
+
+class ZmtpAttacker(TapProxy):
+    """A relay on the path (like TapProxy) that reads ZeroMQ's framing
+    (ZMTP 3: a 64-byte greeting, then frames of flags, size and body) of the
+    bytes going to the server, and does `attack` to the first message that
+    carries a large frame (a push): "changed" flips one bit of it, "replayed"
+    sends it twice, "reordered" holds it back until the next one has gone."""
+
+    def __init__(self, listen, target, attack):
+        self.attack, self.done, self.held = attack, False, None
+        super().__init__(listen, target)
+
+    def _pump(self, src, dst, record):
+        if not any(r is record for d, r in self.captured if d == "to server"):
+            return super()._pump(src, dst, record)
+        buf, frames, greeting = bytearray(), [], 64
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                buf += data
+                if greeting:  # passed on as it comes: each end waits for parts of the other's
+                    n = min(greeting, len(buf))
+                    dst.sendall(bytes(buf[:n]))
+                    del buf[:n]
+                    greeting -= n
+                    if greeting:
+                        continue
+                while True:
+                    frame = self._next_frame(buf)
+                    if frame is None:
+                        break
+                    flags, raw, body_at = frame
+                    if flags & 0x04:                  # a command (the PLAIN handshake)
+                        dst.sendall(raw)
+                        continue
+                    frames.append((raw, body_at))
+                    if not flags & 0x01:              # the message's last frame
+                        self._message(dst, frames)
+                        frames = []
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _next_frame(buf):
+        if len(buf) < 2:
+            return None
+        flags = buf[0]
+        head = 9 if flags & 0x02 else 2
+        if len(buf) < head:
+            return None
+        size = struct.unpack(">Q", bytes(buf[1:9]))[0] if flags & 0x02 else buf[1]
+        if len(buf) < head + size:
+            return None
+        raw = bytes(buf[:head + size])
+        del buf[:head + size]
+        return flags, raw, head
+
+    def _message(self, dst, frames):
+        out = b"".join(raw for raw, _ in frames)
+        with self.lock:
+            # Reordered: the next message on the same connection first (a
+            # message of another worker's connection would carry the held
+            # one onto a link with other keys: a changed message, not a
+            # reordered one).
+            if self.held is not None and self.held[0] is dst:
+                dst.sendall(out)
+                dst.sendall(self.held[1])
+                self.held = None
+                return
+            target = not self.done and len(frames) == 2 and len(frames[1][0]) > 32 * 1024
+            if target:
+                self.done = True
+        if not target:
+            dst.sendall(out)
+        elif self.attack == "changed":
+            raw, at = frames[1]
+            flipped = bytearray(raw)
+            flipped[at + 1000] ^= 0x01
+            dst.sendall(frames[0][0] + bytes(flipped))
+        elif self.attack == "replayed":
+            dst.sendall(out + out)
+        else:
+            with self.lock:
+                self.held = (dst, out)
+
+
+@pytest.mark.parametrize("attack", ["changed", "replayed", "reordered"])
+def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why(
+        tmp_path, attack):
+    """An attacker on the path between the workers and the server changes,
+    repeats or reorders one push of a real job. The server rejects that
+    message (nothing is summed from it), tells the worker, and the worker
+    stops with what happened instead of computing on: every process exits
+    non-zero, no push_pull returns a wrong sum."""
+    relay = []
+
+    def start_relay(port):
+        relay.append(ZmtpAttacker(("127.0.0.2", port), ("127.0.0.1", port), attack))
+        return {"DMLC_PS_ROOT_URI": "127.0.0.2"}
+
+    env = {"BYTEPS_ENCRYPTION": "1", "PATTERN_VALUE": str(PATTERN_VALUE),
+           "BYTEPS_ENABLE_IPC": "0", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
+           "BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
+           "BYTEPS_FATAL_EXIT_GRACE": "2"}
+    try:
+        with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
+                           server_env={"DMLC_NODE_HOST": "127.0.0.2"},
+                           before_workers=start_relay) as c:
+            assert c.wait_all(c.workers + c.servers, timeout=120)
+            codes = [p.returncode for p in c.workers]
+            logs = {name: c.log(name) for name in ("worker0", "worker1", "server0")}
+    finally:
+        for r in relay:
+            r.close()
+    assert relay[0].done, "the relay saw no push"
+    assert codes != [0, 0], logs
+    words = "came again or out of order" if attack != "changed" else "failed authentication"
+    told = [n for n in ("worker0", "worker1")
+            if "rejected a message of this node" in logs[n] and words in logs[n]]
+    assert told, logs
+    assert "rejected a message from a peer" in logs["server0"], logs["server0"]
+    # A worker that finished its rounds found every sum exact.
+    for r in range(2):
+        if os.path.exists(tmp_path / f"rank{r}.json"):
+            with open(tmp_path / f"rank{r}.json") as f:
+                assert json.load(f)["bad"] == []
+
+
+@pytest.mark.parametrize("job, newcomer, theirs, mine", [
+    ("1", "0", "BYTEPS_ENCRYPTION=1", "BYTEPS_ENCRYPTION=0"),
+    ("0", "1", "BYTEPS_ENCRYPTION=0", "BYTEPS_ENCRYPTION=1"),
+    ("1", "curve", None, "BYTEPS_ENCRYPTION=curve"),
+], ids=["off-joins-on", "on-joins-off", "curve-joins-sealed"])
+def test_nodes_that_disagree_on_encryption_refuse_each_other_with_why(tmp_path, job, newcomer,
+                                                                       theirs, mine):
+    """Encryption is agreed by every node or refused: a worker whose
+    BYTEPS_ENCRYPTION differs from the scheduler's stops at once, naming both
+    settings (with the token, both ends pass libzmq's gate; the first
+    record each sends tells the other what it uses)."""
+    # Worker 0 has the job's settings; worker 1 comes with its own.
+    env = {"BYTEPS_ENCRYPTION": job, "BYTEPS_RENDEZVOUS_TIMEOUT": "60",
+           "BYTEPS_ENABLE_IPC": "0", "DMLC_NUM_WORKER": "2"}
+    with ManualCluster(1, 1, [WORKER, "idle", str(tmp_path)], env=env) as c:
+        c.base["BYTEPS_ENCRYPTION"] = newcomer
+        started = time.time()
+        worker = c._start("newcomer", [sys.executable, WORKER, "loop", str(tmp_path)],
+                          {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1",
+                           "DMLC_PS_ROOT_PORT": str(c.port)})
+        c.workers.append(worker)
+        assert c.wait_all([worker], timeout=30)
+        assert time.time() - started < 20 and worker.returncode != 0
+        log = c.log("newcomer")
+        assert "could not meet the cluster: the connection to tcp://127.0.0.1:" in log, log
+        assert "was refused" in log and mine in log, log
+        assert theirs is None or theirs in log, log
+        assert "set BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION the same on every node" in log, log
+        assert "refused a connection on" in c.log("server0")
+
+
+def test_the_loaded_libzmq_is_known_to_run_curve_on_libsodium():
+    """BYTEPS_ENCRYPTION=curve warns when libzmq encrypts with its bundled
+    TweetNaCl (core/transport/curve_check.h); pyzmq's wheel links libsodium,
+    so no probe runs and no warning is due."""
+    backend = _core().curve_backend(True)
+    assert backend["libzmq"] and os.path.exists(backend["libzmq"]), backend
+    if "pyzmq.libs" in backend["libzmq"]:
+        assert backend["links_libsodium"] and not backend["measured"], backend
+    assert not backend["slow"], backend
+
+
+def test_libsodium_is_called_in_libsodium_not_in_a_tweetnacl_libzmq(tmp_path):
+    """A libzmq built with TweetNaCl exports sodium_init, crypto_verify_32 and
+    more under libsodium's names. Loaded first, a process-wide lookup would
+    bind the core to them: here a stand-in whose crypto_verify_32 accepts
+    everything and whose sodium_init fails. The core looks its functions up
+    in libsodium itself, so a hello made with another token is still refused."""
+    import shutil
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    # The build itself needs a C/C++ compiler, so one is always there.
+    assert compiler is not None, "no C compiler for the stand-in library"
+    src = tmp_path / "tweetnacl_names.c"
+    src.write_text("int sodium_init(void) { return -1; }\n"
+                   "int crypto_verify_32(const unsigned char* x, const unsigned char* y)"
+                   " { return 0; }\n")
+    lib = tmp_path / "libtweetnacl_names.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    script = f"""
+import ctypes, os
+ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)
+from bps_tf.runtime import basics
+core = basics.core()
+print(core.sodium_describe())
+try:
+    core.LinkEnd(os.urandom(32)).answer(core.LinkEnd(os.urandom(32)).hello())
+    print("accepted")
+except ValueError as exc:
+    print("refused:", exc)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    described, outcome = proc.stdout.splitlines()
+    assert described.startswith("libsodium 1.") and "libsodium" in described.split("(")[1]
+    assert outcome.startswith("refused:") and "MAC does not verify" in outcome

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -18,6 +19,8 @@
 #include "math/compressor.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
+#include "transport/curve_check.h"
+#include "transport/link_cipher.h"
 #include "transport/local_links.h"
 #include "transport/protocol.h"
 #include "transport/transport.h"
@@ -258,6 +261,57 @@ void AddEngine(py::module_& m) {
   });
 }
 
+// One end of a sealed link (link_cipher.h) as bytes in and out, for tests:
+// two of them make a link without sockets, and one with a pyzmq socket is a
+// peer of the job whose messages can be changed, repeated or reordered.
+class LinkEnd {
+ public:
+  explicit LinkEnd(const std::string& key) : key_(key), handshake_(key) {}
+  py::bytes Hello() { return py::bytes(handshake_.Hello().str()); }
+  py::bytes Answer(const std::string& hello) {
+    bps::Msg in(hello.data(), hello.size()), answer;
+    std::string why;
+    if (!bps::LinkHandshake::Answer(key_, in, &answer, &cipher_, &why)) throw py::value_error(why);
+    return py::bytes(answer.str());
+  }
+  void Finish(const std::string& answer) {
+    std::string why;
+    if (!handshake_.Finish(bps::Msg(answer.data(), answer.size()), &cipher_, &why)) {
+      throw py::value_error(why);
+    }
+  }
+  std::string suite() const { return cipher_.ready() ? bps::SuiteName(cipher_.suite()) : ""; }
+  // (sealed header, ciphertext) of a 64-byte header and its payload.
+  py::tuple Seal(const std::string& header, const std::string& payload) {
+    bps::FrameHeader h;
+    if (header.size() != sizeof(h)) throw py::value_error("a header is 64 bytes");
+    std::memcpy(&h, header.data(), sizeof(h));
+    std::vector<bps::Msg> frames;
+    Ready()->Seal(h, bps::Msg(payload.data(), payload.size()), &frames);
+    return py::make_tuple(py::bytes(frames[0].str()), py::bytes(frames[1].str()));
+  }
+  // ("ok" | "forged" | "replayed", header, payload) of a received message.
+  py::tuple Open(const std::string& sealed, const std::string& payload) {
+    bps::Msg s(sealed.data(), sealed.size()), p(payload.data(), payload.size());
+    bps::FrameHeader h;
+    std::memset(&h, 0, sizeof(h));
+    auto v = Ready()->Open(s, &p, &h);
+    const bool ok = v == bps::LinkCipher::Verdict::kOk;
+    return py::make_tuple(ok ? "ok" : v == bps::LinkCipher::Verdict::kReplayed ? "replayed" : "forged",
+                          py::bytes(reinterpret_cast<const char*>(&h), sizeof(h)),
+                          py::bytes(ok ? p.str() : ""));
+  }
+
+ private:
+  bps::LinkCipher* Ready() {
+    if (!cipher_.ready()) throw py::value_error("the handshake is not done");
+    return &cipher_;
+  }
+  std::string key_;
+  bps::LinkHandshake handshake_;
+  bps::LinkCipher cipher_;
+};
+
 // Internal, for tests: the engine's scheduling rules, one at a time.
 void AddSchedulingProbes(py::module_& m) {
   py::class_<ReplyProbe>(m, "ReplyProbe")
@@ -291,6 +345,28 @@ void AddSchedulingProbes(py::module_& m) {
     }
     return left;
   });
+  py::class_<LinkEnd>(m, "LinkEnd")
+      .def(py::init<const std::string&>(), py::arg("key"))
+      .def("hello", &LinkEnd::Hello)
+      .def("answer", &LinkEnd::Answer, py::arg("hello"))
+      .def("finish", &LinkEnd::Finish, py::arg("answer"))
+      .def_property_readonly("suite", &LinkEnd::suite)
+      .def("seal", &LinkEnd::Seal, py::arg("header"), py::arg("payload"))
+      .def("open", &LinkEnd::Open, py::arg("sealed"), py::arg("payload"));
+  m.def("sodium_describe", &bps::SodiumDescribe);
+  // What runs libzmq's CURVE (curve_check.h); measure: time it when the
+  // libzmq links no libsodium.
+  m.def("curve_backend", [](bool measure) {
+    bps::CurveBackend b = bps::CheckCurveBackend(measure);
+    py::dict d;
+    d["libzmq"] = b.libzmq;
+    d["links_libsodium"] = b.links_libsodium;
+    d["measured"] = b.measured;
+    d["curve_mb_s"] = b.curve_mb_s;
+    d["clear_mb_s"] = b.clear_mb_s;
+    d["slow"] = b.slow();
+    return d;
+  }, py::arg("measure") = true);
   m.def("push_priority_roundtrip", [](int64_t priority, uint64_t flags) {
     uint64_t id = bps::PushPriorityBits(priority) | flags;
     return py::make_tuple(bps::PushPriorityOf(id), id & 0xffffffffu);

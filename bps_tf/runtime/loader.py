@@ -1,9 +1,12 @@
-"""Loads the native core: libzmq first (from pyzmq's wheel), then bps_tf._core.
+"""Loads the native core: libzmq and libsodium first (from pyzmq's wheel),
+then bps_tf._core.
 
-The core is built without linking libzmq (see docs/dependencies.md), so the
-ZeroMQ symbols must be global in the process before libbps_core.so loads.
-pyzmq's wheel ships libzmq under a hashed file name that changes between
-releases, so it is found at run time rather than at build time.
+The core is built without linking libzmq or libsodium (see
+docs/dependencies.md), so their symbols must be global in the process before
+libbps_core.so loads. pyzmq's wheel ships both under hashed file names that
+change between releases, so they are found at run time rather than at build
+time. libsodium is optional here: only BYTEPS_ENCRYPTION=1 needs it, and the
+core says so, naming the fix, when it is missing.
 """
 from __future__ import annotations
 
@@ -15,14 +18,19 @@ import importlib.util
 import os
 
 _zmq_handle = None
+_sodium_handle = None
 
 
-def _pyzmq_libzmq() -> list[str]:
+def _pyzmq_libs(stem: str) -> list[str]:
     spec = importlib.util.find_spec("zmq")  # locates pyzmq without importing it
     if spec is None or not spec.submodule_search_locations:
         return []
     site = os.path.dirname(list(spec.submodule_search_locations)[0])
-    return sorted(glob.glob(os.path.join(site, "pyzmq.libs", "libzmq*.so*")))
+    return sorted(glob.glob(os.path.join(site, "pyzmq.libs", stem + "*.so*")))
+
+
+def _pyzmq_libzmq() -> list[str]:
+    return _pyzmq_libs("libzmq")
 
 
 def preload_libzmq() -> str:
@@ -46,8 +54,38 @@ def preload_libzmq() -> str:
         "Tried: " + "; ".join(errors or ["no candidate found"]))
 
 
+def _mapped_libsodium() -> list[str]:
+    """libsodium files already mapped into this process (e.g. by libzmq)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libsodium" in line.split()[-1]}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
+
+
+def preload_libsodium() -> str:
+    """Makes libsodium's symbols global, for the sealed links of
+    BYTEPS_ENCRYPTION=1; returns the path used, or "" when none loads (the
+    core then refuses that setting with what to install)."""
+    global _sodium_handle
+    if _sodium_handle is not None:
+        return _sodium_handle._name
+    candidates = _pyzmq_libs("libsodium") + _mapped_libsodium()
+    system = ctypes.util.find_library("sodium")
+    candidates += ([system] if system else []) + ["libsodium.so.26", "libsodium.so.23"]
+    for path in candidates:
+        try:
+            _sodium_handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            continue
+    return ""
+
+
 def load_core():
     preload_libzmq()
+    preload_libsodium()
     try:
         return importlib.import_module("bps_tf._core")
     except ImportError as exc:

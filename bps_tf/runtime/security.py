@@ -4,14 +4,21 @@ The core never sees the token. Each process that starts the core derives,
 with Python's hashlib and hmac, the 32-byte secrets its mode needs from it
 (of these four) and hands them to the core in its config text (``core_values``):
 
-* the CURVE server secret key: servers and the scheduler listen with it;
+* the link key of BYTEPS_ENCRYPTION=1 (the default): the key of each link's
+  handshake (core/transport/link_cipher.h), which proves both ends hold the
+  token and, with fresh X25519 keys from each end, gives the link its own
+  keys; every message is then sealed with an AEAD from libsodium;
+* the CURVE server secret key (BYTEPS_ENCRYPTION=curve): servers and the
+  scheduler listen with it;
   connecting nodes compute its public key, so only holders of the token can
   even start a handshake with them;
 * the CURVE client secret key: every connecting node presents its public
   key, and the listening side admits that key only (a process that knows
   just the server's public key is refused);
-* the credential sent, in clear, when BYTEPS_ENCRYPTION=0: it keeps jobs
-  apart but is no defence against an eavesdropper, who can replay it;
+* the credential sent, in clear, when BYTEPS_ENCRYPTION=0 or 1: it keeps
+  jobs apart but is no defence against an eavesdropper, who can replay it
+  (with encryption on it is only a gate: a process that passes it and lacks
+  the link key has every message refused);
 * the credential of the Unix sockets between a worker and a server of one
   machine (BYTEPS_ENABLE_IPC), which no network carries: those links are
   authenticated with it and not encrypted (core/security.h says why). It is
@@ -35,7 +42,10 @@ from typing import Dict
 _SALT = b"bps_tf job token v1"
 _ITERATIONS = 100_000
 LABELS = {"curve_server_secret": b"curve server", "curve_client_secret": b"curve client",
-          "plain_credential": b"plain credential", "local_credential": b"local credential"}
+          "plain_credential": b"plain credential", "local_credential": b"local credential",
+          "link_key": b"link key"}
+# BYTEPS_ENCRYPTION's values (config.py parses them).
+ENCRYPTION_OFF, ENCRYPTION_ON, ENCRYPTION_CURVE = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,10 +106,11 @@ def refuse_unprotected(spec, token: str, allow_insecure: bool, log) -> None:
 
 
 def mode(token: str, encryption: int) -> str:
-    """'curve', 'plain' (a token, encryption off) or 'none' (no token)."""
+    """'aead' (a token, encryption on), 'curve' (BYTEPS_ENCRYPTION=curve),
+    'plain' (a token, encryption off) or 'none' (no token)."""
     if not token:
         return "none"
-    return "curve" if encryption else "plain"
+    return {ENCRYPTION_OFF: "plain", ENCRYPTION_CURVE: "curve"}.get(encryption, "aead")
 
 
 def core_values(token: str, encryption: int) -> Dict[str, str]:
@@ -109,8 +120,10 @@ def core_values(token: str, encryption: int) -> Dict[str, str]:
     if chosen == "curve":
         for name in ("curve_server_secret", "curve_client_secret"):
             values[name] = derive(token, name).hex()
-    elif chosen == "plain":
+    elif chosen in ("plain", "aead"):
         values["plain_credential"] = derive(token, "plain_credential").hex()
+    if chosen == "aead":
+        values["link_key"] = derive(token, "link_key").hex()
     if chosen != "none":
         values["local_credential"] = derive(token, "local_credential").hex()
     return values

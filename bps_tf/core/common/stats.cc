@@ -29,6 +29,7 @@ std::string Stats::Json() {
     << ",\"frames_dropped\":" << frames_dropped
     << ",\"frames_foreign_release\":" << frames_foreign_release
     << ",\"connections_refused\":" << connections_refused
+    << ",\"frames_rejected\":" << frames_rejected
     << ",\"connections_capped\":" << connections_capped << ",\"links_local\":" << links_local
     << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent

@@ -26,6 +26,9 @@ class Stats {
   // Of those, frames of another protocol version: a node of another release.
   std::atomic<uint64_t> frames_foreign_release{0};
   std::atomic<uint64_t> connections_refused{0};  // failed security handshakes
+  // Sealed messages (BYTEPS_ENCRYPTION=1) of a peer with a verified
+  // handshake that failed authentication, or came again or out of order.
+  std::atomic<uint64_t> frames_rejected{0};
   std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
   std::atomic<uint64_t> links_local{0};  // a worker's links to servers over Unix sockets
   std::atomic<uint64_t> ops_done{0};

@@ -463,6 +463,12 @@ int ServerNode::Finish(const Peer& listener, std::string* error) {
   SendReplies(/*ignore_credit=*/true);
   uint64_t dropped = Stats::Get().frames_dropped;
   if (dropped) BPS_LOG(kWarning, "dropped " << dropped << " malformed frames");
+  uint64_t rejected = Stats::Get().frames_rejected;
+  if (rejected) {
+    BPS_LOG(kWarning, "rejected " << rejected
+                                  << " sealed messages that failed authentication or came again "
+                                     "or out of order (see the first error above)");
+  }
   uint64_t refused = Stats::Get().connections_refused;
   if (refused) {
     BPS_LOG(kWarning, "refused " << refused

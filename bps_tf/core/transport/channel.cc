@@ -1,6 +1,7 @@
 // Channel over ZeroMQ: a DEALER per link this node opens and a ROUTER to
 // listen on, each secured as LinkSecurity says and watched for failed
-// handshakes.
+// handshakes. With BYTEPS_ENCRYPTION=1 every TCP link is sealed: a handshake
+// record each way first, then every message sealed (link_cipher.h).
 #include "transport/channel.h"
 
 #include <cerrno>
@@ -14,6 +15,7 @@
 
 #include "common/common.h"
 #include "common/stats.h"
+#include "transport/sealed_links.h"
 #include "transport/security.h"
 
 namespace bps {
@@ -48,9 +50,15 @@ struct Link {
   std::unique_ptr<Socket> socket;         // null once closed
   std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
   bool routed = false;                    // the listening link
+  bool sealed = false;                    // its messages go through SealedLinks
   std::string endpoint;
   int failures_in_a_row = 0;
 };
+
+// Marks an alert: an ERROR a listening end seals to a peer whose message it
+// rejected, read by the peer's channel (never by an engine). Headers the
+// protocol sends keep reserved[] zero (ValidateHeader), so none is mistaken.
+constexpr uint8_t kAlertMark = 1;
 
 class ZmqChannel : public Channel {
  public:
@@ -59,7 +67,9 @@ class ZmqChannel : public Channel {
         wake_(wake),
         security_(security),
         local_security_(security.ForLocalLinks()),
-        unsent_cap_(unsent_cap) {}
+        unsent_cap_(unsent_cap) {
+    if (security_.sealed()) sealed_.reset(new SealedLinks(security_.link_key));
+  }
   ~ZmqChannel() override {  // sockets before the context
     links_.clear();
     zap_.reset();
@@ -78,8 +88,12 @@ class ZmqChannel : public Channel {
     SecurityOf(endpoint).ApplyClient(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
     l.endpoint = endpoint;
+    l.sealed = SecurityOf(endpoint).sealed();
     l.socket->Connect(endpoint);
-    return Peer{static_cast<int>(links_.size() - 1), ""};
+    Peer peer{static_cast<int>(links_.size() - 1), ""};
+    // The hello goes first; libzmq queues it until the connection is up.
+    if (l.sealed) SendRecord(peer, sealed_->Opened(peer.link));
+    return peer;
   }
 
   Peer Listen(const std::string& endpoint, int64_t max_message_bytes,
@@ -95,6 +109,7 @@ class ZmqChannel : public Channel {
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    l.sealed = SecurityOf(endpoint).sealed();
     *bound = l.endpoint = l.socket->Bind(endpoint);  // a failure leaves no link behind
     links_.push_back(std::move(l));
     return Peer{static_cast<int>(links_.size() - 1), ""};
@@ -105,11 +120,25 @@ class ZmqChannel : public Channel {
     if (!s) return false;
     FrameHeader h = header;
     h.payload_bytes = payload.size();
+    const Link& l = links_[static_cast<size_t>(to.link)];
     std::vector<Msg> frames;
-    if (links_[static_cast<size_t>(to.link)].routed) frames.emplace_back(to.route.data(), to.route.size());
-    frames.emplace_back(&h, sizeof(h));
-    frames.push_back(std::move(payload));
-    return s->SendFrames(&frames);
+    if (l.routed) frames.emplace_back(to.route.data(), to.route.size());
+    if (!l.sealed) {
+      frames.emplace_back(&h, sizeof(h));
+      frames.push_back(std::move(payload));
+      return s->SendFrames(&frames);
+    }
+    LinkCipher* cipher = l.routed ? sealed_->Cipher(to.link, to.route) : sealed_->Cipher(to.link);
+    if (cipher) {
+      cipher->Seal(h, std::move(payload), &frames);
+      return s->SendFrames(&frames);
+    }
+    if (!l.routed) {  // the handshake is under way: sent once it is done
+      sealed_->Hold(to.link, h, std::move(payload));
+      return true;
+    }
+    errno = EHOSTUNREACH;  // a peer that never completed a handshake
+    return false;
   }
 
   bool Wait(long timeout_ms) override {
@@ -147,6 +176,7 @@ class ZmqChannel : public Channel {
     Link& l = links_[static_cast<size_t>(link.link)];
     l.watch.reset();
     l.socket.reset();
+    if (sealed_) sealed_->Close(link.link);
   }
 
   std::string Refusal() const override { return refusal_; }
@@ -189,23 +219,168 @@ class ZmqChannel : public Channel {
   }
 
   // [route] [header] [payload] on the listening link, [header] [payload]
-  // on the others.
+  // on the others; on sealed links the header is sealed too (link_cipher.h).
+  // One-frame messages are the records of the security handshake.
   bool Unpack(int link, Message* m) {
-    size_t first = links_[static_cast<size_t>(link)].routed ? 1 : 0;
+    const Link& l = links_[static_cast<size_t>(link)];
+    size_t first = l.routed ? 1 : 0;
     m->from = Peer{link, first ? frames_[0].str() : std::string()};
-    std::string bad = frames_.size() != first + 2 ? "unexpected frame count"
-                      : ValidateHeader(frames_[first].data(), frames_[first].size(),
-                                       frames_[first + 1].size());
+    if (frames_.size() == first + 1) {
+      OnRecord(link, m->from, frames_[first]);
+      return false;
+    }
+    std::string bad;
+    if (frames_.size() != first + 2) {
+      bad = "unexpected frame count";
+    } else if (l.sealed) {
+      if (!OpenSealed(link, m->from, &m->header)) return false;  // counted there
+      bad = ValidateHeader(&m->header, sizeof(m->header), frames_[first + 1].size());
+    } else {
+      bad = ValidateHeader(frames_[first].data(), frames_[first].size(), frames_[first + 1].size());
+      if (bad.empty()) std::memcpy(&m->header, frames_[first].data(), sizeof(m->header));
+    }
     if (!bad.empty()) {
       Stats::Get().frames_dropped++;
-      if (!ForeignRelease(link, m->from, frames_[first])) {
+      if (l.sealed || !ForeignRelease(link, m->from, frames_[first])) {
         BPS_LOG(kDebug, "dropped a frame" << (first ? " from " + m->from.route : "") << ": " << bad);
       }
       return false;
     }
-    std::memcpy(&m->header, frames_[first].data(), sizeof(m->header));
     m->payload = std::move(frames_[first + 1]);
     return true;
+  }
+
+  // A one-frame message: a peer's hello or answer, or a refusal in clear.
+  void OnRecord(int link, const Peer& from, const Msg& record) {
+    Link& l = links_[static_cast<size_t>(link)];
+    const bool verified = l.sealed && !l.routed && sealed_->Cipher(link);
+    if (l.routed && IsHandshakeRecord(record)) return AnswerHello(link, from, record);
+    if (!l.routed && !verified && IsRefusalRecord(record)) {
+      if (refusal_.empty()) {
+        refusal_ = ExplainRefusal(l.endpoint, RefusalText(record), SecurityOf(l.endpoint));
+      }
+      return;
+    }
+    if (!l.routed && l.sealed && !verified && IsHandshakeRecord(record)) {
+      std::string why;
+      if (!sealed_->Finish(link, record, &why)) {
+        if (refusal_.empty()) {
+          refusal_ = "the connection to " + l.endpoint + " was refused: its answer to this " +
+                     "node's handshake does not verify (" + why + ")";
+        }
+        return;
+      }
+      for (auto& held : sealed_->TakeHeld(link)) Send(from, held.first, std::move(held.second));
+      return;
+    }
+    Stats::Get().frames_dropped++;
+    BPS_LOG(kDebug, "dropped a one-frame message on " << l.endpoint);
+  }
+
+  // A peer's hello on the listening link: answered when it is the job's.
+  void AnswerHello(int link, const Peer& from, const Msg& hello) {
+    const Link& l = links_[static_cast<size_t>(link)];
+    std::string why;
+    Msg answer;
+    if (!l.sealed) {
+      why = "a peer uses encryption (BYTEPS_ENCRYPTION=1) and this node does not";
+      if (FirstWordTo(link, from)) SendRecord(from, RefusalRecord(SecurityOf(l.endpoint).Describe()));
+    } else if (sealed_->Answer(link, from.route, hello, &answer, &why)) {
+      SendRecord(from, std::move(answer));
+      return;
+    } else {
+      why = "a peer's handshake failed: " + why;
+    }
+    RefusedPeer(l, why);
+  }
+
+  // Opens a sealed message into frames_; false when it is not one to hand
+  // to the engine (an alert, or rejected: counted and answered here).
+  bool OpenSealed(int link, const Peer& from, FrameHeader* h) {
+    const Link& l = links_[static_cast<size_t>(link)];
+    const size_t first = l.routed ? 1 : 0;
+    bool known = false;
+    LinkCipher::Verdict v =
+        sealed_->Open(link, from.route, frames_[first], &frames_[first + 1], h, &known);
+    if (v == LinkCipher::Verdict::kOk) {
+      if (h->type != static_cast<uint16_t>(MsgType::kError) || h->reserved[0] != kAlertMark) {
+        return true;
+      }
+      if (!l.routed && refusal_.empty()) refusal_ = Printable(frames_[first + 1].str());
+      return false;
+    }
+    if (!known) {
+      Uninvited(link, from, frames_[first]);
+      return false;
+    }
+    // A peer with a verified handshake: the message was changed, forged,
+    // replayed or reordered on the way. Accepting a later one would lose
+    // or repeat it, so the link ends here, and with it the job.
+    const uint64_t rejected = ++Stats::Get().frames_rejected;
+    const bool replayed = v == LinkCipher::Verdict::kReplayed;
+    if (!l.routed) {
+      if (refusal_.empty()) refusal_ = ExplainRejected(l.endpoint, replayed);
+      return false;
+    }
+    // The first says why; the count comes at exit (a peer of the job that
+    // keeps trying must not flood the log).
+    if (rejected == 1) {
+      BPS_LOG(kError, "rejected a message from a peer (" << Printable(from.route) << ") on "
+                          << l.endpoint << ": it " << RejectionCause(replayed)
+                          << "; the peer is told and its link closed");
+    }
+    LinkCipher* cipher = sealed_->Answered(link, from.route);
+    if (cipher) {
+      FrameHeader alert = MakeHeader(MsgType::kError, Role::kScheduler, -1);
+      alert.reserved[0] = kAlertMark;
+      const std::string text = ExplainRejectedFromPeer(l.endpoint, replayed);
+      alert.payload_bytes = text.size();
+      std::vector<Msg> frames;
+      frames.emplace_back(from.route.data(), from.route.size());
+      cipher->Seal(alert, Msg(text.data(), text.size()), &frames);
+      links_[static_cast<size_t>(link)].socket->SendFrames(&frames);
+    }
+    sealed_->Forget(link, from.route);
+    return false;
+  }
+
+  // A two-frame message on a sealed link from a peer without a verified
+  // handshake: dropped; one in clear of this release comes from a node
+  // with encryption off, which is told why nothing it says is read.
+  void Uninvited(int link, const Peer& from, const Msg& head) {
+    Stats::Get().frames_dropped++;
+    const Link& l = links_[static_cast<size_t>(link)];
+    uint32_t magic = 0;
+    if (head.size() == sizeof(FrameHeader)) std::memcpy(&magic, head.data(), sizeof(magic));
+    if (!l.routed || magic != kMagic || ForeignRelease(link, from, head)) {
+      BPS_LOG(kDebug, "dropped a message from a peer without a handshake on " << l.endpoint);
+      return;
+    }
+    RefusedPeer(l, "a peer does not encrypt (BYTEPS_ENCRYPTION=0) and this node does");
+    if (FirstWordTo(link, from)) SendRecord(from, RefusalRecord(SecurityOf(l.endpoint).Describe()));
+  }
+
+  void RefusedPeer(const Link& l, const std::string& why) {
+    // An intruder retrying must not flood the log: the first says why.
+    if (++Stats::Get().connections_refused == 1) {
+      BPS_LOG(kWarning, "refused a connection on " << l.endpoint << ": " << why);
+    }
+  }
+
+  // Whether `to` has not been told why it is refused yet (bounded).
+  bool FirstWordTo(int link, const Peer& to) {
+    return told_.size() < kMaxForeignPeersRemembered &&
+           told_.insert(std::to_string(link) + "/" + to.route).second;
+  }
+
+  // One frame (a record) to a peer, never sealed.
+  void SendRecord(const Peer& to, Msg&& record) {
+    Socket* s = Open(to.link);
+    if (!s) return;
+    std::vector<Msg> frames;
+    if (links_[static_cast<size_t>(to.link)].routed) frames.emplace_back(to.route.data(), to.route.size());
+    frames.push_back(std::move(record));
+    s->SendFrames(&frames);
   }
 
   // A frame with our magic number but another protocol version comes from a
@@ -230,7 +405,7 @@ class ZmqChannel : public Channel {
       return true;
     }
     std::string who = from.route.empty() ? links_[static_cast<size_t>(link)].endpoint
-                                         : "a peer (" + PrintableRoute(from.route) + ")";
+                                         : "a peer (" + Printable(from.route) + ")";
     std::string why = "mixed bps_tf releases in one job: " + who + " speaks wire protocol version " +
                       std::to_string(version) + ", this node speaks version " +
                       std::to_string(kProtocolVersion) +
@@ -241,12 +416,19 @@ class ZmqChannel : public Channel {
     if (links_[static_cast<size_t>(link)].routed && header.size() == sizeof(FrameHeader)) {
       FrameHeader h = MakeHeader(MsgType::kError, Role::kScheduler, -1);
       h.version = version;
-      Send(from, h, Msg(why.data(), why.size()));
+      h.payload_bytes = why.size();
+      // In clear: a node of another release reads no sealed message.
+      Socket* s = Open(link);
+      std::vector<Msg> frames;
+      frames.emplace_back(from.route.data(), from.route.size());
+      frames.emplace_back(&h, sizeof(h));
+      frames.emplace_back(why.data(), why.size());
+      if (s) s->SendFrames(&frames);
     }
     return true;
   }
 
-  static std::string PrintableRoute(const std::string& route) {
+  static std::string Printable(const std::string& route) {
     std::string out;
     for (char c : route) out += (c >= 32 && c < 127) ? c : '?';
     return out;
@@ -261,11 +443,13 @@ class ZmqChannel : public Channel {
   LinkSecurity local_security_;  // ipc:// links
   int unsent_cap_;  // TCP_NOTSENT_LOWAT of every connection (0: the kernel's)
   std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
+  std::unique_ptr<SealedLinks> sealed_;  // with BYTEPS_ENCRYPTION=1
   std::vector<Link> links_;
   std::vector<zmq_pollitem_t> items_;
   std::vector<Msg> frames_;
   std::string refusal_;
   std::set<std::string> foreign_peers_;  // link/route of peers already told
+  std::set<std::string> told_;           // link/route of peers refused a record
   size_t next_ = 0;  // the link Receive drains now
 };
 

@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstring>
 
+#include "transport/curve_check.h"
+#include "transport/link_cipher.h"
+
 namespace bps {
 
 namespace {
@@ -38,14 +41,18 @@ std::string Z85(const unsigned char* bytes32) {
   return std::string(text, kZ85KeyLen);
 }
 
+std::string RawKey(const std::string& hex) {
+  std::string raw(32, '\0');
+  for (size_t i = 0; i < 32; ++i) {
+    raw[i] = static_cast<char>(HexDigit(hex[2 * i]) * 16 + HexDigit(hex[2 * i + 1]));
+  }
+  return raw;
+}
+
 // A secret key (hex) as z85, and its public key computed by libzmq.
 void KeyPair(const Config& cfg, const std::string& key, std::string* secret, std::string* pub) {
-  std::string hex = HexSetting(cfg, key);
-  unsigned char raw[32];
-  for (size_t i = 0; i < 32; ++i) {
-    raw[i] = static_cast<unsigned char>(HexDigit(hex[2 * i]) * 16 + HexDigit(hex[2 * i + 1]));
-  }
-  *secret = Z85(raw);
+  std::string raw = RawKey(HexSetting(cfg, key));
+  *secret = Z85(reinterpret_cast<const unsigned char*>(raw.data()));
   char text[kZ85KeyLen + 1];
   if (zmq_curve_public(text, secret->c_str()) != 0) {
     throw Error(ZmqError("computing a CURVE public key"));
@@ -88,21 +95,34 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   if (cfg.Has("local_credential")) {
     s.local_credential = HexSetting(cfg, "local_credential");
   }
-  if (mode == "plain") {
-    s.mode = Mode::kPlain;
+  if (mode == "plain" || mode == "aead") {
+    s.mode = mode == "plain" ? Mode::kPlain : Mode::kAead;
     s.credential = HexSetting(cfg, "plain_credential");
+    if (s.mode == Mode::kAead) {
+      s.link_key = RawKey(HexSetting(cfg, "link_key"));
+      if (!SodiumMissing().empty()) throw Error(SodiumMissing());
+      // Once per process: which library and AEAD its TCP links are sealed with.
+      static const bool said = [] {
+        BPS_LOG(kInfo, "sealed links (BYTEPS_ENCRYPTION=1): " << SodiumDescribe());
+        return true;
+      }();
+      (void)said;
+    }
     return s;
   }
   if (mode != "curve") {
-    throw Error("link_security must be none, plain or curve, not '" + mode + "'");
+    throw Error("link_security must be none, plain, aead or curve, not '" + mode + "'");
   }
   if (!zmq_has("curve")) {
     throw Error(
-        "BYTEPS_JOB_TOKEN is set and BYTEPS_ENCRYPTION=1, but the libzmq this process loaded "
-        "has no CURVE support; use pyzmq's wheel (its libzmq has it), or set "
+        "BYTEPS_JOB_TOKEN is set and BYTEPS_ENCRYPTION=curve, but the libzmq this process "
+        "loaded has no CURVE support; set BYTEPS_ENCRYPTION=1 on every node (sealed links, "
+        "on libsodium), use pyzmq's wheel (its libzmq has CURVE), or set "
         "BYTEPS_ENCRYPTION=0 on every node inside a trusted network");
   }
   s.mode = Mode::kCurve;
+  const std::string slow = CurveSlowWarning();
+  if (!slow.empty()) BPS_LOG(kWarning, slow);
   KeyPair(cfg, "curve_server_secret", &s.server_secret, &s.server_public);
   KeyPair(cfg, "curve_client_secret", &s.client_secret, &s.client_public);
   return s;
@@ -123,7 +143,7 @@ void LinkSecurity::ApplyClient(void* socket) const {
     SetOption(socket, zmqc::kCurveServerKey, server_public, "CURVE server key");
     SetOption(socket, zmqc::kCurvePublicKey, client_public, "CURVE public key");
     SetOption(socket, zmqc::kCurveSecretKey, client_secret, "CURVE secret key");
-  } else if (mode == Mode::kPlain) {
+  } else if (mode == Mode::kPlain || mode == Mode::kAead) {
     SetOption(socket, zmqc::kPlainUsername, kPlainUser, "PLAIN user name");
     SetOption(socket, zmqc::kPlainPassword, credential, "PLAIN password");
   }
@@ -147,6 +167,7 @@ bool LinkSecurity::Admits(const std::string& mechanism, const std::string* crede
     case Mode::kNone:
       return true;
     case Mode::kPlain:
+    case Mode::kAead:
       return mechanism == "PLAIN" && count == 2 && SameBytes(credentials[1], credential);
     case Mode::kCurve:
       return mechanism == "CURVE" && count == 1 && credentials[0].size() == 32 &&
@@ -167,9 +188,33 @@ std::string LinkSecurity::Describe() const {
     case Mode::kPlain:
       return "a token credential without encryption (BYTEPS_JOB_TOKEN set, BYTEPS_ENCRYPTION=0)";
     case Mode::kCurve:
-      return "CURVE encryption (BYTEPS_JOB_TOKEN set, BYTEPS_ENCRYPTION=1)";
+      return "ZeroMQ CURVE encryption (BYTEPS_JOB_TOKEN set, BYTEPS_ENCRYPTION=curve)";
+    case Mode::kAead:
+      return "encryption (BYTEPS_JOB_TOKEN set, BYTEPS_ENCRYPTION=1)";
   }
   return "?";
+}
+
+std::string ExplainRefusal(const std::string& endpoint, const std::string& theirs,
+                           const LinkSecurity& security) {
+  return "the connection to " + endpoint + " was refused: the other end uses " + theirs +
+         "; this node uses " + security.Describe() + "; " + kFixSettings;
+}
+
+std::string RejectionCause(bool replayed) {
+  return replayed ? "came again or out of order (replayed or reordered on the way)"
+                  : "failed authentication (changed on the way, or forged)";
+}
+
+std::string ExplainRejected(const std::string& endpoint, bool replayed) {
+  return "a message from " + endpoint + " " + RejectionCause(replayed) +
+         ": the link to it cannot be trusted, so this node stops rather than lose or accept it";
+}
+
+std::string ExplainRejectedFromPeer(const std::string& endpoint, bool replayed) {
+  return "the other end (" + endpoint + ") rejected a message of this node: it " +
+         RejectionCause(replayed) +
+         "; the link cannot be trusted, so this node stops rather than lose or accept it";
 }
 
 bool HandshakeEvent::connection() const {

@@ -2,9 +2,16 @@
 // connection, with the mechanisms ZeroMQ specifies (ZMTP CURVE and PLAIN,
 // authentication requests over ZAP), never by code of ours.
 //
-// Three modes, chosen by bps_tf/runtime/security.py from BYTEPS_JOB_TOKEN and
+// Four modes, chosen by bps_tf/runtime/security.py from BYTEPS_JOB_TOKEN and
 // BYTEPS_ENCRYPTION, which derives every secret below from the token:
-//   curve  every link is CURVE: encrypted and authenticated both ways. The
+//   aead   (BYTEPS_ENCRYPTION=1, the default) libzmq checks the PLAIN
+//          credential, a gate in clear; every message is then sealed by
+//          link_cipher.h (a handshake keyed by the token, an AEAD from
+//          libsodium per message): encrypted, authenticated both ways, and
+//          neither replayable nor reorderable (its cost against CURVE's:
+//          docs/performance.md#encryption).
+//   curve  (BYTEPS_ENCRYPTION=curve) every link is CURVE: encrypted and
+//          authenticated both ways. The
 //          listening side holds the server key pair; connecting sides the
 //          client key pair; a ZAP handler admits only that client key, so
 //          knowing the server's public key is not enough to connect.
@@ -34,21 +41,24 @@
 namespace bps {
 
 struct LinkSecurity {
-  enum class Mode { kNone, kPlain, kCurve };
+  enum class Mode { kNone, kPlain, kCurve, kAead };
   Mode mode = Mode::kNone;
   std::string server_public, server_secret;  // z85, 40 characters (curve)
   std::string client_public, client_secret;  // z85 (curve)
-  std::string credential;                    // the PLAIN password (plain)
+  std::string credential;                    // the PLAIN password (plain, aead)
+  std::string link_key;                      // 32 raw bytes: link_cipher.h's key (aead)
   std::string local_credential;              // the PLAIN password of local links
   bool local = false;                        // for ipc:// links (own ZAP domain)
 
   // From the config text's link_security, curve_server_secret,
-  // curve_client_secret, plain_credential and local_credential (64 hex
-  // digits each). Throws
-  // Error when they are missing or malformed, or this libzmq has no CURVE.
+  // curve_client_secret, plain_credential, link_key and local_credential
+  // (64 hex digits each). Throws Error when they are missing or malformed,
+  // or this libzmq has no CURVE (curve), or no libsodium is loaded (aead).
   static LinkSecurity FromConfig(const Config& cfg);
   // The security of this node's Unix-socket links (see the top).
   LinkSecurity ForLocalLinks() const;
+  // Whether messages are sealed by link_cipher.h (aead, never local).
+  bool sealed() const { return mode == Mode::kAead && !local; }
 
   void ApplyClient(void* socket) const;  // before zmq_connect
   void ApplyServer(void* socket) const;  // before zmq_bind
@@ -73,6 +83,18 @@ struct HandshakeEvent {
 // this node opened it (else a peer connected to this node).
 std::string ExplainHandshakeFailure(const HandshakeEvent& e, const LinkSecurity& security,
                                     bool outgoing);
+
+// A peer's refusal record (link_cipher.h) in the user's terms: the other end
+// of `endpoint` uses `theirs`.
+std::string ExplainRefusal(const std::string& endpoint, const std::string& theirs,
+                           const LinkSecurity& security);
+// Why a sealed message was rejected: it did not verify, or (`replayed`) it
+// did but came again or out of order.
+std::string RejectionCause(bool replayed);
+// The same on a link this node opened to `endpoint`, for the user.
+std::string ExplainRejected(const std::string& endpoint, bool replayed);
+// The same seen by the listening side, sent to the peer (an alert) and logged.
+std::string ExplainRejectedFromPeer(const std::string& endpoint, bool replayed);
 
 // The receiving end of one socket's handshake events (zmq_socket_monitor).
 // Destroy it before the socket it watches.

@@ -47,6 +47,7 @@ int zmq_socket_monitor(void* socket, const char* endpoint, int events);
 int zmq_has(const char* capability);
 char* zmq_z85_encode(char* dest, const unsigned char* data, size_t size);
 int zmq_curve_public(char* z85_public_key, const char* z85_secret_key);
+int zmq_curve_keypair(char* z85_public_key, char* z85_secret_key);
 int zmq_errno(void);
 const char* zmq_strerror(int errnum);
 void zmq_version(int* major, int* minor, int* patch);

@@ -1,0 +1,424 @@
+#include "transport/link_cipher.h"
+
+#include <cstring>
+
+#include "common/common.h"
+#include "transport/sodium_api.h"
+
+namespace bps {
+
+namespace {
+
+constexpr char kHandshakeMagic[] = "BPSK";
+constexpr char kRefusalMagic[] = "BPSR";
+constexpr size_t kMagicBytes = 4;
+constexpr uint8_t kHandshakeVersion = 1;
+constexpr uint8_t kHelloRole = 1, kAnswerRole = 2;
+constexpr size_t kPublicBytes = 32;
+constexpr size_t kMacBytes = 32;
+// magic, version, role, suites (uint16), public key: what the MACs cover.
+constexpr size_t kSignedBytes = kMagicBytes + 2 + 2 + kPublicBytes;
+constexpr size_t kHandshakeBytes = kSignedBytes + kMacBytes;
+constexpr size_t kMaxRefusalText = 1024;
+constexpr size_t kMaxNonce = 32, kMaxTag = 32;
+
+struct SuiteOps {
+  Suite id;
+  bps_aead_encrypt_fn* encrypt;
+  bps_aead_decrypt_fn* decrypt;
+  size_t key, npub, abytes;
+};
+
+struct Sodium {
+  SodiumApi api;
+  std::string missing;           // empty when usable
+  std::vector<SuiteOps> suites;  // what this process runs, preferred first
+  bool aes = false;              // the CPU has AES instructions
+};
+
+// A suite whose functions this libsodium has, with sizes the code can hold.
+bool Usable(const SodiumAead& a, Suite id, SuiteOps* out) {
+  if (!a.encrypt || !a.decrypt || !a.keybytes || !a.npubbytes || !a.abytes) return false;
+  if (a.is_available && !a.is_available()) return false;  // AES-256-GCM without AES-NI
+  *out = SuiteOps{id, a.encrypt, a.decrypt, a.keybytes(), a.npubbytes(), a.abytes()};
+  return out->key >= 16 && out->key <= kLinkKeyBytes && out->npub >= 12 &&
+         out->npub <= kMaxNonce && out->abytes >= 16 && out->abytes <= kMaxTag;
+}
+
+Sodium Load() {
+  Sodium s;
+  const char* fix =
+      ": pyzmq's wheel ships it (pyzmq.libs/libsodium-*.so) and bps_tf loads it with libzmq. "
+      "Install pyzmq from its wheel, or the system's libsodium (libsodium23 or newer), or set "
+      "BYTEPS_ENCRYPTION=curve (ZeroMQ CURVE, slower) on every node";
+  FindLoadedSodium(&s.api);
+  if (!s.api.complete()) {
+    s.missing = std::string("BYTEPS_ENCRYPTION=1 needs libsodium, and none is loaded") + fix;
+    return s;
+  }
+  if (s.api.init() < 0) {
+    s.missing = "libsodium failed to initialize (sodium_init in " + s.api.path + ")";
+    return s;
+  }
+  s.aes = s.api.runtime_has_aesni && s.api.runtime_has_aesni();
+  SuiteOps aegis128l{}, aegis{}, gcm{}, xchacha{};
+  bool have_aegis128l = Usable(s.api.aegis128l, Suite::kAegis128L, &aegis128l);
+  bool have_aegis = Usable(s.api.aegis256, Suite::kAegis256, &aegis);
+  bool have_gcm = s.api.aes256gcm.is_available && Usable(s.api.aes256gcm, Suite::kAes256Gcm, &gcm);
+  bool have_xchacha = Usable(s.api.xchacha20poly1305, Suite::kXChaCha20Poly1305, &xchacha);
+  // Without AES instructions libsodium's AEGIS runs a portable AES, slower
+  // than XChaCha20-Poly1305's plain arithmetic.
+  if (s.aes && have_aegis128l) s.suites.push_back(aegis128l);
+  if (s.aes && have_aegis) s.suites.push_back(aegis);
+  if (have_gcm) s.suites.push_back(gcm);
+  if (have_xchacha) s.suites.push_back(xchacha);
+  if (!s.aes && have_aegis128l) s.suites.push_back(aegis128l);
+  if (!s.aes && have_aegis) s.suites.push_back(aegis);
+  if (s.suites.empty()) {
+    s.missing = "the libsodium loaded (" + s.api.path + ", " + s.api.version_string() +
+                ") has none of AEGIS-128L, AEGIS-256, AES-256-GCM, XChaCha20-Poly1305" + fix;
+  }
+  return s;
+}
+
+const Sodium& Lib() {
+  static const Sodium lib = Load();
+  return lib;
+}
+
+const SuiteOps* OpsOf(uint8_t suite) {
+  for (const SuiteOps& s : Lib().suites) {
+    if (static_cast<uint8_t>(s.id) == suite) return &s;
+  }
+  return nullptr;
+}
+
+uint16_t OfferedSuites() {
+  uint16_t mask = 0;
+  for (const SuiteOps& s : Lib().suites) mask |= static_cast<uint16_t>(1u << static_cast<int>(s.id));
+  return mask;
+}
+
+void Wipe(void* p, size_t n) {
+  if (Lib().api.memzero) {
+    Lib().api.memzero(p, n);
+  } else {
+    volatile unsigned char* v = static_cast<volatile unsigned char*>(p);
+    while (n--) *v++ = 0;
+  }
+}
+
+void StoreCounter(uint64_t v, unsigned char* out) {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+uint64_t LoadCounter(const unsigned char* in) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(in[i]) << (8 * i);
+  return v;
+}
+
+// (counter, part): part 0 seals a header, 1 its payload; the rest is zero.
+void Nonce(uint64_t counter, uint8_t part, size_t size, unsigned char* out) {
+  std::memset(out, 0, size);
+  StoreCounter(counter, out);
+  out[8] = part;
+}
+
+// Keyed BLAKE2b of label || data, `size` bytes (32 unless told): the
+// handshake's MAC and key derivation.
+void KeyedHash(const std::string& key, const char* label, const std::string& data,
+               unsigned char* out, size_t size = 32) {
+  std::string msg = std::string(label) + '\0' + data;
+  Lib().api.generichash(out, size, reinterpret_cast<const unsigned char*>(msg.data()), msg.size(),
+                     reinterpret_cast<const unsigned char*>(key.data()), key.size());
+  Wipe(&msg[0], msg.size());
+}
+
+std::string Signed(uint8_t role, uint16_t suites, const unsigned char* pk) {
+  std::string s(kHandshakeMagic, kMagicBytes);
+  s += static_cast<char>(kHandshakeVersion);
+  s += static_cast<char>(role);
+  s += static_cast<char>(suites & 0xff);
+  s += static_cast<char>(suites >> 8);
+  s.append(reinterpret_cast<const char*>(pk), kPublicBytes);
+  return s;
+}
+
+// The signed part of a handshake record of `role`, if its MAC (computed by
+// `mac`) verifies; else why not.
+std::string CheckRecord(const Msg& m, uint8_t role, const std::string& key, const char* label,
+                        const std::string& also_covered, std::string* signed_part) {
+  if (!IsHandshakeRecord(m)) return "not a handshake record";
+  const char* d = m.data();
+  if (static_cast<uint8_t>(d[4]) != kHandshakeVersion) {
+    return "handshake version " + std::to_string(static_cast<uint8_t>(d[4])) + " (this node speaks " +
+           std::to_string(kHandshakeVersion) + "): not a bps_tf of this release";
+  }
+  if (static_cast<uint8_t>(d[5]) != role) return "an unexpected handshake record";
+  *signed_part = std::string(d, kSignedBytes);
+  unsigned char mac[kMacBytes];
+  KeyedHash(key, label, *signed_part + also_covered, mac);
+  if (Lib().api.verify_32(mac, reinterpret_cast<const unsigned char*>(d + kSignedBytes)) != 0) {
+    return "its MAC does not verify: another BYTEPS_JOB_TOKEN, or not a process of this job";
+  }
+  return "";
+}
+
+uint16_t SuitesOf(const std::string& signed_part) {
+  return static_cast<uint16_t>(static_cast<uint8_t>(signed_part[6]) |
+                               (static_cast<uint8_t>(signed_part[7]) << 8));
+}
+
+const unsigned char* PublicOf(const std::string& signed_part) {
+  return reinterpret_cast<const unsigned char*>(signed_part.data()) + 8;
+}
+
+Msg Record(const std::string& key, const char* label, const std::string& signed_part,
+           const std::string& also_covered) {
+  unsigned char mac[kMacBytes];
+  KeyedHash(key, label, signed_part + also_covered, mac);
+  std::string out = signed_part + std::string(reinterpret_cast<char*>(mac), kMacBytes);
+  return Msg(out.data(), out.size());
+}
+
+// The link's key for one direction, as long as the suite's: the link key
+// over crypto_kx's key for that direction and the transcript (both
+// records' signed parts, which name the suite).
+void DirectionKey(const std::string& key, const char* label, const unsigned char* kx_key,
+                  const std::string& transcript, size_t size, unsigned char* out) {
+  std::string data(reinterpret_cast<const char*>(kx_key), kLinkKeyBytes);
+  KeyedHash(key, label, data + transcript, out, size);
+  Wipe(&data[0], data.size());
+}
+
+constexpr char kHelloLabel[] = "bps_tf link hello v1";
+constexpr char kAnswerLabel[] = "bps_tf link answer v1";
+constexpr char kToServer[] = "bps_tf link key to server v1";
+constexpr char kToClient[] = "bps_tf link key to client v1";
+
+// The ciphertext of a payload, holding the plaintext message until libzmq
+// releases the ciphertext.
+struct Sealed {
+  Msg plain;
+  char* cipher;
+};
+
+void FreeSealed(void*, void* hint) {
+  Sealed* s = static_cast<Sealed*>(hint);
+  delete[] s->cipher;
+  delete s;
+}
+
+}  // namespace
+
+const char* SuiteName(Suite s) {
+  switch (s) {
+    case Suite::kAegis128L: return "AEGIS-128L";
+    case Suite::kAegis256: return "AEGIS-256";
+    case Suite::kAes256Gcm: return "AES-256-GCM";
+    case Suite::kXChaCha20Poly1305: return "XChaCha20-Poly1305";
+  }
+  return "?";
+}
+
+std::string SodiumMissing() { return Lib().missing; }
+
+std::string SodiumDescribe() {
+  const Sodium& s = Lib();
+  if (!s.missing.empty()) return s.missing;
+  return std::string("libsodium ") + s.api.version_string() + " (" + s.api.path + "), " +
+         SuiteName(s.suites[0].id) + " preferred" +
+         (s.aes ? " (AES instructions)" : " (no AES instructions)");
+}
+
+bool IsHandshakeRecord(const Msg& m) {
+  return m.size() == kHandshakeBytes && std::memcmp(m.data(), kHandshakeMagic, kMagicBytes) == 0;
+}
+
+bool IsRefusalRecord(const Msg& m) {
+  return m.size() >= kMagicBytes && m.size() <= kMagicBytes + kMaxRefusalText &&
+         std::memcmp(m.data(), kRefusalMagic, kMagicBytes) == 0;
+}
+
+Msg RefusalRecord(const std::string& security) {
+  std::string text = std::string(kRefusalMagic, kMagicBytes) + security.substr(0, kMaxRefusalText);
+  return Msg(text.data(), text.size());
+}
+
+std::string RefusalText(const Msg& m) {
+  std::string out;
+  for (size_t i = kMagicBytes; i < m.size(); ++i) {
+    char c = m.data()[i];
+    out += (c >= 32 && c < 127) ? c : '?';  // printable only: it comes from anyone
+  }
+  return out;
+}
+
+LinkCipher::~LinkCipher() { Wipe(); }
+
+LinkCipher::LinkCipher(LinkCipher&& other) noexcept { *this = std::move(other); }
+
+LinkCipher& LinkCipher::operator=(LinkCipher&& other) noexcept {
+  if (this == &other) return *this;
+  suite_ = other.suite_;
+  std::memcpy(tx_, other.tx_, sizeof(tx_));
+  std::memcpy(rx_, other.rx_, sizeof(rx_));
+  sent_ = other.sent_;
+  received_ = other.received_;
+  other.Wipe();
+  return *this;
+}
+
+void LinkCipher::Wipe() {
+  bps::Wipe(tx_, sizeof(tx_));
+  bps::Wipe(rx_, sizeof(rx_));
+  suite_ = 0;
+}
+
+void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* frames) {
+  const SuiteOps* ops = OpsOf(suite_);
+  if (!ops) throw Error("sealing a message on a link whose handshake is not done");
+  // 2^64 messages would take centuries; refusing beats reusing a nonce.
+  if (sent_ == UINT64_MAX) throw Error("a link's message counter is exhausted");
+  const uint64_t counter = ++sent_;
+  const size_t ab = ops->abytes, n = payload.size();
+  unsigned char nonce[kMaxNonce];
+  Msg head(8 + ab + sizeof(FrameHeader) + ab);  // counter, payload tag, header, header tag
+  unsigned char* a = reinterpret_cast<unsigned char*>(head.data());
+  StoreCounter(counter, a);
+  Nonce(counter, 1, ops->npub, nonce);
+  Msg body;
+  if (n == 0) {
+    unsigned char none = 0;
+    ops->encrypt(&none, a + 8, nullptr, &none, 0, nullptr, 0, nullptr, nonce, tx_);
+  } else {
+    Sealed* s = new Sealed{std::move(payload), new char[n]};
+    ops->encrypt(reinterpret_cast<unsigned char*>(s->cipher), a + 8, nullptr,
+                 reinterpret_cast<const unsigned char*>(s->plain.data()), n, nullptr, 0,
+                 nullptr, nonce, tx_);
+    body = Msg(s->cipher, n, &FreeSealed, s);
+  }
+  Nonce(counter, 0, ops->npub, nonce);
+  unsigned char* sealed = a + 8 + ab;
+  ops->encrypt(sealed, sealed + sizeof(FrameHeader), nullptr,
+               reinterpret_cast<const unsigned char*>(&h), sizeof(FrameHeader), a, 8 + ab,
+               nullptr, nonce, tx_);
+  frames->push_back(std::move(head));
+  frames->push_back(std::move(body));
+}
+
+LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, FrameHeader* h) {
+  const SuiteOps* ops = OpsOf(suite_);
+  if (!ops) return Verdict::kForged;
+  const size_t ab = ops->abytes;
+  if (sealed_header.size() != 8 + ab + sizeof(FrameHeader) + ab) return Verdict::kForged;
+  const unsigned char* a = reinterpret_cast<const unsigned char*>(sealed_header.data());
+  const uint64_t counter = LoadCounter(a);
+  unsigned char nonce[kMaxNonce];
+  Nonce(counter, 0, ops->npub, nonce);
+  FrameHeader plain;
+  const unsigned char* sealed = a + 8 + ab;
+  if (ops->decrypt(reinterpret_cast<unsigned char*>(&plain), nullptr, sealed,
+                   sizeof(FrameHeader), sealed + sizeof(FrameHeader), a, 8 + ab, nonce,
+                   rx_) != 0) {
+    return Verdict::kForged;
+  }
+  // Authentic, so this end's peer sealed it: an old counter means the
+  // message came again or out of order, never a new one.
+  if (counter <= received_) return Verdict::kReplayed;
+  Nonce(counter, 1, ops->npub, nonce);
+  unsigned char none = 0;
+  unsigned char* p =
+      payload->size() ? reinterpret_cast<unsigned char*>(payload->data()) : &none;
+  if (ops->decrypt(p, nullptr, p, payload->size(), a + 8, nullptr, 0, nonce, rx_) != 0) {
+    return Verdict::kForged;
+  }
+  received_ = counter;
+  std::memcpy(h, &plain, sizeof(plain));
+  return Verdict::kOk;
+}
+
+LinkHandshake::LinkHandshake(const std::string& link_key) : key_(link_key) {}
+
+LinkHandshake::~LinkHandshake() {
+  Wipe(sk_, sizeof(sk_));
+  if (!key_.empty()) Wipe(&key_[0], key_.size());
+}
+
+Msg LinkHandshake::Hello() {
+  if (!SodiumMissing().empty()) throw Error(SodiumMissing());
+  Lib().api.kx_keypair(pk_, sk_);
+  hello_ = Signed(kHelloRole, OfferedSuites(), pk_);
+  return Record(key_, kHelloLabel, hello_, "");
+}
+
+bool LinkHandshake::Finish(const Msg& answer, LinkCipher* out, std::string* why) {
+  std::string signed_part;
+  *why = CheckRecord(answer, kAnswerRole, key_, kAnswerLabel, hello_, &signed_part);
+  if (!why->empty()) return false;
+  const uint16_t chosen = SuitesOf(signed_part);
+  const SuiteOps* ops = nullptr;
+  for (const SuiteOps& s : Lib().suites) {
+    if (chosen == (1u << static_cast<int>(s.id))) ops = &s;
+  }
+  if (!ops) {
+    *why = "the other end chose an AEAD this node did not offer";
+    return false;
+  }
+  unsigned char rx[kLinkKeyBytes], tx[kLinkKeyBytes];
+  if (Lib().api.kx_client_session_keys(rx, tx, pk_, sk_, PublicOf(signed_part)) != 0) {
+    *why = "the other end's key is not a valid X25519 key";
+    return false;
+  }
+  const std::string transcript = hello_ + signed_part;
+  DirectionKey(key_, kToServer, tx, transcript, ops->key, out->tx_);
+  DirectionKey(key_, kToClient, rx, transcript, ops->key, out->rx_);
+  Wipe(rx, sizeof(rx));
+  Wipe(tx, sizeof(tx));
+  Wipe(sk_, sizeof(sk_));
+  out->suite_ = static_cast<uint8_t>(ops->id);
+  out->sent_ = out->received_ = 0;
+  return true;
+}
+
+bool LinkHandshake::Answer(const std::string& link_key, const Msg& hello, Msg* answer,
+                           LinkCipher* out, std::string* why) {
+  if (!SodiumMissing().empty()) {
+    *why = SodiumMissing();
+    return false;
+  }
+  std::string hello_part;
+  *why = CheckRecord(hello, kHelloRole, link_key, kHelloLabel, "", &hello_part);
+  if (!why->empty()) return false;
+  const uint16_t offered = SuitesOf(hello_part);
+  const SuiteOps* ops = nullptr;
+  for (const SuiteOps& s : Lib().suites) {
+    if (!ops && (offered & (1u << static_cast<int>(s.id)))) ops = &s;
+  }
+  if (!ops) {
+    *why = "it offers no AEAD this node runs (" + SodiumDescribe() + ")";
+    return false;
+  }
+  unsigned char pk[kPublicBytes], sk[32], rx[kLinkKeyBytes], tx[kLinkKeyBytes];
+  Lib().api.kx_keypair(pk, sk);
+  bool ok = Lib().api.kx_server_session_keys(rx, tx, pk, sk, PublicOf(hello_part)) == 0;
+  Wipe(sk, sizeof(sk));
+  if (!ok) {
+    *why = "its key is not a valid X25519 key";
+    return false;
+  }
+  const std::string answer_part =
+      Signed(kAnswerRole, static_cast<uint16_t>(1u << static_cast<int>(ops->id)), pk);
+  *answer = Record(link_key, kAnswerLabel, answer_part, hello_part);
+  const std::string transcript = hello_part + answer_part;
+  DirectionKey(link_key, kToClient, tx, transcript, ops->key, out->tx_);
+  DirectionKey(link_key, kToServer, rx, transcript, ops->key, out->rx_);
+  Wipe(rx, sizeof(rx));
+  Wipe(tx, sizeof(tx));
+  out->suite_ = static_cast<uint8_t>(ops->id);
+  out->sent_ = out->received_ = 0;
+  return true;
+}
+
+}  // namespace bps
