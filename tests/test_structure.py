@@ -10,6 +10,7 @@ run the installed package in fresh subprocesses.
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -307,3 +308,22 @@ def test_documented_module_entry_points_run(module, expected, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout
+
+
+def test_a_source_folder_that_shadows_the_installed_package_says_so(tmp_path):
+    """A script in a clone's root imports the clone's bps_tf (Python puts the
+    script's folder first on sys.path), which has no built core: the error
+    says so, names the folder and the installed package, and gives the fix,
+    instead of asking to install what is installed."""
+    clone = tmp_path / "clone"
+    shutil.copytree(PACKAGE, clone / "bps_tf", ignore=shutil.ignore_patterns(
+        "*.so", "__pycache__", "*.cc", "*.h", "*.cu", "*.cuh"))
+    (clone / "setup.py").write_text("# the clone's build script\n")
+    (clone / "my_train.py").write_text("import bps_tf\nbps_tf.init()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DMLC_ROLE", "TF_CONFIG")}
+    out = subprocess.run([sys.executable, "my_train.py"], cwd=clone, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "Run from another directory, or build in place" in out.stderr, out.stderr[-3000:]
+    assert f"from the source folder {clone / 'bps_tf'}" in out.stderr, out.stderr[-3000:]
+    assert "bps_tf is installed (in " in out.stderr, out.stderr[-3000:]
