@@ -175,6 +175,21 @@ def write_docs(text):
         f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
 
 
+def _save(path, rows, command):
+    """Merges ``rows`` into the JSON at ``path`` (earlier results of the
+    combinations not run now stay) and returns the table of all."""
+    known = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            known = {r["name"]: r for r in json.load(f).get("rows", [])}
+    known.update({r["name"]: r for r in rows})
+    merged = [known[n] for n in COMBINATIONS if n in known]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"command": command, "rows": merged}, f, indent=2)
+    return table(merged)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=sorted(COMBINATIONS),
@@ -193,27 +208,17 @@ def main(argv=None):
     os.makedirs(args.venv_root, exist_ok=True)
     log = os.path.join(args.venv_root, "matrix.log")
     date = datetime.date.today().isoformat()
+    command = "python tools/compat_matrix.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     rows = []
     for name in names:
         print(f"== {name}", flush=True)
         rows.append(run_one(name, args.venv_root, args.reuse, args.timeout, log))
         rows[-1]["date"] = date
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    for row in rows:
-        row["date"] = date
-    # Earlier results of the combinations not run now stay in the table.
-    known = {}
-    if os.path.exists(args.json):
-        with open(args.json) as f:
-            known = {r["name"]: r for r in json.load(f).get("rows", [])}
-    known.update({r["name"]: r for r in rows})
-    merged = [known[n] for n in COMBINATIONS if n in known]
-    text = table(merged)
+        # After each combination: a long run stopped half-way keeps what it found.
+        text = _save(args.json, rows, command)
     print(text)
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": "python tools/compat_matrix.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]), "rows": merged}, f, indent=2)
     if args.write_docs:
         write_docs(text)
     return 0 if all(r.get("quick_start", {}).get("exit") == 0 and
