@@ -21,6 +21,11 @@ def launch(num_workers, num_servers, script_args, env=None, timeout=120):
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     full_env.update(env or {})
     timeout = int(timeout * TIMEOUT_SCALE)
+    if "BYTEPS_OP_TIMEOUT" in (env or {}):
+        # The tests' op timeouts are hang guards too ("a lost tensor fails
+        # instead of hanging"): a trace that takes a minute on a loaded
+        # machine is not a lost tensor.
+        full_env["BYTEPS_OP_TIMEOUT"] = str(int(float(env["BYTEPS_OP_TIMEOUT"]) * TIMEOUT_SCALE))
     # The launcher's own timeout stops the job in order (and names it) before
     # subprocess.run's hard limit would kill the launcher.
     cmd = [sys.executable, "-m", "bps_tf.launch", "-np", str(num_workers), "--servers",
