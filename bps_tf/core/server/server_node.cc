@@ -102,7 +102,11 @@ class ServerNode {
             std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
-        schedule_(num_workers_, ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
+        // Elastic: ranks up to the largest worker count the job may reach.
+        schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
+                                                                   ? cfg.GetInt("elastic_max_workers", 0)
+                                                                   : 0)),
+                  ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
                                 &replies_.wake(), LinkSecurity::FromConfig(cfg),
                                 static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
@@ -126,6 +130,9 @@ class ServerNode {
   void HandlePush(Message& m);
   void HandleControl(const Message& m);
   void OnWelcome();
+  // Elastic: a new membership epoch (scheduler_elastic.cc): every round of
+  // the old one is dropped, unanswered, and the worker count changes.
+  void StartEpoch(const Config& kv);
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies(bool ignore_credit = false);
   void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved);
@@ -141,6 +148,7 @@ class ServerNode {
   bool is_server_;
   bool hosts_scheduler_;
   int num_workers_;
+  uint16_t epoch_ = 0;  // pushes of another epoch are dropped
   uint64_t fusion_bytes_;  // largest fused reply; 0: none
   double timeout_s_;
   double rendezvous_timeout_s_;
@@ -280,6 +288,10 @@ void ServerNode::HandlePush(Message& m) {
     Stats::Get().frames_dropped++;
     return;
   }
+  if (h.epoch != epoch_) {  // a worker of an epoch that ended: its round was dropped
+    Stats::Get().frames_stale_epoch++;
+    return;
+  }
   // A rank is bound to the connection that first spoke for it, so a stray
   // peer cannot push in another worker's name.
   auto it = worker_peer_.find(h.sender);
@@ -336,9 +348,31 @@ void ServerNode::OnWelcome() {
                               [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
 }
 
+void ServerNode::StartEpoch(const Config& kv) {
+  int epoch = static_cast<int>(kv.GetInt("epoch", 0));
+  int workers = static_cast<int>(kv.GetInt("num_workers", 0));
+  if (!is_server_ || !engine_ || workers < 1 || epoch <= epoch_ || epoch > 0xffff) return;
+  // The old engine's threads stop first; what they posted is dropped with
+  // what waits for credit: no sum of the old epoch reaches anyone.
+  engine_.reset();
+  replies_.Take();
+  schedule_.DropQueued();
+  worker_peer_.clear();
+  num_workers_ = workers;
+  epoch_ = static_cast<uint16_t>(epoch);
+  engine_.reset(new SumEngine(membership_.id(), num_workers_,
+                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
+                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
+  BPS_LOG(kInfo, "membership epoch " << epoch_ << ": " << num_workers_ << " workers");
+  membership_.Send(MsgType::kEpoch, "epoch=" + std::to_string(epoch_));
+}
+
 void ServerNode::HandleControl(const Message& m) {
   if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
+    case MsgType::kEpoch:
+      StartEpoch(Config::Parse(m.payload.str()));
+      break;
     case MsgType::kShutdown:
       // A job that a worker left with a reason (interrupted, failed) ends
       // with that reason and a non-zero exit: it did not succeed.

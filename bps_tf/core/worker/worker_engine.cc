@@ -70,6 +70,10 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   cfg_ = cfg;
   SetLogLevel(cfg.Get("log_level", "WARNING"));
   rank_ = static_cast<int>(cfg.GetInt("rank", 0));
+  epoch_ = 0;
+  Stats::Get().elastic_epoch = 0;
+  Stats::Get().elastic_announced = 0;
+  Stats::Get().elastic_waiting = 0;
   size_ = static_cast<int>(cfg.GetInt("num_workers", 1));
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
@@ -257,6 +261,7 @@ void WorkerEngine::SendJoin() {
   }
   for (const Peer& server : servers_) {
     FrameHeader h = MakeHeader(MsgType::kJoin, Role::kWorker, rank_);
+    h.epoch = epoch_;
     channel_->Send(server, h, Msg());
   }
   // The joins this worker's results already counted came before its own:
