@@ -82,6 +82,11 @@ def agreement_scope(**terms):
 def current_agreement() -> str:
     """The agreement text of the innermost :func:`agreement_scope` ("" if none)."""
     terms = getattr(_agreement, "terms", {})
+    view = basics.membership_epoch()
+    if view is not None:
+        # Elastic: the membership epoch the op is built in; the core refuses
+        # to run it in another (its size and ranks would be stale constants).
+        terms = dict(terms, view=view)
     return " ".join(f"{k}={terms[k]}" for k in sorted(terms))
 
 

@@ -48,6 +48,7 @@ from bps_tf.comm import async_training
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm.compression import Compression
 from bps_tf.overlap import fit as overlap_fit
+from bps_tf.runtime import elastic_core
 from bps_tf.strategy import choices as strategy_choices
 from bps_tf.strategy import data_check, keras_hooks
 from bps_tf.strategy.cluster_resolver import make_cluster_resolver
@@ -100,7 +101,16 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     bps_tf_strategy = True           # bps_tf.strategy.identity: the Keras hooks act for it
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
-                 mode=None, overlap=None):
+                 mode=None, overlap=None, elastic=False):
+        if elastic or elastic_core.enabled():
+            raise NotImplementedError(
+                "BytePSStrategy(elastic=True) / BYTEPS_ELASTIC=1: elastic training under "
+                "BytePSStrategy is not available yet: the strategy's replica count and its "
+                "mirrored variables are fixed when the model is built, and rebuilding them "
+                "after a membership change is not done. Train elastically with Horovod's "
+                "Keras face instead: bps_tf.keras.DistributedOptimizer, hvd.elastic.KerasState, "
+                "its callbacks and hvd.elastic.run (docs/elastic.md); or without elasticity, "
+                "resume from keras.callbacks.BackupAndRestore.")
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
