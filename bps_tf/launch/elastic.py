@@ -11,8 +11,9 @@ one worker process. When the script offers more slots than workers run (up
 to ``--max-np``), new workers start; they join at the next membership epoch
 (the running workers admit them at their next commit). A host whose workers
 failed ``--blacklist-after`` times gets no new workers. The job ends when
-the workers finish (exit 0), and fails when a server dies, when no worker
-is left, or when the scheduler gives up waiting for ``--min-np`` workers.
+the workers finish (exit 0), and fails when a server dies, when every worker
+is gone (the trained state goes with them), or when the scheduler gives up
+waiting for ``--min-np`` workers.
 """
 from __future__ import annotations
 
@@ -76,10 +77,13 @@ class Discovery:
         self.local = local_names()
         self._complained = ""
 
-    def poll(self, now: float) -> int:
-        """Slots on this machine (the last good answer between runs)."""
-        if self.script is None or now - self.last_run < self.interval_s:
+    def poll(self, now: float) -> Optional[int]:
+        """Slots on this machine when the script ran now; None between runs
+        (a worker that just died must not be replaced from an old answer)."""
+        if self.script is None:
             return self.slots
+        if now - self.last_run < self.interval_s:
+            return None
         self.last_run = now
         try:
             done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
@@ -108,15 +112,18 @@ def supervise_elastic(job: Job, start_worker, *, min_np: int, max_np: int,
     finishing = False       # a worker finished: the job is ending, nobody new starts
     succeeded = 0
     workers_done_at: Optional[float] = None
+    server_left: Optional[float] = None   # a server exited 0: the job is ending
     while True:
         job.check(deadline, timeout)
         now = time.monotonic()
         for child in job.newly_exited(exited):
             if child.kind == "server":
-                if child.returncode != 0 or job.running("worker"):
+                if child.returncode != 0:
                     say(f"{child.label()} {child.exit_text()}; a lost server ends an elastic "
                         f"job too (it holds the sums of its keys); stopping the other processes")
                     raise Stop(child.returncode if child.returncode > 0 else 1)
+                server_left = server_left or now
+                finishing = True
                 continue
             if child.returncode == 0:
                 succeeded += 1
@@ -131,6 +138,10 @@ def supervise_elastic(job: Job, start_worker, *, min_np: int, max_np: int,
                 say(f"this host's workers failed {failures} times (--blacklist-after "
                     f"{blacklist_after}): it is blacklisted, no new workers start on it")
         workers = job.running("worker")
+        if workers and server_left is not None and now - server_left >= shutdown_timeout:
+            say(f"a server exited while workers were still running, and they did not finish "
+                f"within {shutdown_timeout:g} s; stopping the other processes")
+            raise Stop(1)
         if not workers:
             if succeeded:
                 servers = job.running("server")
@@ -140,19 +151,17 @@ def supervise_elastic(job: Job, start_worker, *, min_np: int, max_np: int,
                 if now - workers_done_at >= shutdown_timeout:
                     job.stop(servers)
                     return 0
-            elif not _can_start(blacklisted, finishing, discovery, now, max_np):
-                say("elastic: no worker is left and none can start; the job failed")
+            else:
+                # Only the workers hold the trained state (the servers keep nothing
+                # across epochs): newcomers would start from scratch, silently.
+                say("elastic: every worker is gone, and the state they trained with them; "
+                    "the job failed (restart it from a checkpoint)")
                 raise Stop(1)
         if not finishing and not blacklisted:
-            want = min(discovery.poll(now), max_np)
-            for _ in range(max(0, want - len(workers))):
+            slots = discovery.poll(now)
+            for _ in range(max(0, min(slots or 0, max_np) - len(workers))):
                 start_worker(True)
         time.sleep(POLL_INTERVAL_S)
-
-
-def _can_start(blacklisted: bool, finishing: bool, discovery: Discovery, now: float,
-               max_np: int) -> bool:
-    return not blacklisted and not finishing and min(discovery.poll(now), max_np) > 0
 
 
 def elastic_env(shared: Mapping[str, str], min_np: int, max_np: int,

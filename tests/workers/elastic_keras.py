@@ -8,9 +8,10 @@ compare exact weights:
   SIGKILLs itself at epoch 1, batch 3 (mid-epoch);
 - the two others roll back to the commit, restart their membership and
   train epochs 1-2 with 2 workers;
-- at the commit of epoch 3 rank 0 offers a third slot again and the workers
-  keep committing until the newcomer waits (HostsUpdatedInterrupt); it gets
-  the committed state through sync(), and 3 workers train epochs 3-4.
+- with 2 workers rank 0 offers a third slot again: a newcomer starts and
+  joins at the next commit it is there for (HostsUpdatedInterrupt), at the
+  latest at epoch 3's, where the workers keep committing until it comes; it
+  gets the committed state through sync(), and 3 workers train to epoch 5.
 
 Every commit rank 0 takes is saved (commit_e{epoch}_n{size}.npz); each
 worker saves its variables when func starts (start_e{epoch}_n{size}_r{rank})
@@ -33,7 +34,7 @@ OUT = sys.argv[1]
 EPOCHS = 5
 BATCH = 8
 LOST_AT = (1, 3)      # epoch, batch
-JOIN_AT = 3           # the epoch whose commit admits the newcomer
+JOIN_AT = 3           # the last epoch whose commit may admit the newcomer
 HOSTS = os.environ.get("ELASTIC_HOSTS_FILE", "")
 REF_FROM = os.environ.get("REF_FROM", "")
 REF_UNTIL = int(os.environ.get("REF_UNTIL", "0"))
@@ -90,9 +91,6 @@ class Plan(keras.callbacks.Callback):
         # After CommitStateCallback's commit: wait, committing, for the newcomer.
         if REF_FROM or hvd.size() != 2 or state.epoch != JOIN_AT:
             return
-        if hvd.rank() == 0:
-            with open(HOSTS, "w") as f:
-                f.write("localhost:3\n")
         deadline = time.time() + 120
         while time.time() < deadline:
             state.commit()     # raises HostsUpdatedInterrupt on every worker at once
@@ -108,6 +106,9 @@ callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
 
 @hvd.elastic.run
 def train(state):
+    if not REF_FROM and hvd.size() == 2 and hvd.rank() == 0:
+        with open(HOSTS, "w") as f:   # a newcomer may start now; it joins at a commit
+            f.write("localhost:3\n")
     _save(f"start_e{state.epoch}_n{hvd.size()}_r{hvd.rank()}",
           [v.numpy() for v in state.variables])
     x, y = X[hvd.rank()::hvd.size()], Y[hvd.rank()::hvd.size()]

@@ -140,6 +140,15 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   int back = WorkerCount();
   bool overdue = SecondsSince(change_since_) > timeout_s_;
   if (!expected_.empty() && !overdue) return;
+  if (back == 0) {
+    // Only the workers hold the trained state: newcomers alone would start
+    // over from their programs' initial state, silently.
+    Fail("elastic job: no worker of membership epoch " + std::to_string(epoch_ - 1) +
+             " is left (" + change_why_ + "); the state they trained is gone with them, so the "
+             "job fails instead of starting over (restart it from a checkpoint)",
+         out);
+    return;
+  }
   int newcomers = std::min(static_cast<int>(waiting_.size()), std::max(max_workers_ - back, 0));
   if (back + newcomers < min_workers_) {
     if (SecondsSince(change_since_) > elastic_timeout_s_) {

@@ -1,0 +1,146 @@
+"""Elastic training (docs/elastic.md): one elastic cluster of 3 workers x 2
+servers runs a Horovod elastic Keras script (tests/workers/elastic_keras.py):
+a worker is SIGKILLed mid-epoch, the two others go on from the last commit,
+then the discovery script offers the slot again and a newcomer joins. A
+fixed 2-worker run resumed from the same commit gives the reference. The
+refusals and the launcher's pieces are checked without a cluster."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_runner import launch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "workers", "elastic_keras.py")
+
+
+def _tail(proc):
+    return f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def _load(path):
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+
+def _identical(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("bps_elastic"))
+    hosts = os.path.join(out, "hosts")
+    with open(hosts, "w") as f:
+        f.write("localhost:3\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", BYTEPS_TIMEOUT="5",
+               ELASTIC_HOSTS_FILE=hosts)
+    env.pop("TF_CONFIG", None)
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", "3", "--servers", "2",
+           "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+           "--discovery-interval", "0.5", "--timeout", "200", sys.executable, WORKER, out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=230,
+                          cwd=tempfile.gettempdir())
+    return proc, out
+
+
+def _join_epoch(out):
+    found = sorted({int(os.path.basename(p).split("_")[1][1:])
+                    for p in glob.glob(os.path.join(out, "reset_e*_n3_r*.json"))})
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_lost_worker_does_not_stop_the_job(elastic_run):
+    proc, out = elastic_run
+    assert proc.returncode == 0, _tail(proc)
+    assert "was killed by signal SIGKILL; elastic: the job goes on with 2 workers" in proc.stderr
+    assert "membership epoch 1: lost worker 2" in proc.stdout + proc.stderr, _tail(proc)
+    # The two others went on, within 10 s of the kill (BYTEPS_TIMEOUT=5 here).
+    with open(os.path.join(out, "killed.json")) as f:
+        killed = json.load(f)["time"]
+    resumed = []
+    for rank in (0, 1):
+        with open(os.path.join(out, f"reset_e1_n2_r{rank}.json")) as f:
+            resumed.append(json.load(f)["time"] - killed)
+    assert all(0 < t < 10 for t in resumed), resumed
+
+
+def test_survivors_resume_from_the_commit_with_dense_ranks(elastic_run):
+    proc, out = elastic_run
+    commit = _load(os.path.join(out, "commit_e1_n3.npz"))
+    for rank in (0, 1):   # rolled back to the commit taken before the loss, exactly
+        assert _identical(_load(os.path.join(out, f"start_e1_n2_r{rank}.npz")), commit), \
+            _tail(proc)
+    assert not glob.glob(os.path.join(out, "start_e1_n2_r2.npz"))
+
+
+def test_two_worker_phase_equals_a_fixed_run_resumed_from_the_commit(elastic_run, tmp_path):
+    proc, out = elastic_run
+    join = _join_epoch(out)
+    assert join in (2, 3), join
+    ref = launch(2, 2, [WORKER, str(tmp_path)], timeout=150,
+                 env={"REF_FROM": os.path.join(out, "commit_e1_n3.npz"), "REF_EPOCH": "1",
+                      "REF_UNTIL": str(join)})
+    assert ref.returncode == 0, _tail(ref)
+    want = _load(os.path.join(str(tmp_path), "ref.npz"))
+    got = _load(os.path.join(out, f"commit_e{join}_n2.npz"))
+    assert _identical(got, want), [float(np.abs(a - b).max()) for a, b in zip(got, want)]
+
+
+def test_the_newcomer_receives_the_state_and_every_worker_ends_identical(elastic_run):
+    proc, out = elastic_run
+    join = _join_epoch(out)
+    commit = _load(os.path.join(out, f"commit_e{join}_n2.npz"))
+    for rank in range(3):
+        assert _identical(_load(os.path.join(out, f"start_e{join}_n3_r{rank}.npz")), commit)
+    finals = [_load(os.path.join(out, f"final_r{rank}.npz")) for rank in range(3)]
+    assert _identical(finals[0], finals[1]) and _identical(finals[0], finals[2])
+    assert not _identical(finals[0], commit)     # it trained on after the join
+    for rank in range(3):
+        with open(os.path.join(out, f"done_r{rank}.json")) as f:
+            assert json.load(f) == {"size": 3, "epoch": 5}
+
+
+# ------------------------------------------------------------ without a cluster
+
+def test_discovery_lines_and_worker_counts():
+    from bps_tf.launch import elastic
+    local = elastic.local_names()
+    assert elastic.parse_discovery("localhost:2\n# note\n\n127.0.0.1\n", local) == \
+        {"localhost": 2, "127.0.0.1": 1}
+    with pytest.raises(ValueError, match="'other-host' is not this machine"):
+        elastic.parse_discovery("other-host:4", local)
+    with pytest.raises(ValueError, match="expected host:slots"):
+        elastic.parse_discovery("localhost:two", local)
+    assert elastic.check_options(3, 2, 4) == (3, 2, 4)
+    assert elastic.check_options(None, 2, None) == (2, 2, 2)
+    with pytest.raises(ValueError, match="--min-np"):
+        elastic.check_options(1, 2, 3)
+    with pytest.raises(ValueError, match="at most 64"):
+        elastic.check_options(2, 1, 65)
+
+
+def test_elastic_refuses_what_it_cannot_make_exact():
+    from bps_tf.runtime import config
+    with pytest.raises(ValueError, match="asynchronous training"):
+        config.check_elastic({"async": 1, "local_reduce": 0})
+    with pytest.raises(ValueError, match="BYTEPS_LOCAL_REDUCE=1"):
+        config.check_elastic({"async": 0, "local_reduce": 1})
+    values = config.core_settings({"BYTEPS_ELASTIC": "1"})
+    assert values["elastic"] == 1 and values["local_reduce"] == 0
+    assert config.core_settings({})["local_reduce"] == -1   # unchanged without elastic
+
+
+def test_launcher_refuses_inconsistent_elastic_options():
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "1", "--min-np", "2",
+                           "--servers", "1", "true"], capture_output=True, text=True,
+                          timeout=60, cwd=tempfile.gettempdir())
+    assert proc.returncode == 2 and "--min-np (2) <= -np (1)" in proc.stderr, proc.stderr
