@@ -109,6 +109,15 @@ def test_the_newcomer_receives_the_state_and_every_worker_ends_identical(elastic
             assert json.load(f) == {"size": 3, "epoch": 5}
 
 
+def test_state_kept_outside_the_commit_is_refused_with_the_reason(elastic_run):
+    proc, out = elastic_run
+    with open(os.path.join(out, "refusals.json")) as f:
+        refusals = json.load(f)
+    assert "BytePSStrategy(elastic=True) / BYTEPS_ELASTIC=1" in refusals["strategy"], refusals
+    assert "error-feedback residuals" in refusals["compression"], refusals
+    assert "OverlappedApply under elastic training" in refusals["overlap"], refusals
+
+
 # ------------------------------------------------------------ without a cluster
 
 def test_discovery_lines_and_worker_counts():

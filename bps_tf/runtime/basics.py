@@ -60,6 +60,7 @@ def _join(c, environ, rank=None) -> None:
         config.check_elastic(values)
         if rank is not None:
             values["rank"] = rank      # the rank of the last epoch; the scheduler gives the new one
+            values["elastic_rejoin"] = 1
         elif config.elastic_newcomer(environ):
             values["rank"] = -1        # waits for the next epoch
     c.worker_init(config.to_core_text(values))

@@ -54,6 +54,32 @@ model.compile(optimizer=opt, loss="mse")
 opt.build(model.trainable_variables)    # the slots exist before the first commit
 
 
+def _refusals():
+    """What elastic training refuses, each before anything is sent."""
+    import tensorflow as tf
+    import bps_tf
+    from bps_tf.overlap import OverlappedApply
+    found = {}
+    tries = {
+        "strategy": lambda: bps_tf.BytePSStrategy(),
+        "compression": lambda: hvd.allreduce(
+            tf.ones([4096]), compression=hvd.Compression.topk(0.1, error_feedback=True)),
+        "overlap": lambda: OverlappedApply(model, keras.optimizers.SGD(0.1)),
+    }
+    for name, attempt in tries.items():
+        try:
+            attempt()
+            found[name] = "accepted"
+        except NotImplementedError as exc:
+            found[name] = str(exc)
+    with open(os.path.join(OUT, "refusals.json"), "w") as f:
+        json.dump(found, f)
+
+
+if not REF_FROM and not NEWCOMER and hvd.rank() == 0:
+    _refusals()
+
+
 def _save(name, values):
     np.savez(os.path.join(OUT, name + ".npz"), *values)
 

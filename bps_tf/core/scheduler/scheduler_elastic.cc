@@ -28,6 +28,10 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
                                std::vector<Outgoing>* out) {
   Node n = node;
   n.arrival = next_arrival_++;
+  // Only a member restarting its membership keeps a rank; a process that
+  // starts while the job runs (a replacement pod with its TF_CONFIG index,
+  // a worker bpslaunch adds) is a newcomer whatever rank it names.
+  if (kv.Get("rejoin") != "1") n.id = -1;
   // A newcomer with other settings is refused alone; the job goes on.
   std::string disagree = SettingsDisagree(n, kv);
   if (!disagree.empty()) {

@@ -137,6 +137,9 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
   extra.Set("local_size", cfg.Get("local_size", "-1"));
+  // Elastic: a member coming back after a membership change (its rank is the
+  // old one); any other HELLO once the job runs is a newcomer's.
+  extra.Set("rejoin", cfg.Get("elastic_rejoin", "0"));
   // Which workers can sum through shared memory (local_reduce.h): one
   // machine, one advertised address and one network namespace (the local
   // reduce socket lives in it; namespaced "hosts" of one machine stay apart).
