@@ -421,6 +421,17 @@ def pending_push_pulls() -> list:
     return [k.decode() for k in _ops().push_pull_pending_keys().numpy().tolist()]
 
 
+def drop_pending() -> None:
+    """Elastic: takes every sum started by :func:`push_pull_start` out of the
+    table after a membership restart (they belonged to the old epoch and
+    failed or were dropped with it), so that no later wait receives one."""
+    for key in pending_push_pulls():
+        try:
+            push_pull_wait(tf.zeros([1], tf.int64), key)
+        except (tf.errors.OpError, ValueError):
+            pass   # the old epoch's failure, or another shape: taken out all the same
+
+
 def debug_hold_push_pull(key: str, timeout_ms: int = 10000) -> None:
     """Diagnostics for tests: the next push_pull started under ``key`` is
     kept from its wait, once finished, until :func:`debug_marker` runs (or

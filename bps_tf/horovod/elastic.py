@@ -27,7 +27,7 @@ import logging
 
 import tensorflow as tf
 
-from bps_tf.comm import fingerprint, naming
+from bps_tf.comm import collectives, fingerprint, naming
 from bps_tf.runtime import basics, elastic_core, process_sets
 
 __all__ = ["ObjectState", "State", "TensorFlowState", "TensorFlowKerasState", "KerasState",
@@ -217,9 +217,10 @@ class TensorFlowKerasState(TensorFlowState):
 KerasState = TensorFlowKerasState
 
 
-def _reset():
-    """Horovod's reset: leave this epoch and join the next one."""
+def reset():
+    """Horovod's reset: leave this membership epoch and join the next one."""
     elastic_core.restart()
+    collectives.drop_pending()            # split sums started in the old epoch
     process_sets.register_at_init(None)   # process sets name ranks of the old epoch
     fingerprint.reset_steps()             # every worker counts steps from here alike
 
@@ -250,7 +251,7 @@ def run(func):
                             " ".join(str(exc).split())[:300])
                 state.restore()
                 skip_sync = False
-            _reset()
+            reset()
             log.warning("elastic: rank %d of %d in membership epoch %d", basics.rank(),
                         basics.size(), elastic_core.epoch())
             state.on_reset()

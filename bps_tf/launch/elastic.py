@@ -119,8 +119,9 @@ def supervise_elastic(job: Job, start_worker, *, min_np: int, max_np: int,
         for child in job.newly_exited(exited):
             if child.kind == "server":
                 if child.returncode != 0:
-                    say(f"{child.label()} {child.exit_text()}; a lost server ends an elastic "
-                        f"job too (it holds the sums of its keys); stopping the other processes")
+                    say(f"{child.label()} {child.exit_text()}; an elastic job cannot go on "
+                        f"without its servers (see its last message); stopping the other "
+                        f"processes")
                     raise Stop(child.returncode if child.returncode > 0 else 1)
                 server_left = server_left or now
                 finishing = True

@@ -61,6 +61,9 @@ def _join(c, environ, rank=None) -> None:
         if rank is not None:
             values["rank"] = rank      # the rank of the last epoch; the scheduler gives the new one
             values["elastic_rejoin"] = 1
+            # The scheduler may wait that long for --min-np workers.
+            values["rendezvous_timeout_s"] = max(float(values["rendezvous_timeout_s"]),
+                                                 float(values["elastic_timeout_s"]))
         elif config.elastic_newcomer(environ):
             values["rank"] = -1        # waits for the next epoch
     c.worker_init(config.to_core_text(values))

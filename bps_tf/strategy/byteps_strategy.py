@@ -102,15 +102,23 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
                  mode=None, overlap=None, elastic=False):
-        if elastic or elastic_core.enabled():
-            raise NotImplementedError(
-                "BytePSStrategy(elastic=True) / BYTEPS_ELASTIC=1: elastic training under "
-                "BytePSStrategy is not available yet: the strategy's replica count and its "
-                "mirrored variables are fixed when the model is built, and rebuilding them "
-                "after a membership change is not done. Train elastically with Horovod's "
-                "Keras face instead: bps_tf.keras.DistributedOptimizer, hvd.elastic.KerasState, "
-                "its callbacks and hvd.elastic.run (docs/elastic.md); or without elasticity, "
-                "resume from keras.callbacks.BackupAndRestore.")
+        if elastic != elastic_core.enabled():
+            raise ValueError(
+                "BytePSStrategy(elastic=True) needs an elastic job (bpslaunch --min-np/--max-np "
+                "or BYTEPS_ELASTIC=1 on every node)" if elastic else
+                "BYTEPS_ELASTIC=1: pass BytePSStrategy(elastic=True), so that model.fit "
+                "survives membership changes (docs/elastic.md); without it the first change "
+                "would end fit with an error.")
+        if elastic and overlap:
+            raise ValueError("BytePSStrategy(elastic=True, overlap=True): an overlapped step's "
+                             "update is applied during the next step, so a membership change "
+                             "would find it half applied; elastic training keeps the barrier.")
+        if elastic and mode == "async":
+            raise ValueError("BytePSStrategy(elastic=True, mode='async'): the servers hold the "
+                             "only shared weights; there is no commit to roll back to.")
+        if elastic:
+            overlap = False
+        self.elastic = bool(elastic)
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
@@ -134,7 +142,8 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
             raise ValueError("BytePSStrategy(overlap=True, mode='async'): asynchronous training "
                              "has no step barrier to overlap; choose one of them.")
         cls = AsyncBytePSExtended if mode == "async" else self._sync_extended
-        extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
+        extended = cls(self, devices=devices, sync_state=sync_state, compression=compression,
+                       **({"elastic": True} if elastic else {}))
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_hooks.install()

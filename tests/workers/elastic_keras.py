@@ -4,14 +4,15 @@ as hvd), run by tests/test_elastic.py under an elastic bpslaunch.
 Deterministic data and a plan the script drives itself, so the test can
 compare exact weights:
 - epoch 0 with 3 workers, committed at its end (state.epoch = 1);
-- the worker started third rewrites the discovery file to 2 slots and
-  SIGKILLs itself at epoch 1, batch 3 (mid-epoch);
+- the worker started third SIGKILLs itself at epoch 1, batch 3 (mid-epoch);
+  the discovery script still offers its slot, so bpslaunch starts a
+  newcomer at once, which imports TensorFlow and waits to ask to join;
 - the two others roll back to the commit, restart their membership and
   train epochs 1-2 with 2 workers;
-- with 2 workers rank 0 offers a third slot again: a newcomer starts and
-  joins at the next commit it is there for (HostsUpdatedInterrupt), at the
-  latest at epoch 3's, where the workers keep committing until it comes; it
-  gets the committed state through sync(), and 3 workers train to epoch 5.
+- with 2 workers rank 0 lets the newcomer ask: it joins at the next commit
+  it is there for (HostsUpdatedInterrupt), at the latest at epoch 3's,
+  where the workers keep committing until it comes; it gets the committed
+  state through sync(), and 3 workers train to epoch 5.
 
 Every commit rank 0 takes is saved (commit_e{epoch}_n{size}.npz); each
 worker saves its variables when func starts (start_e{epoch}_n{size}_r{rank})
@@ -35,12 +36,17 @@ EPOCHS = 5
 BATCH = 8
 LOST_AT = (1, 3)      # epoch, batch
 JOIN_AT = 3           # the last epoch whose commit may admit the newcomer
-HOSTS = os.environ.get("ELASTIC_HOSTS_FILE", "")
 REF_FROM = os.environ.get("REF_FROM", "")
 REF_UNTIL = int(os.environ.get("REF_UNTIL", "0"))
 NEWCOMER = os.environ.get("BYTEPS_ELASTIC_NEWCOMER") == "1"
 LAUNCH_INDEX = int(os.environ.get("DMLC_WORKER_ID", "0"))
 
+if NEWCOMER:
+    # The launcher replaces the lost worker at once; it imports TensorFlow now
+    # and asks to join once the two others have a 2-worker epoch to show.
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(OUT, "newcomer_go")) and time.time() < deadline:
+        time.sleep(0.1)
 hvd.init()
 keras.utils.set_random_seed(7)
 rng = np.random.default_rng(0)
@@ -61,7 +67,7 @@ def _refusals():
     from bps_tf.overlap import OverlappedApply
     found = {}
     tries = {
-        "strategy": lambda: bps_tf.BytePSStrategy(),
+        "strategy": lambda: bps_tf.BytePSStrategy(),          # without elastic=True
         "compression": lambda: hvd.allreduce(
             tf.ones([4096]), compression=hvd.Compression.topk(0.1, error_feedback=True)),
         "overlap": lambda: OverlappedApply(model, keras.optimizers.SGD(0.1)),
@@ -70,8 +76,8 @@ def _refusals():
         try:
             attempt()
             found[name] = "accepted"
-        except NotImplementedError as exc:
-            found[name] = str(exc)
+        except (NotImplementedError, ValueError) as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(OUT, "refusals.json"), "w") as f:
         json.dump(found, f)
 
@@ -107,8 +113,6 @@ class Plan(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if (not NEWCOMER and not REF_FROM and LAUNCH_INDEX == 2 and hvd.size() == 3 and
                 (state.epoch, batch) == LOST_AT):
-            with open(HOSTS, "w") as f:
-                f.write("localhost:2\n")
             with open(os.path.join(OUT, "killed.json"), "w") as f:
                 json.dump({"time": time.time()}, f)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -133,8 +137,8 @@ callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
 @hvd.elastic.run
 def train(state):
     if not REF_FROM and hvd.size() == 2 and hvd.rank() == 0:
-        with open(HOSTS, "w") as f:   # a newcomer may start now; it joins at a commit
-            f.write("localhost:3\n")
+        with open(os.path.join(OUT, "newcomer_go"), "w"):   # it joins at the next commit
+            pass
     _save(f"start_e{state.epoch}_n{hvd.size()}_r{hvd.rank()}",
           [v.numpy() for v in state.variables])
     x, y = X[hvd.rank()::hvd.size()], Y[hvd.rank()::hvd.size()]
