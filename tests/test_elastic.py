@@ -1,11 +1,11 @@
-"""Elastic training (docs/elastic.md), from both faces: one elastic cluster of
-3 workers x 2 servers per face runs tests/workers/elastic_keras.py (a Horovod
-elastic Keras script, one import changed) or elastic_strategy.py (unchanged
-model.fit under BytePSStrategy(elastic=True)): a worker SIGKILLs itself
-mid-epoch, the two others go on from the last commit, and the newcomer
-bpslaunch starts in its place joins. A fixed 2-worker run resumed from the
-same commit gives the reference. The refusals and the launcher's pieces are
-checked without a cluster."""
+"""Elastic training (docs/elastic.md), from both faces, in one elastic cluster
+of 3 workers x 2 servers (tests/workers/elastic_faces.py): phase "a_" is a
+Horovod elastic Keras script with one import changed, phase "b_" an
+unchanged model.fit under BytePSStrategy(elastic=True). In each, a worker
+SIGKILLs itself mid-epoch, the two others go on from the last commit, and
+the newcomer bpslaunch starts in its place joins. A fixed 2-worker run
+resumed from the same commits gives the references. The refusals and the
+launcher's pieces are checked without a cluster."""
 import glob
 import json
 import os
@@ -19,9 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_runner import launch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = {"horovod": os.path.join(HERE, "workers", "elastic_keras.py"),
-           "strategy": os.path.join(HERE, "workers", "elastic_strategy.py")}
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_faces.py")
+PHASES = ("a_", "b_")
 
 
 def _tail(proc):
@@ -37,100 +36,111 @@ def _identical(a, b):
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def _join_epoch(out):
+def _json(out, name):
+    with open(os.path.join(out, name + ".json")) as f:
+        return json.load(f)
+
+
+def _join_epoch(out, phase):
     """The epoch whose commit admitted the newcomer: the last 2-worker commit."""
-    return max(int(os.path.basename(p).split("_")[1][1:])
-               for p in glob.glob(os.path.join(out, "commit_e*_n2.npz")))
+    return max(int(os.path.basename(p)[len(phase):].split("_")[1][1:])
+               for p in glob.glob(os.path.join(out, f"{phase}commit_e*_n2.npz")))
 
 
-@pytest.fixture(scope="module", params=sorted(SCRIPTS))
-def run(request, tmp_path_factory):
-    face = request.param
-    out = str(tmp_path_factory.mktemp(f"elastic_{face}"))
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("elastic"))
     hosts = os.path.join(out, "hosts")
     with open(hosts, "w") as f:
         f.write("localhost:3\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", BYTEPS_TIMEOUT="5")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", BYTEPS_TIMEOUT="4")
     env.pop("TF_CONFIG", None)
     cmd = [sys.executable, "-m", "bps_tf.launch", "-np", "3", "--servers", "2",
            "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
-           "--discovery-interval", "0.5", "--timeout", "200", sys.executable, SCRIPTS[face], out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=230,
+           "--discovery-interval", "0.5", "--timeout", "240", sys.executable, SCRIPT, out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=270,
                           cwd=tempfile.gettempdir())
     ref, ref_out = None, os.path.join(out, "reference")
     if proc.returncode == 0:
         os.mkdir(ref_out)
-        ref = launch(2, 2, [SCRIPTS[face], ref_out], timeout=150,
-                     env={"REF_FROM": os.path.join(out, "commit_e1_n3.npz"), "REF_EPOCH": "1",
-                          "REF_UNTIL": str(_join_epoch(out))})
-    return face, proc, out, ref, ref_out
+        ref_env = {"REF": "1"}
+        for phase in PHASES:
+            key = phase[0].upper()
+            ref_env[f"REF_{key}_FROM"] = os.path.join(out, f"{phase}commit_e1_n3.npz")
+            ref_env[f"REF_{key}_UNTIL"] = str(_join_epoch(out, phase))
+        ref = launch(2, 2, [SCRIPT, ref_out], timeout=150, env=ref_env)
+    return proc, out, ref, ref_out
 
 
 def test_a_lost_worker_does_not_stop_the_job(run):
-    face, proc, out, _, _ = run
+    proc, out, _, _ = run
     assert proc.returncode == 0, _tail(proc)
-    assert "was killed by signal SIGKILL; elastic: the job goes on with 2 workers" in proc.stderr
-    assert "membership epoch 1: lost worker 2" in proc.stdout + proc.stderr, _tail(proc)
-    # The two others went on within 10 s of the kill (BYTEPS_TIMEOUT=5 here).
-    with open(os.path.join(out, "killed.json")) as f:
-        killed = json.load(f)["time"]
-    went_on = os.path.join(out, "reset_e1_n2_r{}.json" if face == "horovod" else
-                           "epoch_e1_n2.json")
-    for rank in ((0, 1) if face == "horovod" else (0,)):
-        with open(went_on.format(rank)) as f:
-            delay = json.load(f)["time"] - killed
-        assert 0 < delay < 10, delay
+    lost = [line for line in proc.stderr.splitlines()
+            if "was killed by signal SIGKILL; elastic: the job goes on with 2 workers" in line]
+    assert len(lost) == 2, _tail(proc)             # one per phase
+    log = proc.stdout + proc.stderr
+    assert "membership epoch 1: lost worker 2" in log, _tail(proc)
 
 
-def test_survivors_resume_from_the_commit(run):
-    face, proc, out, _, _ = run
-    commit = _load(os.path.join(out, "commit_e1_n3.npz"))
-    resumed = ([f"start_e1_n2_r{rank}" for rank in (0, 1)] if face == "horovod" else
-               ["commit_e1_n2"])     # rank 0's variables when epoch 1 began again
+@pytest.mark.parametrize("phase", PHASES)
+def test_the_others_go_on_within_10_s(run, phase):
+    _, out, _, _ = run
+    killed = _json(out, phase + "killed")["time"]
+    went_on = ([f"a_reset_e1_n2_r{rank}" for rank in (0, 1)] if phase == "a_" else
+               ["b_epoch_e1_n2"])
+    for name in went_on:
+        delay = _json(out, name)["time"] - killed
+        assert 0 < delay < 10, (name, delay)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_survivors_resume_from_the_commit(run, phase):
+    proc, out, _, _ = run
+    commit = _load(os.path.join(out, f"{phase}commit_e1_n3.npz"))
+    resumed = ([f"a_start_e1_n2_r{rank}" for rank in (0, 1)] if phase == "a_" else
+               ["b_commit_e1_n2"])      # rank 0's variables when epoch 1 began again
     for name in resumed:
         assert _identical(_load(os.path.join(out, name + ".npz")), commit), _tail(proc)
 
 
-def test_two_worker_phase_equals_a_fixed_run_resumed_from_the_commit(run):
-    face, proc, out, ref, ref_out = run
+@pytest.mark.parametrize("phase", PHASES)
+def test_two_worker_phase_equals_a_fixed_run_resumed_from_the_commit(run, phase):
+    proc, out, ref, ref_out = run
     assert proc.returncode == 0, _tail(proc)
     assert ref.returncode == 0, _tail(ref)
-    join = _join_epoch(out)
+    join = _join_epoch(out, phase)
     assert join in (2, 3), join
-    want = _load(os.path.join(ref_out, "ref.npz"))
-    got = _load(os.path.join(out, f"commit_e{join}_n2.npz"))
+    want = _load(os.path.join(ref_out, f"{phase}ref.npz"))
+    got = _load(os.path.join(out, f"{phase}commit_e{join}_n2.npz"))
     assert _identical(got, want), [float(np.abs(a - b).max()) for a, b in zip(got, want)]
 
 
-def test_the_newcomer_receives_the_state_and_every_worker_ends_identical(run):
-    face, proc, out, _, _ = run
-    join = _join_epoch(out)
-    commit = _load(os.path.join(out, f"commit_e{join}_n2.npz"))
-    starts = ([f"start_e{join}_n3_r{rank}" for rank in range(3)] if face == "horovod" else
-              ["newcomer_start"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_the_newcomer_receives_the_state_and_every_worker_ends_identical(run, phase):
+    _, out, _, _ = run
+    join = _join_epoch(out, phase)
+    commit = _load(os.path.join(out, f"{phase}commit_e{join}_n2.npz"))
+    starts = ([f"a_start_e{join}_n3_r{rank}" for rank in range(3)] if phase == "a_" else
+              ["b_newcomer_start"])
     for name in starts:
         assert _identical(_load(os.path.join(out, name + ".npz")), commit), name
-    finals = [_load(os.path.join(out, f"final_r{rank}.npz")) for rank in range(3)]
+    finals = [_load(os.path.join(out, f"{phase}final_r{rank}.npz")) for rank in range(3)]
     assert _identical(finals[0], finals[1]) and _identical(finals[0], finals[2])
     assert not _identical(finals[0], commit)     # it trained on after the join
-    done = []
-    for rank in range(3):
-        with open(os.path.join(out, f"done_r{rank}.json")) as f:
-            done.append(json.load(f))
-    if face == "horovod":
-        assert done == [{"size": 3, "epoch": 5}] * 3
-    else:   # fit's History: every epoch once; the newcomer's from its join
-        assert sorted(d["epochs"] for d in done) == [5 - join, 5, 5], done
-        assert all(d["size"] == 3 for d in done), done
+    done = [_json(out, f"{phase}done_r{rank}") for rank in range(3)]
+    assert all(d["size"] == 3 for d in done), done
+    if phase == "a_":
+        assert all(d["epoch"] == 5 for d in done), done
+    else:   # fit's History: every epoch once, as trained last; the newcomer's from its join
+        assert sorted(d["epochs"] for d in done) == sorted(
+            [list(range(join, 5)), list(range(5)), list(range(5))]), done
 
 
 def test_state_kept_outside_the_commit_is_refused_with_the_reason(run):
-    face, proc, out, _, _ = run
-    with open(os.path.join(out, "refusals.json")) as f:
-        refusals = json.load(f)
-    strategy = {"horovod": "pass BytePSStrategy(elastic=True)",
-                "strategy": "elastic training keeps the barrier"}[face]
-    assert strategy in refusals["strategy"], refusals
+    _, out, _, _ = run
+    refusals = _json(out, "refusals")
+    assert "pass BytePSStrategy(elastic=True)" in refusals["strategy"], refusals
+    assert "elastic training keeps the barrier" in refusals["strategy_overlap"], refusals
     assert "error-feedback residuals" in refusals["compression"], refusals
     assert "OverlappedApply under elastic training" in refusals["overlap"], refusals
 
