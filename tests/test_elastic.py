@@ -180,3 +180,74 @@ def test_launcher_refuses_inconsistent_elastic_options():
                            "--servers", "1", "true"], capture_output=True, text=True,
                           timeout=60, cwd=tempfile.gettempdir())
     assert proc.returncode == 2 and "--min-np (2) <= -np (1)" in proc.stderr, proc.stderr
+
+
+class _FakeChild:
+    def __init__(self, name, kind, returncode=None):
+        self.name, self.kind, self.returncode, self.pid = name, kind, returncode, id(self)
+
+    def label(self):
+        return self.name
+
+    def exit_text(self):
+        return f"exited with code {self.returncode}"
+
+
+class _FakeJob:
+    """The Job API supervise_elastic uses, driven by a script of exits."""
+
+    def __init__(self, exits):
+        self.children = [_FakeChild("server 0", "server"), _FakeChild("worker 0", "worker"),
+                         _FakeChild("worker 1", "worker")]
+        self.exits = list(exits)     # per poll: names that exit now, with their codes
+        self.started = []
+
+    def check(self, deadline, timeout):
+        if self.exits:
+            for name, code in self.exits.pop(0):
+                next(c for c in self.children if c.name == name).returncode = code
+
+    def newly_exited(self, seen):
+        fresh = [c for c in self.children if c.returncode is not None and c.pid not in seen]
+        seen.update(c.pid for c in fresh)
+        return fresh
+
+    def running(self, kind=None):
+        return [c for c in self.children if c.returncode is None and kind in (None, c.kind)]
+
+    def stop(self, children=None):
+        for c in children or self.children:
+            c.returncode = -15
+
+    def start_worker(self, newcomer):
+        child = _FakeChild(f"worker {len(self.children) - 1}", "worker")
+        self.children.append(child)
+        self.started.append(child.name)
+
+
+def test_launcher_replaces_failed_workers_until_the_host_is_blacklisted(monkeypatch, capsys):
+    from bps_tf.launch import elastic, procs
+    monkeypatch.setattr(elastic, "POLL_INTERVAL_S", 0)
+    # worker 1 fails, its replacement (worker 2) fails, then worker 0: with
+    # --blacklist-after 2 only the first failure is replaced.
+    job = _FakeJob([[("worker 1", 1)], [], [("worker 2", 1)], [], [("worker 0", 1)], [], []])
+    discovery = elastic.Discovery(None, 2, 0.0)
+    with pytest.raises(procs.Stop):
+        elastic.supervise_elastic(job, job.start_worker, min_np=1, max_np=2,
+                                  discovery=discovery, blacklist_after=2, deadline=None,
+                                  timeout=None, shutdown_timeout=1)
+    err = capsys.readouterr().err
+    assert job.started == ["worker 2"], job.started
+    assert "failed 2 times (--blacklist-after 2): it is blacklisted" in err, err
+    assert "every worker is gone" in err, err
+
+
+def test_launcher_ends_an_elastic_job_when_its_workers_finish(monkeypatch):
+    from bps_tf.launch import elastic
+    monkeypatch.setattr(elastic, "POLL_INTERVAL_S", 0)
+    job = _FakeJob([[("worker 0", 0), ("worker 1", 0)], [("server 0", 0)]])
+    code = elastic.supervise_elastic(job, job.start_worker, min_np=1, max_np=3,
+                                     discovery=elastic.Discovery(None, 3, 0.0),
+                                     blacklist_after=3, deadline=None, timeout=None,
+                                     shutdown_timeout=1)
+    assert code == 0 and job.started == []   # nobody new starts once the job is finishing
