@@ -236,9 +236,10 @@ def run(func):
             return func(state, *args, **kwargs)
         skip_sync = False
         while True:
-            if not skip_sync:
-                state.sync()
             try:
+                # Inside: a change while the state travels is caught like any other.
+                if not skip_sync:
+                    state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 log.warning("elastic: workers wait to join; restarting the membership "

@@ -108,9 +108,9 @@ def run_fit(model, strategy, arguments, start):
     commit = _EpochCommit(state, strategy)
     logs = _EpochLogs()
     while True:
-        state.sync()     # rank 0's committed state: a newcomer's first, everyone's after a change
-        logs.drop_from(state.epoch)
         try:
+            state.sync()   # rank 0's committed state: a newcomer's first, everyone's after a change
+            logs.drop_from(state.epoch)
             return logs.into(start(state.epoch, [commit, logs]))
         except hvd_elastic.HostsUpdatedInterrupt:
             log.warning("elastic fit: workers wait to join; going on with them from epoch %d",
