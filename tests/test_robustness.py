@@ -14,7 +14,7 @@ from manual_cluster import ROOT, ManualCluster, rss_mb  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "workers", "robust_worker.py")
 PART = 64 * 1024
-PROTOCOL_VERSION = 4  # protocol.h kProtocolVersion
+PROTOCOL_VERSION = 5  # protocol.h kProtocolVersion
 FAST_FAILURE = {"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
                 "BYTEPS_FATAL_EXIT_GRACE": "2", "BYTEPS_PARTITION_BYTES": str(PART)}
 

@@ -82,6 +82,11 @@ def agreement_scope(**terms):
 def current_agreement() -> str:
     """The agreement text of the innermost :func:`agreement_scope` ("" if none)."""
     terms = getattr(_agreement, "terms", {})
+    view = basics.membership_epoch()
+    if view is not None:
+        # Elastic: the membership epoch the op is built in; the core refuses
+        # to run it in another (its size and ranks would be stale constants).
+        terms = dict(terms, view=view)
     return " ".join(f"{k}={terms[k]}" for k in sorted(terms))
 
 
@@ -414,6 +419,17 @@ def push_pull_wait(like, key: str):
 def pending_push_pulls() -> list:
     """Keys started by :func:`push_pull_start` and not yet taken (eager only)."""
     return [k.decode() for k in _ops().push_pull_pending_keys().numpy().tolist()]
+
+
+def drop_pending() -> None:
+    """Elastic: takes every sum started by :func:`push_pull_start` out of the
+    table after a membership restart (they belonged to the old epoch and
+    failed or were dropped with it), so that no later wait receives one."""
+    for key in pending_push_pulls():
+        try:
+            push_pull_wait(tf.zeros([1], tf.int64), key)
+        except (tf.errors.OpError, ValueError):
+            pass   # the old epoch's failure, or another shape: taken out all the same
 
 
 def debug_hold_push_pull(key: str, timeout_ms: int = 10000) -> None:

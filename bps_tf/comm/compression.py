@@ -190,6 +190,14 @@ def is_core(compression) -> bool:
 def core_spec(compression) -> str:
     """The core's compressor text for ``compression`` ("" when the core
     sends the tensor as it is)."""
+    if keeps_state(compression) and basics.membership_epoch() is not None:
+        raise NotImplementedError(
+            f"{compression!r} under elastic training (BYTEPS_ELASTIC=1): its error-feedback "
+            "residuals, momentum or random stream live in each worker's engine and servers, "
+            "and a membership change cannot roll them back to the last commit (the resumed "
+            "run would differ from one started from that commit, silently). Use a stateless "
+            "compressor (Compression.fp16, or onebit/topk without error_feedback, momentum "
+            "or seed) or none.")
     return compression.spec if is_core(compression) else ""
 
 

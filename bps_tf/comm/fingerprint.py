@@ -147,3 +147,10 @@ def _due(key: str, n: int) -> bool:
     with _lock:
         step = _eager_steps[key] = _eager_steps.get(key, 0) + 1
     return step % n == 0
+
+
+def reset_steps() -> None:
+    """Elastic: after a membership restart every worker (newcomers too)
+    counts its steps from zero, so the checks stay at the same steps."""
+    with _lock:
+        _eager_steps.clear()

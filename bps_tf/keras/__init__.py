@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from bps_tf.comm.naming import model_variables
-from bps_tf.horovod import elastic  # noqa: F401  (Horovod's hvd.elastic state objects)
+from bps_tf.keras import elastic  # noqa: F401  (hvd.elastic: state objects, run, Keras callbacks)
 from bps_tf.horovod.api import Average, Compression, Sum, allgather, allgather_object
 from bps_tf.horovod.api import allreduce as _tensor_allreduce
 from bps_tf.horovod.api import broadcast, broadcast_object, broadcast_variables, push_pull

@@ -88,6 +88,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="servers serve the gRPC health service (grpc.health.v1) on this "
                              "port (local mode: server i on PORT+i); default "
                              "BYTEPS_HEALTH_PORT; 0: off")
+    elastic = parser.add_argument_group(
+        "elastic training (local mode; Horovod's horovodrun options, docs/elastic.md)")
+    elastic.add_argument("--min-np", dest="min_np", type=_positive_int, metavar="N",
+                         help="elastic: go on while at least N workers remain (a lost worker "
+                              "no longer stops the job)")
+    elastic.add_argument("--max-np", dest="max_np", type=_positive_int, metavar="N",
+                         help="elastic: admit at most N workers (default: -np)")
+    elastic.add_argument("--host-discovery-script", dest="discovery", metavar="SCRIPT",
+                         help="elastic: a command that prints 'host:slots' lines, run again "
+                              "every --discovery-interval seconds; more slots than running "
+                              "workers start new ones (this machine's names only)")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_positive_float,
+                         metavar="SECONDS", default=600.0,
+                         help="elastic: how long to wait for --min-np workers after a change "
+                              "before failing the job (default 600)")
+    elastic.add_argument("--discovery-interval", dest="discovery_interval",
+                         type=_positive_float, metavar="SECONDS", default=1.0,
+                         help="elastic: seconds between runs of the discovery script (default 1)")
+    elastic.add_argument("--blacklist-after", dest="blacklist_after", type=_positive_int,
+                         metavar="K", default=3,
+                         help="elastic: after K failed workers a host gets no new ones "
+                              "(default 3)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log what the launcher starts and decides")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
@@ -100,4 +122,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
+    args.elastic = any(v is not None for v in (args.min_np, args.max_np, args.discovery))
     return args

@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from bps_tf.launch import elastic as elastic_launch
 from bps_tf.launch.args import build_parser, parse_args  # noqa: F401 (the CLI's API)
 from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health_ports,
                                   hides_tf_startup, plural, say, token_source)
@@ -157,7 +158,8 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
               grace: float = DEFAULT_GRACE_S,
               environ: Optional[Mapping[str, str]] = None,
               prefix_output: bool = False,
-              health_port: Optional[int] = None) -> int:
+              health_port: Optional[int] = None,
+              elastic: Optional[Mapping[str, object]] = None) -> int:
     """Run ``command`` as ``num_workers`` workers plus ``num_servers`` servers on 127.0.0.1.
 
     Returns 0 when every worker exits 0, otherwise a non-zero code (see
@@ -166,8 +168,10 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     children's output with ``[worker N]``/``[server N]`` (the CLI's default);
     otherwise they share this process's stdout and stderr. ``health_port``
     (default: BYTEPS_HEALTH_PORT) turns on the servers' gRPC health service,
-    server i on port ``health_port + i``. Every started process is gone when
-    this returns.
+    server i on port ``health_port + i``. ``elastic`` (keys min_np, max_np,
+    discovery, elastic_timeout, discovery_interval, blacklist_after) makes
+    the job elastic (bps_tf.launch.elastic). Every started process is gone
+    when this returns.
     """
     if num_servers is None:
         num_servers = 1 if num_workers > 1 else 0
@@ -187,7 +191,7 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
             else:
                 ending.code = _run_local_cluster(
                     job, num_workers, num_servers, command, server_command, environ, workdir,
-                    deadline, timeout, ready_timeout, shutdown_timeout, health)
+                    deadline, timeout, ready_timeout, shutdown_timeout, health, elastic)
         return ending.code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -231,9 +235,13 @@ def _check_local_sizes(num_workers: int, num_servers: int, command: Sequence[str
 def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Sequence[str],
                      server_command: Optional[Sequence[str]], environ: Mapping[str, str],
                      workdir: str, deadline: Optional[float], timeout: Optional[float],
-                     ready_timeout: float, shutdown_timeout: float, health: int) -> int:
+                     ready_timeout: float, shutdown_timeout: float, health: int,
+                     elastic: Optional[Mapping[str, object]] = None) -> int:
     shared = child_env(_job_env(environ, num_workers, num_servers), environ,
                        job.output is not None)
+    if elastic:
+        shared = elastic_launch.elastic_env(shared, elastic["min_np"], elastic["max_np"],
+                                            elastic["elastic_timeout"])
     ready_file = os.path.join(workdir, "scheduler.port")
 
     env0 = _server_env(shared, 0, 0, ready_file, health)
@@ -246,10 +254,37 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
     for server_id in range(1, num_servers):
         env = _server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
+    if elastic:
+        return _run_elastic(job, num_workers, command, shared, port, elastic, deadline,
+                            timeout, shutdown_timeout)
     for rank in range(num_workers):
         job.start(f"worker {rank}", "worker", command,
                   _worker_env(shared, rank, num_workers, port))
     return _supervise(job, deadline, timeout, shutdown_timeout)
+
+
+def _run_elastic(job: Job, num_workers: int, command: Sequence[str], shared: Mapping[str, str],
+                 port: int, elastic: Mapping[str, object], deadline: Optional[float],
+                 timeout: Optional[float], shutdown_timeout: float) -> int:
+    started = [0]   # workers started so far: the next one's label
+
+    def start_worker(newcomer: bool) -> None:
+        index = started[0]
+        started[0] += 1
+        job.start(f"worker {index}", "worker", command,
+                  elastic_launch.worker_env(shared, index, port, newcomer,
+                                            float(elastic["elastic_timeout"])))
+
+    elastic_launch.log_start(num_workers, elastic["min_np"], elastic["max_np"],
+                             elastic["discovery"])
+    for _ in range(num_workers):
+        start_worker(False)
+    discovery = elastic_launch.Discovery(elastic["discovery"], num_workers,
+                                         float(elastic["discovery_interval"]))
+    return elastic_launch.supervise_elastic(
+        job, start_worker, min_np=elastic["min_np"], max_np=elastic["max_np"],
+        discovery=discovery, blacklist_after=elastic["blacklist_after"], deadline=deadline,
+        timeout=timeout, shutdown_timeout=shutdown_timeout)
 
 
 def _wait_for_scheduler_port(job: Job, server0: Child, ready_file: str, ready_timeout: float,
@@ -424,16 +459,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:      # argparse already printed usage or help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _configure_logging(args.verbose)
-    if args.num_proc is None:
+    if args.num_proc is None and not args.elastic:
         if args.servers is not None:
             say("--servers only applies with -np (local mode); in cluster mode the servers "
                 "come from TF_CONFIG or DMLC_NUM_SERVER")
             return EXIT_USAGE
         return run_cluster(args.command, timeout=args.timeout, prefix_output=args.prefix,
                            health_port=args.health_port)
+    elastic = None
+    if args.elastic:
+        try:
+            num, low, high = elastic_launch.check_options(args.num_proc, args.min_np, args.max_np)
+        except ValueError as exc:
+            say(str(exc))
+            return EXIT_USAGE
+        args.num_proc = num
+        elastic = {"min_np": low, "max_np": high, "discovery": args.discovery,
+                   "elastic_timeout": args.elastic_timeout,
+                   "discovery_interval": args.discovery_interval,
+                   "blacklist_after": args.blacklist_after}
     try:
         return run_local(args.num_proc, args.servers, args.command, timeout=args.timeout,
-                         prefix_output=args.prefix, health_port=args.health_port)
+                         prefix_output=args.prefix, health_port=args.health_port,
+                         elastic=elastic)
     except UsageError as exc:
         say(str(exc))
         return EXIT_USAGE

@@ -106,6 +106,12 @@ class OverlappedApply(DeferredApply):
                  allow_unverified_optimizer: bool = False):
         collectives.require_init()
         async_training.refuse_gradient_exchange("OverlappedApply")
+        if basics.membership_epoch() is not None:
+            raise NotImplementedError(
+                "OverlappedApply under elastic training (BYTEPS_ELASTIC=1): each step's update "
+                "is applied during the next step's forward pass, so a membership change finds "
+                "an update half applied, which no commit holds. Use DistributedGradientTape "
+                "(or the Keras DistributedOptimizer) with hvd.elastic.run.")
         reason = unsupported_reason(optimizer)
         if reason is not None:
             raise ValueError(f"OverlappedApply cannot defer this optimizer's update exactly: "

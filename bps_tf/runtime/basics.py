@@ -16,6 +16,7 @@ from bps_tf.runtime.loader import load_core
 
 _core = None
 _atexit_registered = False
+_membership = {"epoch": None}   # elastic: the membership epoch joined last
 log = logging.getLogger("bps_tf")
 
 
@@ -45,7 +46,7 @@ def join(environ=None) -> None:
     _speed_window_start()
 
 
-def _join(c, environ) -> None:
+def _join(c, environ, rank=None) -> None:
     spec = cluster.resolve(environ)
     if spec.role in ("server", "scheduler"):
         raise RuntimeError(
@@ -55,7 +56,19 @@ def _join(c, environ) -> None:
                                 config.value("BYTEPS_ALLOW_INSECURE", environ), log)
     values = dict(config.core_settings(environ))
     values.update(spec.core_values())
+    if values.get("elastic"):
+        config.check_elastic(values)
+        if rank is not None:
+            values["rank"] = rank      # the rank of the last epoch; the scheduler gives the new one
+            values["elastic_rejoin"] = 1
+            # The scheduler may wait that long for --min-np workers.
+            values["rendezvous_timeout_s"] = max(float(values["rendezvous_timeout_s"]),
+                                                 float(values["elastic_timeout_s"]))
+        elif config.elastic_newcomer(environ):
+            values["rank"] = -1        # waits for the next epoch
     c.worker_init(config.to_core_text(values))
+    _membership["epoch"] = int(json.loads(c.stats_json())["elastic_epoch"]) \
+        if values.get("elastic") else None
     _configure_logging(values.get("log_level", "WARNING"), c.rank())
     log.info("initialized: rank %d of %d, local rank %d of %d", c.rank(), c.size(),
              c.local_rank(), c.local_size())
@@ -67,6 +80,20 @@ def _join(c, environ) -> None:
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+
+
+def membership_epoch():
+    """Elastic (BYTEPS_ELASTIC=1): the membership epoch this worker joined
+    last (0 for the first); None without elastic mode or before init()."""
+    return _membership["epoch"] if is_initialized() else None
+
+
+def rejoin(rank, environ=None) -> None:
+    """Elastic: joins the next membership epoch after shutdown(), saying
+    ``rank`` was this worker's rank in the last one (None: a newcomer)."""
+    c = core()
+    _join(c, environ, rank=-1 if rank is None else rank)
+    _speed_window_start()
 
 
 def _configure_logging(level: str, rank: int) -> None:
@@ -119,9 +146,9 @@ def leave_reason() -> str:
 def suspend() -> None:
     """BytePS's elastic-training call: refused, with what to do instead."""
     raise NotImplementedError(
-        "suspend()/resume(): elastic training is not available in bps_tf; a lost worker "
-        "fails the job with an error, and the job restarts from a checkpoint "
-        "(BackupAndRestore / ModelCheckpoint, docs/reliability.md).")
+        "suspend()/resume(): BytePS's elastic calls are not available in bps_tf; elastic "
+        "training follows Horovod's API instead: BYTEPS_ELASTIC=1 (bpslaunch --min-np/--max-np) "
+        "and hvd.elastic.run with a state object (docs/elastic.md).")
 
 
 def resume(num_workers=None, num_servers=None) -> None:

@@ -176,6 +176,22 @@ SETTINGS = (
             "when the job spans several hosts and one has several workers; 1: "
             "also when every worker is on one host; 0: every worker pushes its "
             "own. Must agree on every node."),
+    # -- elastic training (docs/elastic.md) --
+    Setting("BYTEPS_ELASTIC", "elastic", "0", _bool,
+            "Elastic training: a lost or failed worker starts a new membership epoch "
+            "instead of failing the job; the others' operations fail with "
+            "bps_tf.elastic.WorkersChangedError, which hvd.elastic.run catches (restore "
+            "the last commit, rejoin with dense ranks, go on), and new workers join at "
+            "the next epoch. bpslaunch sets it with --min-np/--max-np. Must agree on every node."),
+    Setting("BYTEPS_ELASTIC_MIN_WORKERS", "elastic_min_workers", "1", _int,
+            "Elastic: the fewest workers the job goes on with (bpslaunch --min-np); "
+            "below it the scheduler waits BYTEPS_ELASTIC_TIMEOUT for newcomers, then fails the job."),
+    Setting("BYTEPS_ELASTIC_MAX_WORKERS", "elastic_max_workers", "0", _int,
+            "Elastic: the most workers the job admits (bpslaunch --max-np; at most 64); "
+            "0: the starting worker count."),
+    Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
+            "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "
+            "membership change before it fails the job (bpslaunch --elastic-timeout)."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "
@@ -305,7 +321,36 @@ def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, obje
     values = {s.core_key: value(s.env, environ) for s in SETTINGS if s.core_key}
     # The core gets the keys derived from the token, never the token.
     values.update(security.core_values(value("BYTEPS_JOB_TOKEN", environ), values["encryption"]))
+    if values["elastic"] and values["local_reduce"] == -1:
+        values["local_reduce"] = 0   # fixed shared-memory groups: not elastic (check_elastic)
     return values
+
+
+ELASTIC_MAX_WORKERS = 64   # a push's member mask names ranks 0..63 (protocol.h kMaxMaskRank)
+
+
+def elastic_newcomer(environ=None) -> bool:
+    """A worker started while the job runs (bpslaunch sets BYTEPS_ELASTIC_NEWCOMER=1):
+    it has no rank yet and joins at the next membership epoch."""
+    env = os.environ if environ is None else environ
+    return env.get("BYTEPS_ELASTIC_NEWCOMER", "") == "1"
+
+
+def check_elastic(values) -> None:
+    """What elastic training cannot make exact is refused before joining."""
+    if values.get("async"):
+        raise ValueError(
+            "elastic training (BYTEPS_ELASTIC=1) with asynchronous training "
+            "(BYTEPS_ENABLE_ASYNC=1) is not supported: the servers hold the only shared copy "
+            "of the weights and every worker's updates are applied as they come, so there is "
+            "no commit every worker can roll back to. Use synchronous training.")
+    if values.get("local_reduce") == 1:
+        raise ValueError(
+            "elastic training (BYTEPS_ELASTIC=1) with BYTEPS_LOCAL_REDUCE=1 is not supported: "
+            "a host's workers sum through shared memory in fixed groups. Leave it at auto or 0.")
+    top = int(values.get("elastic_max_workers") or 0)
+    if top > ELASTIC_MAX_WORKERS:
+        raise ValueError(f"BYTEPS_ELASTIC_MAX_WORKERS={top}: at most {ELASTIC_MAX_WORKERS} workers.")
 
 
 def to_core_text(values: Mapping[str, object]) -> str:

@@ -48,6 +48,7 @@ from bps_tf.comm import async_training
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm.compression import Compression
 from bps_tf.overlap import fit as overlap_fit
+from bps_tf.runtime import elastic_core
 from bps_tf.strategy import choices as strategy_choices
 from bps_tf.strategy import data_check, keras_hooks
 from bps_tf.strategy.cluster_resolver import make_cluster_resolver
@@ -100,7 +101,24 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
     bps_tf_strategy = True           # bps_tf.strategy.identity: the Keras hooks act for it
 
     def __init__(self, devices=None, predict="all", sync_state=True, compression=None,
-                 mode=None, overlap=None):
+                 mode=None, overlap=None, elastic=False):
+        if elastic != elastic_core.enabled():
+            raise ValueError(
+                "BytePSStrategy(elastic=True) needs an elastic job (bpslaunch --min-np/--max-np "
+                "or BYTEPS_ELASTIC=1 on every node)" if elastic else
+                "BYTEPS_ELASTIC=1: pass BytePSStrategy(elastic=True), so that model.fit "
+                "survives membership changes (docs/elastic.md); without it the first change "
+                "would end fit with an error.")
+        if elastic and overlap:
+            raise ValueError("BytePSStrategy(elastic=True, overlap=True): an overlapped step's "
+                             "update is applied during the next step, so a membership change "
+                             "would find it half applied; elastic training keeps the barrier.")
+        if elastic and mode == "async":
+            raise ValueError("BytePSStrategy(elastic=True, mode='async'): the servers hold the "
+                             "only shared weights; there is no commit to roll back to.")
+        if elastic:
+            overlap = False
+        self.elastic = bool(elastic)
         if predict not in PREDICT_MODES:
             raise ValueError(f"BytePSStrategy(predict={predict!r}): expected one of "
                              f"{', '.join(map(repr, PREDICT_MODES))}.")
@@ -124,7 +142,8 @@ class BytePSStrategy(tf.distribute.MirroredStrategy):
             raise ValueError("BytePSStrategy(overlap=True, mode='async'): asynchronous training "
                              "has no step barrier to overlap; choose one of them.")
         cls = AsyncBytePSExtended if mode == "async" else self._sync_extended
-        extended = cls(self, devices=devices, sync_state=sync_state, compression=compression)
+        extended = cls(self, devices=devices, sync_state=sync_state, compression=compression,
+                       **({"elastic": True} if elastic else {}))
         tf.distribute.Strategy.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._bps_cluster_resolver = None
         keras_hooks.install()

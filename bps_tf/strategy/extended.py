@@ -30,8 +30,13 @@ __all__ = ["BytePSExtended", "AsyncBytePSExtended"]
 class BytePSExtended(mirrored_strategy.MirroredExtended):
     """MirroredExtended for one worker of a between-graph BytePS job."""
 
-    def __init__(self, container_strategy, devices=None, sync_state=True, compression=None):
+    def __init__(self, container_strategy, devices=None, sync_state=True, compression=None,
+                 elastic=False):
         _join_cluster()
+        # Elastic: variables start from their own initial values and the
+        # elastic fit syncs them from rank 0 (a newcomer builds its model
+        # while the others train: no creation-time broadcast could pair).
+        self._bps_elastic = bool(elastic)
         self._sync_state = bool(sync_state)
         self._num_workers = basics.size()
         self._rank = basics.rank()
@@ -179,7 +184,7 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         # Replica 0 of every worker takes rank 0's initial value; the other
         # local replicas copy replica 0 (MirroredExtended). SyncOnRead
         # variables (metrics) hold per-replica partial values: left alone.
-        if (replica_id != 0 or self._num_workers == 1 or
+        if (replica_id != 0 or self._num_workers == 1 or self._bps_elastic or
                 kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ):
             return super()._get_variable_creator_initial_value(
                 replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)

@@ -177,6 +177,9 @@ def _fit(original):
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
+        elastic = of_model(self)
+        if getattr(elastic, "elastic", False):
+            return _elastic_fit(original, signature, self, elastic, args, kwargs)
         strategy = async_mode(self)
         if strategy is None:
             strategy = multi_worker(self)
@@ -214,6 +217,41 @@ def _fit(original):
         with strategy.extended.local_input():
             return original(*bound.args, **bound.kwargs)
     return fit
+
+
+def _elastic_fit(original, signature, model, strategy, args, kwargs):
+    """An elastic strategy's fit: the phase checks of every attempt, inside
+    the elastic loop (elastic_fit.py), from the epoch the state says."""
+    import keras
+    from bps_tf.strategy import elastic_fit
+    bound = signature.bind(model, *args, **kwargs)
+    given = dict(bound.arguments)
+    bound.apply_defaults()
+    user_callbacks = given.get("callbacks")
+    if user_callbacks is not None and not isinstance(user_callbacks, (list, tuple)):
+        raise ValueError("BytePSStrategy(elastic=True): fit(callbacks=...) must be a list "
+                         "(the elastic commit joins it).")
+
+    def start(initial_epoch, extra):
+        arguments = dict(bound.arguments)
+        arguments["initial_epoch"] = initial_epoch
+        epochs = int(arguments.get("epochs") or 1)
+        phases.boundary(strategy, phases.FIT, epochs, initial_epoch,
+                        arguments.get("steps_per_epoch"))
+        checks = phases.PhaseCallback(strategy, epochs)
+        checks.model = model
+        added = [keras.callbacks.LambdaCallback(on_epoch_end=checks.on_epoch_end)]
+        if fingerprint.every() > 0 and basics.size() > 1:
+            drift = _DriftCheck(model)
+            added.append(keras.callbacks.LambdaCallback(
+                on_train_batch_end=drift.on_train_batch_end))
+        # The commit first: an epoch's commit is taken before any callback of
+        # the next epoch runs (one that raises must not leave it uncommitted).
+        arguments["callbacks"] = list(extra) + list(user_callbacks or []) + added
+        del arguments["self"]
+        return original(model, **arguments)
+
+    return elastic_fit.run_fit(model, strategy, bound.arguments, start)
 
 
 @_register("keras.Model.evaluate",

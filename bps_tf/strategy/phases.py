@@ -107,3 +107,11 @@ def boundary(strategy, phase: int, a=None, b=None, c=None) -> None:
         f"Every worker must call fit/evaluate/predict alike, with the same arguments, and "
         f"stop training at the same epoch; look for a value that depends on the rank "
         f"(epochs=, an evaluate on rank 0 only, a callback that stops one worker).")
+
+
+def restart_count() -> None:
+    """Elastic: after a membership restart every worker, a newcomer too,
+    numbers its boundaries from zero again."""
+    global _count
+    with _lock:
+        _count = itertools.count()

@@ -40,6 +40,10 @@ std::string Stats::Json() {
     << ",\"join_seen_sent\":" << join_seen_sent
     << ",\"heap_keeps_buffers\":" << (heap_keeps_buffers ? "true" : "false")
     << ",\"node_state\":" << node_state
+    << ",\"elastic_epoch\":" << elastic_epoch
+    << ",\"elastic_announced\":" << elastic_announced
+    << ",\"elastic_waiting\":" << elastic_waiting
+    << ",\"frames_stale_epoch\":" << frames_stale_epoch
     << ",\"send_log\":[";
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < send_log_.size(); ++i) {

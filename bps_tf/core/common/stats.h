@@ -47,6 +47,14 @@ class Stats {
   // A server or scheduler process: 0 starting, 1 the cluster has met,
   // 2 shutting down after a clean end, 3 failed (e.g. a lost peer).
   std::atomic<int> node_state{0};
+  // Elastic training (docs/elastic.md). A worker: the membership epoch it
+  // belongs to, the epoch the scheduler announced last (above the first
+  // when the workers changed under it), and how many workers wait to join.
+  // A server: pushes of another epoch it dropped.
+  std::atomic<uint64_t> elastic_epoch{0};
+  std::atomic<uint64_t> elastic_announced{0};
+  std::atomic<uint64_t> elastic_waiting{0};
+  std::atomic<uint64_t> frames_stale_epoch{0};
 
   void RecordSend(const std::string& name, uint32_t part, int64_t priority);
   std::string Json();

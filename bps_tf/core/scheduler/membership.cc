@@ -8,8 +8,11 @@ namespace bps {
 
 void Membership::Join(const std::string& endpoint, const Config& cfg, const Config& extra) {
   // The pid keeps a restarted node's routing id apart from its old one.
+  // A count keeps a membership restarted by the same process (elastic)
+  // apart from its old link, which the scheduler may not have closed yet.
+  static std::atomic<int> joins{0};
   std::string name = std::string("ctl-") + RoleName(role_) + "-" + std::to_string(id_) + "-" +
-                     std::to_string(getpid());
+                     std::to_string(getpid()) + "-" + std::to_string(joins++);
   scheduler_ = channel_->Connect(endpoint, name);
   endpoint_ = endpoint;
   origin_ = cfg.Get("scheduler_origin", "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT");

@@ -26,7 +26,14 @@ Scheduler::Scheduler(const Config& cfg)
       stall_check_s_(cfg.GetDouble("stall_check_s", 60)),
       stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),
       server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0),
-      report_every_s_(std::min(10.0, std::max(1.0, cfg.GetDouble("rendezvous_timeout_s", 120) / 3))) {}
+      report_every_s_(std::min(10.0, std::max(1.0, cfg.GetDouble("rendezvous_timeout_s", 120) / 3))),
+      elastic_(cfg.GetInt("elastic", 0) != 0),
+      min_workers_(static_cast<int>(cfg.GetInt("elastic_min_workers", 1))),
+      max_workers_(static_cast<int>(cfg.GetInt("elastic_max_workers", 0))),
+      elastic_timeout_s_(cfg.GetDouble("elastic_timeout_s", 600)) {
+  if (max_workers_ <= 0) max_workers_ = std::max(num_workers_, 1);
+  min_workers_ = std::max(1, std::min(min_workers_, max_workers_));
+}
 
 Outgoing Scheduler::Reply(const Peer& to, MsgType type, const std::string& payload,
                           uint64_t request_id) {
@@ -51,6 +58,9 @@ void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
   for (const auto& kv : nodes_) {
     if (!kv.second.departed) out->push_back(Reply(kv.first, MsgType::kError, message));
   }
+  for (const auto& kv : waiting_) out->push_back(Reply(kv.first, MsgType::kError, message));
+  waiting_.clear();
+  waiting_order_.clear();
 }
 
 void Scheduler::Handle(const Peer& from, const FrameHeader& h,
@@ -71,10 +81,14 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;
       barrier_.insert(from);
-      if (barrier_.size() == static_cast<size_t>(num_workers_ + num_servers_)) {
-        for (const auto& n : nodes_) out->push_back(Reply(n.first, MsgType::kBarrierDone, ""));
+      // After the first epoch only the workers meet again.
+      if (barrier_.size() == static_cast<size_t>(num_workers_ + (epoch_ == 0 ? num_servers_ : 0))) {
+        for (const Peer& p : barrier_) out->push_back(Reply(p, MsgType::kBarrierDone, ""));
         barrier_.clear();
       }
+      return;
+    case MsgType::kEpoch:
+      if (it != nodes_.end() && it->second.role == Role::kServer) OnEpochStarted(it->second, kv, out);
       return;
     case MsgType::kDeclare:
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
@@ -86,9 +100,16 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       return;
     case MsgType::kHeartbeat:
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+      if (waiting_.count(from)) {
+        waiting_[from].last_seen = Clock::now();
+        out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+      }
       return;
     case MsgType::kBye:
       if (it != nodes_.end()) OnBye(&it->second, kv.Get("reason"), out);
+      if (waiting_.erase(from)) {
+        waiting_order_.erase(std::find(waiting_order_.begin(), waiting_order_.end(), from));
+      }
       return;
     default:
       return;  // not for the scheduler
@@ -97,6 +118,15 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
 
 void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoing>* out) {
   if (node->departed) return;
+  // Elastic: a worker that failed, or that restarts its membership (its
+  // program caught a membership change), starts a new epoch; the job goes on.
+  if (elastic_ && node->role == Role::kWorker && !reason.empty()) {
+    bool restarts = reason == kElasticRestart;
+    std::string why = Describe(*node) + " " + (restarts ? "restarts its membership" : reason);
+    Peer peer = node->peer;
+    StartEpoch(why, restarts && !changing_ ? nullptr : &peer, out);
+    return;
+  }
   node->departed = true;
   std::string who = Describe(*node);
   if (reason.empty()) {
@@ -148,20 +178,18 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.local_size = KvInt(kv, "local_size", -1);
   n.last_seen = Clock::now();
   if (n.role != Role::kWorker && n.role != Role::kServer) return;
+  if (elastic_ && n.role == Role::kWorker && (welcomed_ || n.id < 0)) {
+    OnElasticHello(from, n, kv, out);
+    return;
+  }
   nodes_[from] = n;
 
   // Every node must agree with the scheduler on the settings that shape the
   // data: a disagreement names the setting and both values.
-  for (const SharedSetting& s : kSharedSettings) {
-    std::string mine = cfg_.Get(s.key, "");
-    std::string theirs = kv.Get(s.key, "");
-    if (mine != theirs) {
-      Fail(std::string("cluster setting '") + s.key + "' disagrees: the scheduler has " + mine +
-               ", " + Describe(n) + " has " + theirs + " (set it the same on every node: " +
-               s.env + ")",
-           out);
-      return;
-    }
+  std::string disagree = SettingsDisagree(n, kv);
+  if (!disagree.empty()) {
+    Fail(disagree, out);
+    return;
   }
   if (n.role == Role::kWorker && (n.id < 0 || n.id >= num_workers_)) {
     Fail("worker rank " + std::to_string(n.id) + " is outside [0, " +
@@ -180,6 +208,20 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   }
   BPS_LOG(kInfo, Describe(n) << " joined");
   MaybeWelcome(out);
+}
+
+std::string Scheduler::SettingsDisagree(const Node& n, const Config& kv) const {
+  for (const SharedSetting& s : kSharedSettings) {
+    if (elastic_ && n.role == Role::kWorker && std::string(s.key) == "num_workers") continue;
+    std::string mine = cfg_.Get(s.key, "");
+    std::string theirs = kv.Get(s.key, "");
+    if (mine != theirs) {
+      return std::string("cluster setting '") + s.key + "' disagrees: the scheduler has " + mine +
+             ", " + Describe(n) + " has " + theirs + " (set it the same on every node: " + s.env +
+             ")";
+    }
+  }
+  return "";
 }
 
 void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
@@ -237,6 +279,7 @@ bool Scheduler::NumberServers(std::vector<const Node*>* servers_by_id,
 
 Scheduler::HostLayout Scheduler::LayOutHosts() {
   HostLayout hosts;
+  host_roots_.clear();
   // Local rank: workers on one host, in rank order, unless a launcher said.
   for (auto& n : nodes_) {
     if (n.second.role == Role::kWorker) hosts.by_host[n.second.host_key].push_back(&n.second);
@@ -309,6 +352,7 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
   w.Set("num_servers", std::to_string(num_servers_));
   w.Set("local_rank", std::to_string(std::max(n.local_rank, 0)));
   w.Set("local_size", std::to_string(std::max(n.local_size, 1)));
+  w.Set("epoch", std::to_string(epoch_));
   if (n.role == Role::kWorker) {
     w.Set("num_hosts", std::to_string(hosts.by_host.size()));
     w.Set("host_index", std::to_string(hosts.host_index.at(n.id)));
@@ -336,9 +380,13 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
 void Scheduler::Tick(std::vector<Outgoing>* out) {
   if (fatal_.empty() && !welcomed_) ReportMissing();
   if (!fatal_.empty() || !welcomed_ || finished_) return;
+  if (elastic_) {
+    TickElastic(out);  // lost workers start a new epoch there
+    if (!fatal_.empty()) return;
+  }
   for (const auto& kv : nodes_) {
     const Node& n = kv.second;
-    if (n.departed) continue;
+    if (n.departed || (elastic_ && n.role == Role::kWorker)) continue;
     double quiet = SecondsSince(n.last_seen);
     if (quiet > timeout_s_) {
       Fail("lost " + Describe(n) + ": no heartbeat for " + std::to_string(static_cast<int>(quiet)) +
@@ -348,7 +396,7 @@ void Scheduler::Tick(std::vector<Outgoing>* out) {
       return;
     }
   }
-  CheckStalls(out);
+  if (!changing_) CheckStalls(out);
 }
 
 }  // namespace bps

@@ -7,7 +7,10 @@
 // It is pure logic: the node that hosts it feeds it messages and sends what
 // it returns, so it is easy to test and to place (server 0 or alone).
 // scheduler.cc holds the meeting (hello, welcome, barrier, heartbeats),
-// scheduler_declare.cc the tensor declarations, join and the stall check.
+// scheduler_declare.cc the tensor declarations, join and the stall check,
+// scheduler_elastic.cc the membership epochs of elastic training
+// (docs/elastic.md): a lost worker starts a new epoch instead of failing
+// the job, and workers that wait to join are admitted at the next one.
 #ifndef BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 #define BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 
@@ -48,6 +51,8 @@ class Scheduler {
   const std::string& failure() const { return failure_; }
   bool welcomed() const { return welcomed_; }
   const std::string& fatal() const { return fatal_; }
+  bool elastic() const { return elastic_; }
+  int epoch() const { return epoch_; }
 
  private:
   struct Node {
@@ -64,6 +69,7 @@ class Scheduler {
     int local_size = -1;
     Clock::time_point last_seen;
     bool departed = false;
+    int arrival = 0;  // elastic: newcomers take ranks in the order they arrived
   };
   struct Pending {
     int expected;  // declarations that complete it: every worker, or one per host
@@ -142,6 +148,26 @@ class Scheduler {
   void Complete(const std::string& name, const std::vector<int>& ranks,
                 std::vector<Outgoing>* out);
   static std::string Encode(const Assignment& a);
+  // Why a node's settings differ from the scheduler's ("" when they agree);
+  // an elastic worker's worker count is the scheduler's to set.
+  std::string SettingsDisagree(const Node& n, const Config& kv) const;
+
+  // Elastic membership (scheduler_elastic.cc). A worker's HELLO once the
+  // job runs (or without a rank): a survivor coming back for the new epoch,
+  // or a newcomer that waits for the next one.
+  void OnElasticHello(const Peer& from, const Node& n, const Config& kv,
+                      std::vector<Outgoing>* out);
+  // Starts epoch epoch_+1: every surviving worker (all but `lost`) is told
+  // and forgotten until it says HELLO again.
+  void StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out);
+  // Once the survivors are back (or BYTEPS_TIMEOUT passed): dense ranks,
+  // the servers start the epoch, then the workers' WELCOME.
+  void MaybeFinishEpoch(std::vector<Outgoing>* out);
+  void OnEpochStarted(const Node& server, const Config& kv, std::vector<Outgoing>* out);
+  void WelcomeWorkers(std::vector<Outgoing>* out);
+  void TellWaiting(std::vector<Outgoing>* out);  // kHostsUpdated to the workers
+  void TickElastic(std::vector<Outgoing>* out);
+  int WorkerCount() const;
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
 
   Config cfg_;
@@ -171,6 +197,21 @@ class Scheduler {
   bool finished_ = false;
   std::string failure_;  // the reasons workers gave for leaving, in order
   std::string fatal_;
+
+  // Elastic membership (BYTEPS_ELASTIC=1).
+  bool elastic_ = false;
+  int min_workers_ = 1, max_workers_ = 1;
+  double elastic_timeout_s_ = 600;
+  int epoch_ = 0;
+  bool changing_ = false;         // between StartEpoch and the workers' WELCOME
+  bool servers_starting_ = false;  // the servers were told the new epoch
+  std::set<int> servers_started_;
+  Clock::time_point change_since_;
+  std::string change_why_;
+  std::set<int> expected_;           // survivors' previous ranks not back yet
+  std::map<Peer, Node> waiting_;      // newcomers, admitted at the next epoch
+  std::vector<Peer> waiting_order_;
+  int next_arrival_ = 0;
 };
 
 }  // namespace bps

@@ -49,6 +49,13 @@ std::vector<ServerReply> ReplyScheduler::Ready(bool ignore_credit) {
   return out;
 }
 
+void ReplyScheduler::DropQueued() {
+  for (auto& k : workers_) {
+    while (!k->queue.empty()) k->queue.pop();
+  }
+  queued_ = 0;
+}
+
 Msg ReplyScheduler::Track(int worker, Msg&& payload, uint64_t reserved) {
   if (worker < 0 || static_cast<size_t>(worker) >= workers_.size()) return std::move(payload);
   Worker& k = *workers_[static_cast<size_t>(worker)];

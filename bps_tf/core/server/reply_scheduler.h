@@ -40,6 +40,9 @@ class ReplyScheduler {
   // reply Ready() returned must pass through here, sent or not.
   Msg Track(int worker, Msg&& payload, uint64_t reserved);
   uint64_t queued() const { return queued_; }
+  // Forgets every reply not yet returned by Ready() (a new membership
+  // epoch: the old epoch's sums must reach no one).
+  void DropQueued();
 
  private:
   struct Entry {

@@ -13,6 +13,7 @@
 #include "scheduler/membership.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
+#include "server/server_parts.h"
 #include "server/sum_engine.h"
 #include "transport/channel.h"
 #include "transport/fusion.h"
@@ -22,71 +23,8 @@ namespace bps {
 
 namespace {
 
-// A push's job from its header fields, whether they came in a FrameHeader
-// or a fused part's sub-header, so both make the same job.
-PushJob JobOf(int sender, uint64_t key, uint64_t round, uint16_t dtype, uint64_t request_id,
-              uint32_t contributors, uint64_t members, uint8_t reduce_op, Msg payload,
-              bool compressed) {
-  PushJob job{sender, key, round, static_cast<int>(dtype), (request_id & kPushAsync) != 0,
-              std::move(payload), compressed};
-  job.contributors = contributors;
-  job.members = members;
-  job.reduce_op = reduce_op;
-  job.refuse_joined = (request_id & kPushRefuseJoined) != 0;
-  job.priority = PushPriorityOf(request_id);
-  return job;
-}
+using namespace server_parts;  // NOLINT: this file's own parts
 
-// Replies produced by engine threads wait here until the I/O thread sends.
-class ReplyQueue {
- public:
-  void Post(std::vector<ServerReply>&& replies) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& r : replies) queue_.push_back(std::move(r));
-    }
-    wake_.Notify();
-  }
-  std::vector<ServerReply> Take() {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<ServerReply> out;
-    out.swap(queue_);
-    return out;
-  }
-  Wakeup& wake() { return wake_; }
-
- private:
-  std::mutex mu_;
-  std::vector<ServerReply> queue_;
-  Wakeup wake_;
-};
-
-void FreeBuffer(void* data, void*) { delete[] static_cast<char*>(data); }
-
-void WriteReadyFile(const std::string& path, int port) {
-  std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "w");
-  if (!f) throw Error("cannot write " + tmp);
-  std::fprintf(f, "%d\n", port);
-  std::fclose(f);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("cannot rename " + tmp);
-}
-
-// Reply bytes per worker that may wait in libzmq; default four partitions
-// (enough to keep a link busy while a busy machine schedules the server's
-// loop to hand over the next), -1 none.
-uint64_t ReplyCredit(const Config& cfg) {
-  int64_t credit = cfg.GetInt("server_credit_bytes", 0);
-  if (credit < 0) return 0;
-  if (credit > 0) return static_cast<uint64_t>(credit);
-  return 4 * static_cast<uint64_t>(
-                 std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1));
-}
-
-int PortOf(const std::string& endpoint) {
-  size_t colon = endpoint.rfind(':');
-  return colon == std::string::npos ? 0 : std::atoi(endpoint.c_str() + colon + 1);
-}
 
 
 class ServerNode {
@@ -102,7 +40,11 @@ class ServerNode {
             std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
-        schedule_(num_workers_, ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
+        // Elastic: ranks up to the largest worker count the job may reach.
+        schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
+                                                                   ? cfg.GetInt("elastic_max_workers", 0)
+                                                                   : 0)),
+                  ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
         channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
                                 &replies_.wake(), LinkSecurity::FromConfig(cfg),
                                 static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
@@ -126,6 +68,9 @@ class ServerNode {
   void HandlePush(Message& m);
   void HandleControl(const Message& m);
   void OnWelcome();
+  // Elastic: a new membership epoch (scheduler_elastic.cc): every round of
+  // the old one is dropped, unanswered, and the worker count changes.
+  void StartEpoch(const Config& kv);
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies(bool ignore_credit = false);
   void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved);
@@ -141,6 +86,7 @@ class ServerNode {
   bool is_server_;
   bool hosts_scheduler_;
   int num_workers_;
+  uint16_t epoch_ = 0;  // pushes of another epoch are dropped
   uint64_t fusion_bytes_;  // largest fused reply; 0: none
   double timeout_s_;
   double rendezvous_timeout_s_;
@@ -280,6 +226,10 @@ void ServerNode::HandlePush(Message& m) {
     Stats::Get().frames_dropped++;
     return;
   }
+  if (h.epoch != epoch_) {  // a worker of an epoch that ended: its round was dropped
+    Stats::Get().frames_stale_epoch++;
+    return;
+  }
   // A rank is bound to the connection that first spoke for it, so a stray
   // peer cannot push in another worker's name.
   auto it = worker_peer_.find(h.sender);
@@ -336,9 +286,31 @@ void ServerNode::OnWelcome() {
                               [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
 }
 
+void ServerNode::StartEpoch(const Config& kv) {
+  int epoch = static_cast<int>(kv.GetInt("epoch", 0));
+  int workers = static_cast<int>(kv.GetInt("num_workers", 0));
+  if (!is_server_ || !engine_ || workers < 1 || epoch <= epoch_ || epoch > 0xffff) return;
+  // The old engine's threads stop first; what they posted is dropped with
+  // what waits for credit: no sum of the old epoch reaches anyone.
+  engine_.reset();
+  replies_.Take();
+  schedule_.DropQueued();
+  worker_peer_.clear();
+  num_workers_ = workers;
+  epoch_ = static_cast<uint16_t>(epoch);
+  engine_.reset(new SumEngine(membership_.id(), num_workers_,
+                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
+                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
+  BPS_LOG(kInfo, "membership epoch " << epoch_ << ": " << num_workers_ << " workers");
+  membership_.Send(MsgType::kEpoch, "epoch=" + std::to_string(epoch_));
+}
+
 void ServerNode::HandleControl(const Message& m) {
   if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
+    case MsgType::kEpoch:
+      StartEpoch(Config::Parse(m.payload.str()));
+      break;
     case MsgType::kShutdown:
       // A job that a worker left with a reason (interrupted, failed) ends
       // with that reason and a non-zero exit: it did not succeed.

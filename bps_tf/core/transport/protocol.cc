@@ -49,7 +49,7 @@ const char* MsgTypeName(uint16_t type) {
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
                                  "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
                                  "PUSH_COMPRESSED", "JOIN", "JOIN_NOTICE", "PUSH_FUSED",
-                                 "PULL_REPLY_FUSED"};
+                                 "PULL_REPLY_FUSED", "WORKERS_CHANGED", "HOSTS_UPDATED", "EPOCH"};
   return type <= kMaxMsgType ? kNames[type] : "?";
 }
 

@@ -19,7 +19,8 @@ constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 // 3: a push says how many workers contribute to its key (and which ones) and how
 //    to reduce it; fused pushes and replies.
 // 4: a push's request_id carries its priority in its high 32 bits.
-constexpr uint16_t kProtocolVersion = 4;
+// 5: a membership epoch in every worker -> server message (elastic training).
+constexpr uint16_t kProtocolVersion = 5;
 
 enum class MsgType : uint16_t {
   kHello = 1,          // node -> scheduler: who I am, my settings
@@ -45,8 +46,15 @@ enum class MsgType : uint16_t {
                          // scheduler -> worker: every worker has joined ("last=<rank>")
   kPushFused = 19,       // worker -> server: several small partitions (fusion.h)
   kPullReplyFused = 20,  // server -> worker: several summed partitions (fusion.h)
+  // Elastic training (docs/elastic.md):
+  kWorkersChanged = 21,  // scheduler -> worker: the membership changes ("epoch=", "why=");
+                         // every pending and later operation of this epoch fails
+  kHostsUpdated = 22,    // scheduler -> worker: workers wait to join ("waiting=<n>")
+  kEpoch = 23,           // scheduler -> server: start epoch "epoch=" with "num_workers=",
+                         // dropping every round of the last one;
+                         // server -> scheduler: done ("epoch=")
 };
-constexpr uint16_t kMaxMsgType = 20;
+constexpr uint16_t kMaxMsgType = 23;
 
 enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
 
@@ -68,7 +76,9 @@ struct FrameHeader {
                           // or a set with a rank above kMaxMaskRank (see sum_engine.h).
                           // kPullReply(Fused): the workers counted as joined in the round
                           // (contributors = their number), for the scheduler's join order
-  uint8_t reserved[3];    // zero
+  uint16_t epoch;         // worker -> server: the membership epoch the sender belongs to
+                          // (0 unless elastic); a server drops messages of another epoch
+  uint8_t reserved[1];    // zero
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader is 64 bytes on the wire");
@@ -102,7 +112,16 @@ constexpr SharedSetting kSharedSettings[] = {
     {"min_compress_bytes", "BYTEPS_MIN_COMPRESS_BYTES"},
     // Decides whether a host's workers push one sum or each their own.
     {"local_reduce", "BYTEPS_LOCAL_REDUCE"},
+    // Elastic membership (docs/elastic.md): a fixed-size node among elastic
+    // ones would take a membership change for a fatal loss, or the reverse.
+    {"elastic", "BYTEPS_ELASTIC"},
 };
+
+// The goodbye reason of an elastic worker that leaves its membership to
+// join the next epoch at once (bps_tf/runtime/elastic_core.py sends it): the
+// scheduler starts a new epoch and expects it back, instead of counting it
+// as a failure.
+constexpr char kElasticRestart[] = "restarts its membership (elastic)";
 
 // How a server combines the pushes of one round of a key (FrameHeader's
 // reduce_op). Every push of a key must carry the same one.

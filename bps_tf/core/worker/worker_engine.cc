@@ -70,6 +70,10 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   cfg_ = cfg;
   SetLogLevel(cfg.Get("log_level", "WARNING"));
   rank_ = static_cast<int>(cfg.GetInt("rank", 0));
+  epoch_ = 0;
+  Stats::Get().elastic_epoch = 0;
+  Stats::Get().elastic_announced = 0;
+  Stats::Get().elastic_waiting = 0;
   size_ = static_cast<int>(cfg.GetInt("num_workers", 1));
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
@@ -133,6 +137,9 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
   extra.Set("local_size", cfg.Get("local_size", "-1"));
+  // Elastic: a member coming back after a membership change (its rank is the
+  // old one); any other HELLO once the job runs is a newcomer's.
+  extra.Set("rejoin", cfg.Get("elastic_rejoin", "0"));
   // Which workers can sum through shared memory (local_reduce.h): one
   // machine, one advertised address and one network namespace (the local
   // reduce socket lives in it; namespaced "hosts" of one machine stay apart).
@@ -257,6 +264,7 @@ void WorkerEngine::SendJoin() {
   }
   for (const Peer& server : servers_) {
     FrameHeader h = MakeHeader(MsgType::kJoin, Role::kWorker, rank_);
+    h.epoch = epoch_;
     channel_->Send(server, h, Msg());
   }
   // The joins this worker's results already counted came before its own:

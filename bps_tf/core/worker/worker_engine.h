@@ -155,6 +155,7 @@ class WorkerEngine {
   Config cfg_;
   std::atomic<bool> initialized_{false};
   bool local_mode_ = false;
+  uint16_t epoch_ = 0;  // elastic: the membership epoch, in every message to a server
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
   bool homogeneous_ = true;
   HostGroup host_group_;

@@ -44,6 +44,14 @@ std::string ParseMembers(const std::string& agreement, int size, std::vector<int
   return "";
 }
 
+// Elastic: the membership epoch an operation was built in ("view=N" in its
+// agreement, bps_tf/comm/collectives.py); -1 when it names none.
+long ViewOf(const std::string& agreement) {
+  size_t at = agreement.find("view=");
+  if (at == std::string::npos || (at > 0 && agreement[at - 1] != ' ')) return -1;
+  return std::strtol(agreement.c_str() + at + 5, nullptr, 10);
+}
+
 std::string JoinRanks(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
@@ -136,6 +144,16 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   std::vector<int> members;
   invalid = CheckMembers(name, agreement, reduce_op, contributors, &members);
   if (!invalid.empty()) return refuse(invalid);
+  long view = ViewOf(agreement);
+  if (view >= 0 && view != epoch_) {
+    // A graph traced before the workers changed holds the old size (its
+    // averages) and ranks as constants: running it would be silently wrong.
+    return refuse("built in membership epoch " + std::to_string(view) + ", but the workers "
+                  "changed since (epoch " + std::to_string(epoch_) + ", " + std::to_string(size_) +
+                  " workers): its averages and ranks are stale. Build it again after the "
+                  "reset (Keras: bps_tf.elastic's KerasState does it for model.fit; a "
+                  "tf.function of your own: create it again in a reset callback)");
+  }
   std::string sig = Signature(dtype, shape, agreement, reduce_op, contributors);
   const bool compress = Compresses(spec, dtype, bytes);
   if (compress && reduce_op != 0) {

@@ -149,6 +149,13 @@ void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t si
 
 void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
+  // Elastic: the rank the scheduler gave (dense, in the order of the old
+  // ranks); otherwise the same as the one this worker said it has.
+  rank_ = static_cast<int>(w.GetInt("id", rank_));
+  epoch_ = static_cast<uint16_t>(w.GetInt("epoch", 0));
+  Stats::Get().elastic_epoch = epoch_;
+  Stats::Get().elastic_announced = epoch_;
+  SetLogIdentity("worker " + std::to_string(rank_));
   local_rank_ = static_cast<int>(w.GetInt("local_rank", 0));
   local_size_ = static_cast<int>(w.GetInt("local_size", 1));
   cross_rank_ = static_cast<int>(w.GetInt("cross_rank", rank_));
@@ -165,7 +172,9 @@ void WorkerEngine::OnWelcome(const Config& w) {
     host_group_.ranks.push_back(std::atoi(ranks.substr(pos, comma - pos).c_str()));
     pos = comma + 1;
   }
-  std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid());
+  // The epoch keeps a restarted membership's links apart from the old ones.
+  std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid()) +
+                   (epoch_ ? "-e" + std::to_string(epoch_) : "");
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
@@ -190,6 +199,21 @@ void WorkerEngine::HandleControl(const Message& m) {
       break;
     case MsgType::kError:
       Fatal(m.payload.str(), BPS_ERR_UNAVAILABLE);
+      break;
+    case MsgType::kWorkersChanged: {
+      // Elastic: every operation of this epoch fails (none can complete
+      // with the old worker count); the program restarts its membership.
+      Config kv = Config::Parse(m.payload.str());
+      Stats::Get().elastic_announced = static_cast<uint64_t>(kv.GetInt("epoch", epoch_ + 1));
+      Fatal("bps_tf: the workers changed (membership epoch " + kv.Get("epoch") + ": " +
+                kv.Get("why") + "); this operation was dropped: catch it with "
+                "bps_tf.elastic.run (WorkersChangedError) and restore the last commit",
+            BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
+      break;
+    }
+    case MsgType::kHostsUpdated:
+      Stats::Get().elastic_waiting =
+          static_cast<uint64_t>(Config::Parse(m.payload.str()).GetInt("waiting", 1));
       break;
     case MsgType::kJoinNotice: {
       std::lock_guard<std::mutex> lock(mu_);

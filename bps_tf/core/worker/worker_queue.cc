@@ -244,6 +244,7 @@ bool WorkerEngine::SendPart(const PartRef& p) {
   uint64_t len = t->PartLength(p.part);
   uint64_t key = PartKey(t->info->key, p.part);
   FrameHeader h = MakeHeader(MsgType::kPush, Role::kWorker, rank_);
+  h.epoch = epoch_;
   h.key = key;
   h.round = t->round;
   h.dtype = static_cast<uint16_t>(t->dtype);
@@ -314,6 +315,7 @@ bool WorkerEngine::SendFused(int server, const std::vector<PartRef>& parts) {
   }
   Msg payload(data, size, &FreeFused, new SentFused{raw, data});
   FrameHeader h = MakeHeader(MsgType::kPushFused, Role::kWorker, rank_);
+  h.epoch = epoch_;
   if (!channel_->Send(servers_[static_cast<size_t>(server)], h, std::move(payload))) return false;
   Stats::Get().partitions_sent += parts.size();
   Stats::Get().fused_messages_sent++;

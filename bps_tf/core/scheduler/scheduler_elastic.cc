@@ -1,0 +1,263 @@
+// Membership epochs (BYTEPS_ELASTIC=1, docs/elastic.md).
+//
+// A lost or failed worker does not end an elastic job. The scheduler starts
+// a new epoch: it tells every surviving worker (whose pending and later
+// operations then fail with a membership-change error) and forgets them
+// until each says HELLO again, as a new engine. When the survivors are back
+// (or BYTEPS_TIMEOUT passed for the ones that are not), newcomers waiting
+// to join are admitted up to the maximum, ranks are given densely (the
+// survivors in the order of their old ranks, then the newcomers in the
+// order they came), the servers drop every round of the old epoch and take
+// the new worker count, and only once every server has confirmed do the
+// workers get their WELCOME: no push of the new epoch can meet a server
+// still in the old one, and a server drops any push of another epoch.
+#include <algorithm>
+#include <vector>
+
+#include "scheduler/scheduler.h"
+
+namespace bps {
+
+int Scheduler::WorkerCount() const {
+  int n = 0;
+  for (const auto& kv : nodes_) n += kv.second.role == Role::kWorker ? 1 : 0;
+  return n;
+}
+
+void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config& kv,
+                               std::vector<Outgoing>* out) {
+  Node n = node;
+  n.arrival = next_arrival_++;
+  // Only a member restarting its membership keeps a rank; a process that
+  // starts while the job runs (a replacement pod with its TF_CONFIG index,
+  // a worker bpslaunch adds) is a newcomer whatever rank it names.
+  if (kv.Get("rejoin") != "1") n.id = -1;
+  // A newcomer with other settings is refused alone; the job goes on.
+  std::string disagree = SettingsDisagree(n, kv);
+  if (!disagree.empty()) {
+    BPS_LOG(kWarning, "refused a worker that wants to join: " << disagree);
+    out->push_back(Reply(from, MsgType::kError, disagree));
+    return;
+  }
+  if (n.id >= 0 && !changing_) {
+    // A member that restarts its membership before its goodbye arrived (two
+    // sockets of one process keep no order between them).
+    for (const auto& other : nodes_) {
+      if (other.second.role == Role::kWorker && other.second.id == n.id &&
+          other.second.pid == n.pid && other.second.hostname == n.hostname && !other.second.departed) {
+        StartEpoch(Describe(other.second) + " restarts its membership", nullptr, out);
+        break;
+      }
+    }
+  }
+  if (n.id >= 0 && changing_ && expected_.count(n.id)) {
+    expected_.erase(n.id);
+    nodes_[from] = n;
+    BPS_LOG(kInfo, "worker " << n.id << " (host " << n.hostname << ", pid " << n.pid
+                             << ") is back for membership epoch " << epoch_);
+    MaybeFinishEpoch(out);
+    return;
+  }
+  if (n.id >= 0) {
+    std::string why = "worker " + std::to_string(n.id) + " (host " + n.hostname + ", pid " +
+                      n.pid + ") is no longer a member of this elastic job: the scheduler "
+                      "dropped it (it went silent for BYTEPS_TIMEOUT=" +
+                      std::to_string(static_cast<int>(timeout_s_)) +
+                      " s, or did not come back in time after a membership change)";
+    BPS_LOG(kWarning, why);
+    out->push_back(Reply(from, MsgType::kError, why));
+    return;
+  }
+  waiting_[from] = n;
+  waiting_order_.push_back(from);
+  BPS_LOG(kInfo, "a new worker (host " << n.hostname << ", pid " << n.pid
+                                       << ") waits to join at the next membership epoch");
+  if (changing_) {
+    MaybeFinishEpoch(out);
+  } else if (welcomed_) {
+    TellWaiting(out);
+  }
+}
+
+void Scheduler::TellWaiting(std::vector<Outgoing>* out) {
+  int room = max_workers_ - WorkerCount();
+  int admit = std::min(static_cast<int>(waiting_.size()), std::max(room, 0));
+  if (admit <= 0) return;
+  for (const auto& kv : nodes_) {
+    if (kv.second.role == Role::kWorker && !kv.second.departed) {
+      out->push_back(Reply(kv.first, MsgType::kHostsUpdated, "waiting=" + std::to_string(admit)));
+    }
+  }
+}
+
+void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out) {
+  if (changing_) {
+    // A worker lost while the epoch forms: forget it; if the servers were
+    // already told a worker count, form the epoch again under a new number.
+    if (lost) nodes_.erase(*lost);
+    BPS_LOG(kWarning, why << " while membership epoch " << epoch_ << " forms");
+    if (servers_starting_) {
+      ++epoch_;
+      servers_starting_ = false;
+      servers_started_.clear();
+    }
+    MaybeFinishEpoch(out);
+    return;
+  }
+  ++epoch_;
+  changing_ = true;
+  servers_starting_ = false;
+  servers_started_.clear();
+  change_since_ = Clock::now();
+  change_why_ = why;
+  expected_.clear();
+  Config note;
+  note.Set("epoch", std::to_string(epoch_));
+  note.Set("why", why);
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    if (it->second.role != Role::kWorker) {
+      ++it;
+      continue;
+    }
+    if (!it->second.departed && !(lost && it->first == *lost)) {
+      expected_.insert(it->second.id);
+      out->push_back(Reply(it->first, MsgType::kWorkersChanged, note.Serialize()));
+    }
+    it = nodes_.erase(it);
+  }
+  // Nothing of the old epoch's declarations, barrier or join holds.
+  pending_.clear();
+  pending_since_.clear();
+  stall_reported_.clear();
+  set_conflicts_.clear();
+  joined_.clear();
+  join_order_.clear();
+  barrier_.clear();
+  BPS_LOG(kWarning, "membership epoch " << epoch_ << ": " << why << "; waiting for "
+                                        << expected_.size() << " worker(s) to come back"
+                                        << (waiting_.empty() ? "" : " and admitting newcomers"));
+  MaybeFinishEpoch(out);
+}
+
+void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
+  if (!changing_ || servers_starting_ || !fatal_.empty()) return;
+  int back = WorkerCount();
+  bool overdue = SecondsSince(change_since_) > timeout_s_;
+  if (!expected_.empty() && !overdue) return;
+  if (back == 0) {
+    // Only the workers hold the trained state: newcomers alone would start
+    // over from their programs' initial state, silently.
+    Fail("elastic job: no worker of membership epoch " + std::to_string(epoch_ - 1) +
+             " is left (" + change_why_ + "); the state they trained is gone with them, so the "
+             "job fails instead of starting over (restart it from a checkpoint)",
+         out);
+    return;
+  }
+  int newcomers = std::min(static_cast<int>(waiting_.size()), std::max(max_workers_ - back, 0));
+  if (back + newcomers < min_workers_) {
+    if (SecondsSince(change_since_) > elastic_timeout_s_) {
+      Fail("elastic job: only " + std::to_string(back + newcomers) + " worker(s) left after " +
+               change_why_ + ", fewer than the minimum of " + std::to_string(min_workers_) +
+               " (--min-np / BYTEPS_ELASTIC_MIN_WORKERS), and none came within " +
+               std::to_string(static_cast<int>(elastic_timeout_s_)) +
+               " s (--elastic-timeout / BYTEPS_ELASTIC_TIMEOUT)",
+           out);
+    }
+    return;
+  }
+  if (!expected_.empty()) {
+    std::string missing;
+    for (int r : expected_) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    BPS_LOG(kWarning, "membership epoch " << epoch_ << ": worker(s) " << missing
+                                          << " did not come back within BYTEPS_TIMEOUT; going on without them");
+    expected_.clear();
+  }
+  for (int i = 0; i < newcomers; ++i) {
+    Peer p = waiting_order_.front();
+    waiting_order_.erase(waiting_order_.begin());
+    nodes_[p] = waiting_[p];
+    waiting_.erase(p);
+  }
+  // Dense ranks: survivors by old rank, then newcomers by arrival.
+  std::vector<Node*> workers;
+  for (auto& kv : nodes_) {
+    if (kv.second.role == Role::kWorker) workers.push_back(&kv.second);
+  }
+  std::sort(workers.begin(), workers.end(), [](const Node* a, const Node* b) {
+    bool an = a->id < 0, bn = b->id < 0;
+    if (an != bn) return bn;
+    return an ? a->arrival < b->arrival : a->id < b->id;
+  });
+  for (size_t i = 0; i < workers.size(); ++i) {
+    workers[i]->id = static_cast<int>(i);
+    workers[i]->local_rank = -1;  // laid out again
+    workers[i]->local_size = -1;
+  }
+  num_workers_ = static_cast<int>(workers.size());
+  servers_starting_ = true;
+  servers_started_.clear();
+  Config start;
+  start.Set("epoch", std::to_string(epoch_));
+  start.Set("num_workers", std::to_string(num_workers_));
+  for (const auto& kv : nodes_) {
+    if (kv.second.role == Role::kServer) {
+      out->push_back(Reply(kv.first, MsgType::kEpoch, start.Serialize()));
+    }
+  }
+}
+
+void Scheduler::OnEpochStarted(const Node& server, const Config& kv, std::vector<Outgoing>* out) {
+  if (!servers_starting_ || KvInt(kv, "epoch", -1) != epoch_) return;
+  servers_started_.insert(server.id);
+  if (static_cast<int>(servers_started_.size()) == num_servers_) WelcomeWorkers(out);
+}
+
+void Scheduler::WelcomeWorkers(std::vector<Outgoing>* out) {
+  std::vector<const Node*> servers_by_id(static_cast<size_t>(num_servers_), nullptr);
+  for (const auto& kv : nodes_) {
+    if (kv.second.role == Role::kServer && kv.second.id >= 0 && kv.second.id < num_servers_) {
+      servers_by_id[static_cast<size_t>(kv.second.id)] = &kv.second;
+    }
+  }
+  const HostLayout hosts = LayOutHosts();
+  for (auto& kv : nodes_) {
+    if (kv.second.role != Role::kWorker) continue;
+    kv.second.last_seen = Clock::now();
+    out->push_back(Reply(kv.first, MsgType::kWelcome,
+                         WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
+  }
+  changing_ = false;
+  servers_starting_ = false;
+  BPS_LOG(kWarning, "membership epoch " << epoch_ << " starts with " << num_workers_
+                                        << " worker(s) (" << change_why_ << ")");
+  TellWaiting(out);
+}
+
+void Scheduler::TickElastic(std::vector<Outgoing>* out) {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if (SecondsSince(it->second.last_seen) > timeout_s_) {
+      BPS_LOG(kWarning, "a worker waiting to join (host " << it->second.hostname << ", pid "
+                                                          << it->second.pid << ") went silent");
+      waiting_order_.erase(std::find(waiting_order_.begin(), waiting_order_.end(), it->first));
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (const auto& kv : nodes_) {
+    const Node& n = kv.second;
+    if (n.departed || n.role != Role::kWorker) continue;
+    double quiet = SecondsSince(n.last_seen);
+    if (quiet > timeout_s_) {
+      Peer lost = kv.first;
+      StartEpoch("lost " + Describe(n) + ": no heartbeat for " +
+                     std::to_string(static_cast<int>(quiet)) + " s (BYTEPS_TIMEOUT=" +
+                     std::to_string(static_cast<int>(timeout_s_)) + ")",
+                 &lost, out);
+      return;  // the iterator is gone
+    }
+  }
+  MaybeFinishEpoch(out);
+}
+
+}  // namespace bps
