@@ -34,16 +34,27 @@ def pytest_configure(config):
     tempfile.tempdir = private
 
 
+def _library_temp_name(name):
+    if name.startswith("__autograph_generated_file") and name.endswith(".py"):
+        return True
+    # tempfile's default: "tmp" and 8 characters of its alphabet.
+    return (len(name) == 11 and name.startswith("tmp") and
+            all(c in "abcdefghijklmnopqrstuvwxyz0123456789_" for c in name[3:]))
+
+
 def pytest_sessionfinish(session, exitstatus):
     private = _session_tmp.get("path")
     if not private:
         return
-    # TensorFlow's autograph writes a source file per converted function and
-    # removes it at interpreter exit, which a worker the test kills on
-    # purpose (SIGKILL, os._exit in the crash checks) never reaches; the
-    # folder removal below takes them. Anything else is a leak of ours.
-    left = sorted(name for name in (os.listdir(private) if os.path.isdir(private) else [])
-                  if not (name.startswith("__autograph_generated_file") and name.endswith(".py")))
+    # Libraries' own temporary names: TensorFlow's autograph writes a source
+    # file per converted function and removes it at interpreter exit, which a
+    # worker the test kills on purpose (SIGKILL, os._exit in the crash
+    # checks) never reaches; Keras' and TensorFlow's savers make folders with
+    # tempfile's bare default names. The folder removal below takes them.
+    # Every temporary name of bps_tf and of its tests has a prefix of its own,
+    # so anything else is a leak of ours.
+    names = sorted(os.listdir(private)) if os.path.isdir(private) else []
+    left = [name for name in names if not _library_temp_name(name)]
     shutil.rmtree(private, ignore_errors=True)
     previous, tempfile.tempdir = _session_tmp["before"]
     if previous is None:

@@ -55,6 +55,11 @@ SMOKE = ["tests/test_strategy.py", "tests/test_overlap_fit.py", "tests/test_api_
          "tests/test_parity_single.py", "tests/test_tf1_optimizer.py", "tests/test_progress_bar.py"]
 TF_KERAS_SMOKE = ["tests/test_tf_keras.py", "tests/test_api_single.py",
                   "tests/test_tf1_optimizer.py"]
+# Keras 3 checks: they build a `keras` (Keras 3) model or optimizer and hand it to
+# bps_tf.keras, which under TF_USE_LEGACY_KERAS=1 follows tf.keras (tf_keras) as
+# Horovod's does; test_tf_keras checks that face.
+TF_KERAS_DESELECT = ["test_saved_model_loads_as_plain_class_and_load_model_rewraps",
+                     "test_horovod_tf2_scripts_call_optimizer_variables"]
 
 
 def _run(cmd, env=None, cwd=None, timeout=None, log=None):
@@ -84,10 +89,14 @@ def _versions(python):
     code, _, out = _run([python, "-c", probe], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if code != 0:
         return {}
-    try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {}
+    # The JSON line, wherever a library's log lines on stderr put it.
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    return {}
 
 
 def _venv(name, requirements, root, reuse, log):
@@ -136,8 +145,10 @@ def run_one(name, root, reuse, timeout, log):
     row["quick_start"] = {"exit": code, "seconds": round(seconds, 1),
                           "last": accuracy[0].strip() if accuracy else out.strip()[-300:]}
     smoke = TF_KERAS_SMOKE if tf_keras else SMOKE
+    deselect = (["-k", " and ".join(f"not {t}" for t in TF_KERAS_DESELECT)]
+                if tf_keras else [])
     code, seconds, out = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               *[os.path.join(ROOT, t) for t in smoke]],
+                               *[os.path.join(ROOT, t) for t in smoke], *deselect],
                               env=env, cwd=neutral, timeout=timeout * 6, log=log)
     summary = [line for line in out.splitlines() if " passed" in line or " failed" in line
                or " error" in line][-1:]
