@@ -11,10 +11,11 @@ Each phase, with deterministic data:
   third; phase B: the newcomer of phase A); bpslaunch starts a replacement
   at once, which imports TensorFlow and waits to ask to join;
 - the two others roll back to the commit, restart their membership and
-  train on with 2 workers; rank 0 then lets the newcomer ask, and it joins
-  at the next commit it is there for (at the latest epoch JOIN_AT's, where
-  the workers keep committing until it comes); it receives the committed
-  state through sync(), and 3 workers train to epoch EPOCHS.
+  train on with 2 workers; at epoch JOIN_AT's commit rank 0 lets the
+  newcomer ask (not sooner: a quick one would join at the first 2-worker
+  commit) and the workers keep committing until it comes; it joins there,
+  receives the committed state through sync(), and 3 workers train to
+  epoch EPOCHS.
 The newcomer of phase B skips phase A.
 
 Saved, per phase ("a_", "b_"): each commit rank 0 takes
@@ -85,11 +86,15 @@ def _kill_myself(phase):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait_for_newcomer(size, epoch):
-    """At JOIN_AT's commit with 2 workers: commit-checks until the newcomer
-    asks (HostsUpdatedInterrupt leaves on every worker at once)."""
+def _wait_for_newcomer(size, epoch, go, rank):
+    """At JOIN_AT's commit with 2 workers: lets the newcomer ask (rank 0
+    writes ``go``), then commit-checks until it has (HostsUpdatedInterrupt
+    leaves on every worker at once). Let go only here, a newcomer that is
+    quick could ask before the 2-worker phase's first commit and join there."""
     if REF or size != 2 or epoch != JOIN_AT:
         return
+    if rank == 0:
+        _note(go)
     deadline = time.time() + 120
     while time.time() < deadline:
         bps_tf.elastic.ObjectState().check_host_updates()
@@ -148,7 +153,7 @@ def phase_a():
                 _kill_myself("a_")
 
         def on_epoch_begin(self, epoch, logs=None):   # after CommitStateCallback's commit
-            _wait_for_newcomer(hvd.size(), state.epoch)
+            _wait_for_newcomer(hvd.size(), state.epoch, "a_go", hvd.rank())
 
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
                  hvd.elastic.UpdateBatchStateCallback(state),
@@ -156,8 +161,6 @@ def phase_a():
 
     @hvd.elastic.run
     def train(state):
-        if not REF and hvd.size() == 2 and hvd.rank() == 0:
-            _note("a_go")
         _save(f"a_start_e{state.epoch}_n{hvd.size()}_r{hvd.rank()}", state.variables)
         x, y = X[hvd.rank()::hvd.size()], Y[hvd.rank()::hvd.size()]
         steps = len(x) // 8
@@ -203,15 +206,13 @@ def phase_b():
                 return
             if NEWCOMER_B:
                 _save("b_newcomer_start", variables())
-            if strategy.num_workers == 2 and strategy.rank == 0:
-                _note("b_go")
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
             if not REF and strategy.rank == 0:   # the elastic commit of this epoch ran first
                 _save(f"b_commit_e{epoch}_n{strategy.num_workers}", variables())
                 _note(f"b_epoch_e{epoch}_n{strategy.num_workers}")
-            _wait_for_newcomer(strategy.num_workers, epoch)
+            _wait_for_newcomer(strategy.num_workers, epoch, "b_go", strategy.rank)
 
         def on_train_batch_end(self, batch, logs=None):
             if (not REF and NEWCOMER and not NEWCOMER_B and strategy.num_workers == 3 and
