@@ -142,17 +142,19 @@ def main():
     checks = Checks(OUT, rank, size)
     detail = {}
 
-    def phase_modes():
-        # A sync worker would wait for gradients an async one never sends.
+    def refusal(name, call, error):
+        """The message ``call`` is refused with ("" if it is not)."""
         try:
-            BytePSStrategy(mode="async" if rank == 0 else "sync")
+            call()
             refused = ""
-        except ValueError as exc:
+        except error as exc:
             refused = str(exc)
-        detail["modes"] = {"refused": refused}
+        detail[name] = {"refused": refused}
         return refused
 
-    checks.run("modes", phase_modes)
+    # A sync worker would wait for gradients an async one never sends.
+    checks.run("modes", lambda: refusal(
+        "modes", lambda: BytePSStrategy(mode="async" if rank == 0 else "sync"), ValueError))
 
     def phase_missing():
         # A variable missing on one worker: the servers answer each worker
@@ -160,13 +162,8 @@ def main():
         variables = [tf.Variable(tf.zeros([3]), name="shared")]
         if rank == 1:
             variables.append(tf.Variable(tf.zeros([2]), name="only_on_rank1"))
-        try:
-            async_training.start_from_root(variables)
-            refused = ""
-        except RuntimeError as exc:
-            refused = str(exc)
-        detail["missing"] = {"refused": refused}
-        return refused
+        return refusal("missing", lambda: async_training.start_from_root(variables),
+                       RuntimeError)
 
     checks.run("missing", phase_missing)
     strategy = BytePSStrategy(mode="async")
