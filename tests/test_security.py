@@ -207,12 +207,17 @@ def test_payloads_are_not_readable_on_the_wire_with_encryption(tmp_path, encrypt
 # ---- sealed links (BYTEPS_ENCRYPTION=1): core/transport/link_cipher.h ----
 
 
-def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path):
+@pytest.mark.parametrize("partition,threads", [(64 << 10, "0"), (1 << 20, "4")],
+                         ids=["one-thread", "sliced"])
+def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path, partition, threads):
     """Every link sealed (TCP only: BYTEPS_ENABLE_IPC=0), two servers, tensors
     of five dtypes from 0 bytes to 3 partitions: every sum is exact, no
-    message is rejected, and each process says what it seals with."""
+    message is rejected, and each process says what it seals with. With
+    1 MiB partitions and BYTEPS_CIPHER_THREADS=4 large messages are sealed
+    in slices by several threads."""
     env = {"BYTEPS_ENCRYPTION": "1", "BYTEPS_ENABLE_IPC": "0",
-           "BYTEPS_PARTITION_BYTES": str(64 * 1024), "BYTEPS_LOG_LEVEL": "INFO"}
+           "BYTEPS_PARTITION_BYTES": str(partition), "BYTEPS_CIPHER_THREADS": threads,
+           "BYTEPS_LOG_LEVEL": "INFO"}
     with ManualCluster(2, 2, [WORKER, "exact", str(tmp_path), "120"], env=env) as c:
         assert c.wait_all(c.workers + c.servers, timeout=120), "a process hung"
         codes = [p.returncode for p in c.workers + c.servers]
@@ -223,6 +228,10 @@ def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path):
             result = json.load(f)
         assert result["bad"] == [], result["bad"]
         assert result["stats"]["frames_rejected"] == 0, result["stats"]
+        # The replies were decrypted into the outputs, not copied there after.
+        assert result["stats"]["replies_decrypted_to_output"] > 0, result["stats"]
+        sliced = result["stats"]["messages_sealed_in_slices"]
+        assert (sliced > 0) if threads == "4" else (sliced == 0), result["stats"]
     for name, log in logs.items():
         line = [x for x in log.splitlines() if "sealed links (BYTEPS_ENCRYPTION=1)" in x]
         assert line and any(s in line[0] for s in SUITES), (name, log[-2000:])
@@ -288,6 +297,45 @@ def test_a_changed_message_is_rejected_and_the_original_still_passes():
     assert client.open(sealed, cipher)[0] == "forged"
     other_client, other_server = _link()
     assert other_server.open(*client.seal(HEADER, b"p"))[0] == "forged"
+
+
+@pytest.fixture
+def cipher_threads():
+    """Sets this process's BYTEPS_CIPHER_THREADS for a test, then back to automatic."""
+    yield _core().set_cipher_threads
+    _core().set_cipher_threads(0)
+
+
+def test_a_large_message_sealed_in_slices_opens_whole_and_any_change_is_rejected(
+        cipher_threads):
+    """With 4 cipher threads a 4 MiB payload is sealed as 4 slices, one tag
+    each (in the header frame, covered by the header's tag); a receiver
+    opens it whatever its own thread count. A change in any slice, slices
+    swapped with their tags, a tag dropped, or a replay is refused."""
+    assert cipher_threads(4) == 4
+    client, server = _link()
+    payload = os.urandom(4 << 20)
+    sealed, cipher = client.seal(HEADER, payload)
+    one_slice = len(client.seal(HEADER, b"x" * 1000)[0])
+    tag = (len(sealed) - one_slice) // 3
+    assert tag >= 16 and len(sealed) == one_slice + 3 * tag      # four slice tags
+    assert cipher_threads(1) == 1                                  # the receiver: one thread
+    assert server.open(sealed, cipher) == ("ok", HEADER, payload)
+    assert server.open(sealed, cipher)[0] == "replayed"
+    cipher_threads(4)
+    sealed, cipher = client.seal(HEADER, payload)
+    for at in (0, (1 << 20) + 5, (3 << 20) + 17, len(cipher) - 1):  # each slice
+        c = bytearray(cipher)
+        c[at] ^= 0x04
+        assert server.open(sealed, bytes(c))[0] == "forged", at
+    quarter = len(cipher) // 4
+    swapped_cipher = cipher[quarter:2 * quarter] + cipher[:quarter] + cipher[2 * quarter:]
+    s = bytearray(sealed)
+    s[8:8 + tag], s[8 + tag:8 + 2 * tag] = sealed[8 + tag:8 + 2 * tag], sealed[8:8 + tag]
+    assert server.open(bytes(s), swapped_cipher)[0] == "forged"
+    assert server.open(sealed[:8] + sealed[8 + tag:], cipher)[0] == "forged"  # a tag dropped
+    # Nothing of that moved the counter: the real message still opens.
+    assert server.open(sealed, cipher) == ("ok", HEADER, payload)
 
 
 def test_a_replayed_or_reordered_message_is_rejected():

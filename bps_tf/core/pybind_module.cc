@@ -19,6 +19,7 @@
 #include "math/compressor.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
+#include "transport/cipher_pool.h"
 #include "transport/curve_check.h"
 #include "transport/link_cipher.h"
 #include "transport/local_links.h"
@@ -354,6 +355,12 @@ void AddSchedulingProbes(py::module_& m) {
       .def("seal", &LinkEnd::Seal, py::arg("header"), py::arg("payload"))
       .def("open", &LinkEnd::Open, py::arg("sealed"), py::arg("payload"));
   m.def("sodium_describe", &bps::SodiumDescribe);
+  // BYTEPS_CIPHER_THREADS for this process (0: automatic); returns the
+  // count in effect.
+  m.def("set_cipher_threads", [](int n) {
+    bps::SetCipherThreads(n);
+    return bps::CipherThreads();
+  }, py::arg("n"));
   // What runs libzmq's CURVE (curve_check.h); measure: time it when the
   // libzmq links no libsodium.
   m.def("curve_backend", [](bool measure) {

@@ -222,6 +222,13 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
+    Setting("BYTEPS_CIPHER_THREADS", "cipher_threads", "0", _nonnegative_int,
+            "Threads that share the encryption of one large message on sealed "
+            "links (BYTEPS_ENCRYPTION=1; messages of 512 KiB and more are cut "
+            "into slices of at least 256 KiB, each sealed on its own). 0 picks "
+            "min(4, cores / 4): on 2 cores the engine's thread does it alone. "
+            "Each node chooses for itself; nodes with different values work "
+            "together."),
     Setting("BYTEPS_TCP_NOTSENT_LOWAT", "tcp_notsent_lowat", "262144", _nonnegative_int,
             "Bytes each TCP connection may hold in the kernel not yet sent "
             "(TCP_NOTSENT_LOWAT). The rest waits in bps_tf's priority queue, "

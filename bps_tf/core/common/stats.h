@@ -29,6 +29,11 @@ class Stats {
   // Sealed messages (BYTEPS_ENCRYPTION=1) of a peer with a verified
   // handshake that failed authentication, or came again or out of order.
   std::atomic<uint64_t> frames_rejected{0};
+  // A worker's pull replies decrypted straight into the output (sealed
+  // links: Channel::SetPayloadSink), with no copy after.
+  std::atomic<uint64_t> replies_decrypted_to_output{0};
+  // Messages sealed in several slices by several threads (cipher_pool.h).
+  std::atomic<uint64_t> messages_sealed_in_slices{0};
   std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
   std::atomic<uint64_t> links_local{0};  // a worker's links to servers over Unix sockets
   std::atomic<uint64_t> ops_done{0};

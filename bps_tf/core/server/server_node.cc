@@ -16,6 +16,7 @@
 #include "server/server_parts.h"
 #include "server/sum_engine.h"
 #include "transport/channel.h"
+#include "transport/cipher_pool.h"
 #include "transport/fusion.h"
 #include "transport/local_links.h"
 
@@ -50,7 +51,9 @@ class ServerNode {
                                 static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
         membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
                     static_cast<int>(cfg.GetInt("server_id", -1)),
-                    cfg.GetDouble("heartbeat_s", 1)) {}
+                    cfg.GetDouble("heartbeat_s", 1)) {
+    SetCipherThreads(static_cast<int>(cfg.GetInt("cipher_threads", 0)));
+  }
 
   int Run(std::string* error);
 

@@ -181,6 +181,18 @@ class ZmqChannel : public Channel {
 
   std::string Refusal() const override { return refusal_; }
 
+  void SetPayloadSink(PlainSink sink) override {
+    if (!sink) {
+      sink_ = nullptr;
+      return;
+    }
+    // Only a header that would pass Unpack's check may name a buffer.
+    sink_ = [sink](const FrameHeader& h, size_t bytes) -> char* {
+      FrameHeader copy = h;
+      return ValidateHeader(&copy, sizeof(copy), bytes).empty() ? sink(h, bytes) : nullptr;
+    };
+  }
+
  private:
   const LinkSecurity& SecurityOf(const std::string& endpoint) const {
     return IsIpcEndpoint(endpoint) ? local_security_ : security_;
@@ -225,6 +237,7 @@ class ZmqChannel : public Channel {
     const Link& l = links_[static_cast<size_t>(link)];
     size_t first = l.routed ? 1 : 0;
     m->from = Peer{link, first ? frames_[0].str() : std::string()};
+    m->delivered = false;
     if (frames_.size() == first + 1) {
       OnRecord(link, m->from, frames_[first]);
       return false;
@@ -233,7 +246,7 @@ class ZmqChannel : public Channel {
     if (frames_.size() != first + 2) {
       bad = "unexpected frame count";
     } else if (l.sealed) {
-      if (!OpenSealed(link, m->from, &m->header)) return false;  // counted there
+      if (!OpenSealed(link, m->from, &m->header, &m->delivered)) return false;  // counted there
       bad = ValidateHeader(&m->header, sizeof(m->header), frames_[first + 1].size());
     } else {
       bad = ValidateHeader(frames_[first].data(), frames_[first].size(), frames_[first + 1].size());
@@ -296,12 +309,12 @@ class ZmqChannel : public Channel {
 
   // Opens a sealed message into frames_; false when it is not one to hand
   // to the engine (an alert, or rejected: counted and answered here).
-  bool OpenSealed(int link, const Peer& from, FrameHeader* h) {
+  bool OpenSealed(int link, const Peer& from, FrameHeader* h, bool* delivered) {
     const Link& l = links_[static_cast<size_t>(link)];
     const size_t first = l.routed ? 1 : 0;
     bool known = false;
-    LinkCipher::Verdict v =
-        sealed_->Open(link, from.route, frames_[first], &frames_[first + 1], h, &known);
+    LinkCipher::Verdict v = sealed_->Open(link, from.route, frames_[first], &frames_[first + 1], h,
+                                          &known, &sink_, delivered);
     if (v == LinkCipher::Verdict::kOk) {
       if (h->type != static_cast<uint16_t>(MsgType::kError) || h->reserved[0] != kAlertMark) {
         return true;
@@ -442,6 +455,7 @@ class ZmqChannel : public Channel {
   LinkSecurity security_;
   LinkSecurity local_security_;  // ipc:// links
   int unsent_cap_;  // TCP_NOTSENT_LOWAT of every connection (0: the kernel's)
+  PlainSink sink_;  // SetPayloadSink's, behind the header check
   std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
   std::unique_ptr<SealedLinks> sealed_;  // with BYTEPS_ENCRYPTION=1
   std::vector<Link> links_;

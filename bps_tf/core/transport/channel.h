@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "transport/link_cipher.h"
 #include "transport/protocol.h"
 #include "transport/security.h"
 #include "transport/transport.h"
@@ -39,6 +40,9 @@ struct Message {
   Peer from;
   FrameHeader header;
   Msg payload;
+  // True when the payload was decrypted straight into the buffer the
+  // channel's payload sink named; `payload` then holds only ciphertext.
+  bool delivered = false;
 };
 
 class Channel {
@@ -71,6 +75,11 @@ class Channel {
   // security settings that differ, ...), for the user; empty while none was.
   // A refused link never carries a message, so the caller should give up.
   virtual std::string Refusal() const = 0;
+  // Sealed links decrypt a message's payload to the buffer `sink` names for
+  // its header (checked like every header first), sparing the engine the
+  // copy; the message then comes out with `delivered` set. Called on the
+  // channel's thread. Links in clear ignore it.
+  virtual void SetPayloadSink(PlainSink sink) = 0;
   // Closes a link; what it still queues is kept for up to linger_ms, then
   // dropped, which also hands zero-copy buffers back to their owners.
   virtual void Close(const Peer& link, int linger_ms = 0) = 0;

@@ -1,8 +1,12 @@
 #include "transport/link_cipher.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "common/common.h"
+#include "common/stats.h"
+#include "transport/cipher_pool.h"
 #include "transport/sodium_api.h"
 
 namespace bps {
@@ -118,7 +122,8 @@ uint64_t LoadCounter(const unsigned char* in) {
   return v;
 }
 
-// (counter, part): part 0 seals a header, 1 its payload; the rest is zero.
+// (counter, part): part 0 seals a header, 1 + i slice i of its payload; the
+// rest is zero.
 void Nonce(uint64_t counter, uint8_t part, size_t size, unsigned char* out) {
   std::memset(out, 0, size);
   StoreCounter(counter, out);
@@ -204,6 +209,25 @@ struct Sealed {
   char* cipher;
 };
 
+// Slices of one payload: each sealed under its own nonce (counter, 1 + i)
+// and tag, so several threads can seal or open one message (cipher_pool.h).
+// A slice is never under kMinSlice bytes: waking a thread costs microseconds.
+constexpr size_t kMinSlice = 256 << 10;
+constexpr size_t kMaxSlices = 16;
+
+int SlicesFor(size_t n) {
+  const size_t by_size = std::max<size_t>(1, n / kMinSlice);
+  return static_cast<int>(std::min({by_size, kMaxSlices, static_cast<size_t>(CipherThreads())}));
+}
+
+// Slice i of `slices` over n bytes, cut at 64-byte boundaries; both ends
+// compute the same cuts from n and the count alone.
+void SliceOf(size_t n, int slices, int i, size_t* begin, size_t* len) {
+  const size_t step = ((n + slices - 1) / slices + 63) / 64 * 64;
+  *begin = std::min(n, step * static_cast<size_t>(i));
+  *len = i + 1 == slices ? n - *begin : std::min(n, *begin + step) - *begin;
+}
+
 void FreeSealed(void*, void* hint) {
   Sealed* s = static_cast<Sealed*>(hint);
   delete[] s->cipher;
@@ -283,59 +307,98 @@ void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* fra
   if (sent_ == UINT64_MAX) throw Error("a link's message counter is exhausted");
   const uint64_t counter = ++sent_;
   const size_t ab = ops->abytes, n = payload.size();
-  unsigned char nonce[kMaxNonce];
-  Msg head(8 + ab + sizeof(FrameHeader) + ab);  // counter, payload tag, header, header tag
+  const int slices = SlicesFor(n);
+  // counter, one tag per payload slice, header, header tag
+  Msg head(8 + slices * ab + sizeof(FrameHeader) + ab);
   unsigned char* a = reinterpret_cast<unsigned char*>(head.data());
   StoreCounter(counter, a);
-  Nonce(counter, 1, ops->npub, nonce);
   Msg body;
   if (n == 0) {
-    unsigned char none = 0;
+    unsigned char none = 0, nonce[kMaxNonce];
+    Nonce(counter, 1, ops->npub, nonce);
     ops->encrypt(&none, a + 8, nullptr, &none, 0, nullptr, 0, nullptr, nonce, tx_);
   } else {
     Sealed* s = new Sealed{std::move(payload), new char[n]};
-    ops->encrypt(reinterpret_cast<unsigned char*>(s->cipher), a + 8, nullptr,
-                 reinterpret_cast<const unsigned char*>(s->plain.data()), n, nullptr, 0,
-                 nullptr, nonce, tx_);
+    const unsigned char* plain = reinterpret_cast<const unsigned char*>(s->plain.data());
+    unsigned char* cipher = reinterpret_cast<unsigned char*>(s->cipher);
+    RunSlices(slices, [&](int i) {
+      size_t begin, len;
+      SliceOf(n, slices, i, &begin, &len);
+      unsigned char nonce[kMaxNonce];
+      Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, nonce);
+      ops->encrypt(cipher + begin, a + 8 + i * ab, nullptr, plain + begin, len, nullptr, 0,
+                   nullptr, nonce, tx_);
+    });
     body = Msg(s->cipher, n, &FreeSealed, s);
+    if (slices > 1) Stats::Get().messages_sealed_in_slices++;
   }
+  unsigned char nonce[kMaxNonce];
   Nonce(counter, 0, ops->npub, nonce);
-  unsigned char* sealed = a + 8 + ab;
+  const size_t ad = 8 + slices * ab;  // the counter and every slice's tag
+  unsigned char* sealed = a + ad;
   ops->encrypt(sealed, sealed + sizeof(FrameHeader), nullptr,
-               reinterpret_cast<const unsigned char*>(&h), sizeof(FrameHeader), a, 8 + ab,
-               nullptr, nonce, tx_);
+               reinterpret_cast<const unsigned char*>(&h), sizeof(FrameHeader), a, ad, nullptr,
+               nonce, tx_);
   frames->push_back(std::move(head));
   frames->push_back(std::move(body));
 }
 
-LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, FrameHeader* h) {
+LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, FrameHeader* h,
+                                     const PlainSink* sink, bool* delivered) {
+  if (delivered) *delivered = false;
   const SuiteOps* ops = OpsOf(suite_);
   if (!ops) return Verdict::kForged;
-  const size_t ab = ops->abytes;
-  if (sealed_header.size() != 8 + ab + sizeof(FrameHeader) + ab) return Verdict::kForged;
+  const size_t ab = ops->abytes, n = payload->size();
+  // The sender chose the slices; their tags say how many, and the header's
+  // tag covers them all, so the count cannot be changed on the way.
+  const size_t fixed = 8 + sizeof(FrameHeader) + ab;
+  if (sealed_header.size() < fixed + ab || (sealed_header.size() - fixed) % ab != 0) {
+    return Verdict::kForged;
+  }
+  const size_t slices = (sealed_header.size() - fixed) / ab;
+  if (slices > kMaxSlices || (n == 0 && slices != 1)) return Verdict::kForged;
   const unsigned char* a = reinterpret_cast<const unsigned char*>(sealed_header.data());
   const uint64_t counter = LoadCounter(a);
   unsigned char nonce[kMaxNonce];
   Nonce(counter, 0, ops->npub, nonce);
   FrameHeader plain;
-  const unsigned char* sealed = a + 8 + ab;
+  const size_t ad = 8 + slices * ab;
+  const unsigned char* sealed = a + ad;
   if (ops->decrypt(reinterpret_cast<unsigned char*>(&plain), nullptr, sealed,
-                   sizeof(FrameHeader), sealed + sizeof(FrameHeader), a, 8 + ab, nonce,
-                   rx_) != 0) {
+                   sizeof(FrameHeader), sealed + sizeof(FrameHeader), a, ad, nonce, rx_) != 0) {
     return Verdict::kForged;
   }
   // Authentic, so this end's peer sealed it: an old counter means the
   // message came again or out of order, never a new one.
   if (counter <= received_) return Verdict::kReplayed;
-  Nonce(counter, 1, ops->npub, nonce);
-  unsigned char none = 0;
-  unsigned char* p =
-      payload->size() ? reinterpret_cast<unsigned char*>(payload->data()) : &none;
-  if (ops->decrypt(p, nullptr, p, payload->size(), a + 8, nullptr, 0, nonce, rx_) != 0) {
-    return Verdict::kForged;
+  bool ok = true;
+  char* dest = nullptr;
+  if (n == 0) {
+    unsigned char none = 0;
+    Nonce(counter, 1, ops->npub, nonce);
+    ok = ops->decrypt(&none, nullptr, &none, 0, a + 8, nullptr, 0, nonce, rx_) == 0;
+  } else {
+    unsigned char* p = reinterpret_cast<unsigned char*>(payload->data());
+    dest = sink && *sink ? (*sink)(plain, n) : nullptr;
+    unsigned char* out = dest ? reinterpret_cast<unsigned char*>(dest) : p;
+    std::atomic<bool> all_ok{true};
+    const int count = static_cast<int>(slices);
+    RunSlices(count, [&](int i) {
+      size_t begin, len;
+      SliceOf(n, count, i, &begin, &len);
+      unsigned char slice_nonce[kMaxNonce];
+      Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, slice_nonce);
+      if (ops->decrypt(out + begin, nullptr, p + begin, len, a + 8 + i * ab, nullptr, 0,
+                       slice_nonce, rx_) != 0) {
+        all_ok = false;
+      }
+    });
+    ok = all_ok;
   }
+  if (!ok) return Verdict::kForged;
   received_ = counter;
   std::memcpy(h, &plain, sizeof(plain));
+  if (delivered) *delivered = dest != nullptr;
   return Verdict::kOk;
 }
 

@@ -14,9 +14,12 @@
 //              The ephemeral secrets are wiped once used, so a token that
 //              leaks later does not open recorded traffic.
 //   messages   [sealed header][ciphertext]. The payload is encrypted with
-//              the AEAD under nonce (counter, 1) and its tag travels in the
-//              sealed header; the 64-byte header is encrypted under nonce
-//              (counter, 0) with the counter and that tag as associated data.
+//              the AEAD in k slices, slice i under nonce (counter, 1 + i),
+//              their tags in the sealed header (k > 1 only for large
+//              messages, so that several threads share the work:
+//              cipher_pool.h); the 64-byte header is encrypted under nonce
+//              (counter, 0) with the counter and those tags as associated
+//              data.
 //              The counter numbers this direction's messages from 1, so no
 //              nonce repeats under a key; a receiver accepts only a counter
 //              above the last it accepted, so a replayed or reordered
@@ -30,6 +33,7 @@
 #define BPS_TF_CORE_TRANSPORT_LINK_CIPHER_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -64,6 +68,12 @@ bool IsRefusalRecord(const Msg& m);
 Msg RefusalRecord(const std::string& security);
 std::string RefusalText(const Msg& m);
 
+// Where an opened message's plaintext may go: given the verified header and
+// the payload's size, a buffer of that size, or null to decrypt in place.
+// Writing the plaintext straight to where the engine wants it spares one
+// copy of every byte received.
+using PlainSink = std::function<char*(const FrameHeader& h, size_t bytes)>;
+
 // One link's keys and counters, once the handshake is done.
 class LinkCipher {
  public:
@@ -83,9 +93,12 @@ class LinkCipher {
 
   enum class Verdict { kOk, kForged, kReplayed };
   // Checks and decrypts a received message: *h gets the header, `payload`
-  // is decrypted in place. Nothing is accepted unless both tags verify;
+  // is decrypted in place, or to the buffer `sink` names for it (then
+  // *delivered is set). Nothing is accepted unless both tags verify;
   // kReplayed: authentic, but its counter is not above the last accepted.
-  Verdict Open(const Msg& sealed_header, Msg* payload, FrameHeader* h);
+  // A buffer named by the sink holds garbage when the verdict is not kOk.
+  Verdict Open(const Msg& sealed_header, Msg* payload, FrameHeader* h,
+               const PlainSink* sink = nullptr, bool* delivered = nullptr);
 
  private:
   friend class LinkHandshake;

@@ -59,11 +59,13 @@ LinkCipher* SealedLinks::Answered(int link, const std::string& route) {
 }
 
 LinkCipher::Verdict SealedLinks::Open(int link, const std::string& route, const Msg& sealed,
-                                      Msg* payload, FrameHeader* h, bool* known) {
+                                      Msg* payload, FrameHeader* h, bool* known,
+                                      const PlainSink* sink, bool* delivered) {
   auto out = outgoing_.find(link);
   if (out != outgoing_.end()) {
     *known = out->second.cipher.ready();
-    return *known ? out->second.cipher.Open(sealed, payload, h) : LinkCipher::Verdict::kForged;
+    return *known ? out->second.cipher.Open(sealed, payload, h, sink, delivered)
+                  : LinkCipher::Verdict::kForged;
   }
   auto it = peers_.find({link, route});
   *known = it != peers_.end();
@@ -73,11 +75,11 @@ LinkCipher::Verdict SealedLinks::Open(int link, const std::string& route, const 
   if (p.pending.ready()) {
     // A fresh handshake's first message confirms it; one that fails to
     // verify with it may still belong to the link's current cipher.
-    v = p.pending.Open(sealed, payload, h);
+    v = p.pending.Open(sealed, payload, h, sink, delivered);
     if (v == LinkCipher::Verdict::kOk) p.cipher = std::move(p.pending);
     if (v == LinkCipher::Verdict::kOk || !p.cipher.ready()) return v;
   }
-  return p.cipher.Open(sealed, payload, h);
+  return p.cipher.Open(sealed, payload, h, sink, delivered);
 }
 
 void SealedLinks::Forget(int link, const std::string& route) { peers_.erase({link, route}); }

@@ -44,8 +44,10 @@ class SealedLinks {
   // A message on either kind of link. *known: the sender did a verified
   // handshake on this link (its hello was answered, or the answer came);
   // when false, nothing was checked.
+  // `sink` and *delivered as in LinkCipher::Open.
   LinkCipher::Verdict Open(int link, const std::string& route, const Msg& sealed, Msg* payload,
-                           FrameHeader* h, bool* known);
+                           FrameHeader* h, bool* known, const PlainSink* sink = nullptr,
+                           bool* delivered = nullptr);
   void Forget(int link, const std::string& route);  // a peer whose link failed
   void Close(int link);
 

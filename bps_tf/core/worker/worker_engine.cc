@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "common/stats.h"
+#include "transport/cipher_pool.h"
 #include "transport/local_links.h"
 #include "worker/trace.h"
 #include "worker/worker_task.h"
@@ -130,10 +131,13 @@ void WorkerEngine::ReadSettings(const Config& cfg) {
 void WorkerEngine::JoinCluster(const Config& cfg) {
   scheduler_endpoint_ =
       Endpoint(cfg.Get("scheduler_host", "127.0.0.1"), cfg.GetInt("scheduler_port", 0));
+  SetCipherThreads(static_cast<int>(cfg.GetInt("cipher_threads", 0)));
   channel_ = MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)), &wake_,
                             LinkSecurity::FromConfig(cfg),
                             static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)));
   membership_.reset(new Membership(channel_.get(), Role::kWorker, rank_, heartbeat_s_));
+  channel_->SetPayloadSink(
+      [this](const FrameHeader& h, size_t bytes) { return ReplyDestination(h, bytes); });
   Config extra;
   extra.Set("local_rank", cfg.Get("local_rank", "-1"));
   extra.Set("local_size", cfg.Get("local_size", "-1"));

@@ -131,7 +131,12 @@ class WorkerEngine {
   bool SendPart(const PartRef& p);
   bool SendFused(int server, const std::vector<PartRef>& parts);
   bool Fuses(const Task* t, uint64_t len) const;
-  void HandleReply(const FrameHeader& h, const char* data, size_t size);
+  // delivered: the channel already decrypted the reply into its place in
+  // the output (ReplyDestination), so `data` is not to be read.
+  void HandleReply(const FrameHeader& h, const char* data, size_t size, bool delivered = false);
+  // Where an uncompressed pull reply of `bytes` for a partition in flight
+  // belongs in its task's output, or null (the channel's payload sink).
+  char* ReplyDestination(const FrameHeader& h, size_t bytes);
   void FlushControl();
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);

@@ -79,7 +79,7 @@ void WorkerEngine::HandleData(const Message& m) {
   // Only the I/O thread touches joins_seen_ (here and in SendJoin).
   joins_seen_ |= m.header.members;
   if (m.header.type != static_cast<uint16_t>(MsgType::kPullReplyFused)) {
-    HandleReply(m.header, m.payload.data(), m.payload.size());
+    HandleReply(m.header, m.payload.data(), m.payload.size(), m.delivered);
     return;
   }
   std::vector<FusedView> parts;
@@ -102,7 +102,17 @@ void WorkerEngine::HandleData(const Message& m) {
   }
 }
 
-void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t size) {
+char* WorkerEngine::ReplyDestination(const FrameHeader& h, size_t bytes) {
+  if (h.type != static_cast<uint16_t>(MsgType::kPullReply)) return nullptr;
+  auto it = in_flight_.find(h.key);
+  if (it == in_flight_.end() || it->second.task->round != h.round) return nullptr;
+  Task* t = it->second.task;
+  if (t->compressor || bytes != t->PartLength(it->second.part)) return nullptr;
+  return t->out + t->PartOffset(it->second.part);
+}
+
+void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t size,
+                               bool delivered) {
   auto it = in_flight_.find(h.key);
   if (it == in_flight_.end() || it->second.task->round != h.round) {
     Stats::Get().frames_dropped++;
@@ -131,7 +141,11 @@ void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t si
   } else if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && size == len) {
     PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
     if (times) times->replied = Clock::now();
-    std::memcpy(t->out + t->PartOffset(p.part), data, len);
+    if (delivered) {
+      Stats::Get().replies_decrypted_to_output++;
+    } else {
+      std::memcpy(t->out + t->PartOffset(p.part), data, len);
+    }
     if (times) {
       times->copied = Clock::now();
       times->server_sum_us = h.request_id;  // the server reports its summing time here
