@@ -13,7 +13,8 @@ read from variables inside it ("TF op in-graph", as a train step's gradients
 are made in the step; 64 Python arguments alone cost a call ~0.8 ms).
 The jobs run with a job token, so encrypted (sealed links, the default of
 BYTEPS_ENCRYPTION=1) unless --encryption off;
---encryption both adds the numpy path with BYTEPS_ENCRYPTION=0, and all also
+--encryption both adds the numpy path and the in-graph TF op with
+BYTEPS_ENCRYPTION=0 (the same rounds, so their ratios hold), and all also
 the numpy path with ZeroMQ CURVE (BYTEPS_ENCRYPTION=curve). With
 --rounds R every path runs R times, interleaved, and the median is reported.
 """
@@ -31,6 +32,7 @@ from benchmarks.common import PYTHON, WORKERS_DIR, median  # noqa: E402
 UNENCRYPTED = "numpy no-enc"
 CURVE = "numpy curve"
 IN_GRAPH = "TF op in-graph"
+IN_GRAPH_CLEAR = "TF op in-graph no-enc"
 
 
 def make_cases(in_flight, tensor_bytes: int, quick: bool):
@@ -70,8 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-tf-op", action="store_true", help="numpy API only")
     ap.add_argument("--encryption", choices=("on", "off", "both", "all"), default="on",
-                    help="BYTEPS_ENCRYPTION of the jobs; both: the numpy path once more "
-                         "without encryption; all: and once more with CURVE")
+                    help="BYTEPS_ENCRYPTION of the jobs; both: the numpy path and the "
+                         "in-graph TF op once more without encryption; all: and the numpy "
+                         "path once more with CURVE")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every path this many times, interleaved; report the median")
     ap.add_argument("--compare-fusion", action="store_true",
@@ -97,6 +100,9 @@ def main(argv=None) -> int:
     if args.encryption in ("both", "all"):
         # The --env settings too (BYTEPS_ENABLE_IPC=0 compares over TCP).
         paths[UNENCRYPTED] = ("bps_numpy.py", {**extra, "BYTEPS_ENCRYPTION": "0"})
+        if not args.no_tf_op:
+            paths[IN_GRAPH_CLEAR] = ("bps_tf_op.py", {**extra, "BYTEPS_ENCRYPTION": "0",
+                                                      "BPS_BENCH_TF_INPUTS": "variables"})
     measured = {name: [] for name in paths}
     with common.stop_on_signals():
         for rnd in range(args.rounds):
@@ -117,6 +123,9 @@ def main(argv=None) -> int:
         if UNENCRYPTED in paths:
             pairs = zip(row["numpy"]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
             row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
+        if IN_GRAPH_CLEAR in paths:
+            pairs = zip(row[IN_GRAPH]["rounds_median_s"], row[IN_GRAPH_CLEAR]["rounds_median_s"])
+            row["in_graph_encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
         if CURVE in paths:
             pairs = zip(row[CURVE]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
             row["curve_over_unencrypted_time"] = median([a / b for a, b in pairs])
@@ -124,13 +133,16 @@ def main(argv=None) -> int:
     both = UNENCRYPTED in paths
     headers = ["in flight"] + [f"{n} push_pulls/s" for n in paths] + \
         [f"{n} ms per batch" for n in paths] + (["enc/no-enc time"] if both else []) + \
-        (["curve/no-enc time"] if CURVE in paths else [])
+        (["curve/no-enc time"] if CURVE in paths else []) + \
+        (["in-graph enc/no-enc time"] if IN_GRAPH_CLEAR in paths else [])
     common.print_table(
         f"{args.bytes} push_pulls, {args.workers} workers x {args.servers} server on loopback",
         headers, [[r["in_flight"]] + [r[n]["push_pulls_per_s"] for n in paths] +
                   [r[n]["latency_ms"] for n in paths] +
                   ([r["encrypted_over_unencrypted_time"]] if both else []) +
-                  ([r["curve_over_unencrypted_time"]] if CURVE in paths else []) for r in rows])
+                  ([r["curve_over_unencrypted_time"]] if CURVE in paths else []) +
+                  ([r["in_graph_encrypted_over_unencrypted_time"]] if IN_GRAPH_CLEAR in paths
+                   else []) for r in rows])
     common.write_json("small_tensors", {
         "encryption": args.encryption, "rounds": args.rounds, "env": extra,
         "workers": args.workers, "servers": args.servers, "tensor_bytes":
