@@ -9,6 +9,7 @@ would, then trains a small model in a single process (no cluster).
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -217,9 +218,12 @@ def test_renamed_trainer_classes_are_found_by_role():
 
 def test_the_keras_floor_is_checked(monkeypatch):
     import keras
-    monkeypatch.setattr(keras, "__version__", "3.7.0")
-    with pytest.raises(hooks.HookError, match=r"Keras >= 3\.8 \(found 3\.7\.0\)"):
-        hooks.check_keras_version()
+    for old in ("3.7.0", "3.8.0", "3.9.2"):
+        monkeypatch.setattr(keras, "__version__", old)
+        with pytest.raises(hooks.HookError, match=rf"Keras >= 3\.10 \(found {re.escape(old)}\)"):
+            hooks.check_keras_version()
+    monkeypatch.setattr(keras, "__version__", "3.10.0")
+    hooks.check_keras_version()
     monkeypatch.setattr(keras, "__version__", "3.16.0.dev2026102704")
     hooks.check_keras_version()
 

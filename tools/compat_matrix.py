@@ -36,8 +36,8 @@ BEGIN, END = "<!-- compat-matrix:begin -->", "<!-- compat-matrix:end -->"
 COMBINATIONS = {
     "tf2.16": (["tensorflow-cpu==2.16.2", "numpy<2"], {},
                "the oldest TensorFlow requirements.txt allows, with the Keras pip picks"),
-    "tf2.16-keras3.8": (["tensorflow-cpu==2.16.2", "keras==3.8.0", "numpy<2"], {},
-                        "the oldest Keras 3 bps_tf supports"),
+    "tf2.16-keras3.10": (["tensorflow-cpu==2.16.2", "keras==3.10.0", "numpy<2"], {},
+                         "the oldest Keras 3 bps_tf supports"),
     "tf2.18": (["tensorflow-cpu==2.18.1"], {}, ""),
     "tf2.20": (["tensorflow-cpu==2.20.0"], {}, ""),
     "tf2.21-keras3.15.1": (["tensorflow-cpu==2.21.0", "keras==3.15.1"], {},

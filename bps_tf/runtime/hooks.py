@@ -37,8 +37,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 log = logging.getLogger("bps_tf")
 
 # The oldest Keras 3 every hook was verified on (docs/dependencies.md).
-MIN_KERAS = (3, 8)
-VERIFIED_KERAS = "3.8.0-3.15.1, 3.16.0.dev2026102704"
+# 3.8 and 3.9 keep metric variables synchronized on write, not on read, and
+# evaluate()'s global metrics came out wrong with them (docs/dependencies.md).
+MIN_KERAS = (3, 10)
+VERIFIED_KERAS = "3.10.0-3.15.1, 3.16.0.dev2026102704"
 VERIFIED_TF = "2.16.2-2.21.0, 2.22.0rc0"
 
 # What bps_tf does when a hook's target cannot be found.
@@ -213,7 +215,9 @@ def check_keras_version() -> None:
     if parts[0] == 3 and parts < MIN_KERAS:
         raise HookError(
             f"BytePSStrategy needs Keras >= {'.'.join(map(str, MIN_KERAS))} (found {version}): "
-            f"older Keras 3 releases lack what bps_tf relies on. pip install "
+            f"older Keras 3 releases lack what bps_tf relies on (before 3.10 metric variables "
+            f"are synchronized on write, and evaluate()'s global metrics would be wrong; "
+            f"before 3.8 the epoch iterator cannot be reset). pip install "
             f"'keras>={'.'.join(map(str, MIN_KERAS))}'.")
 
 
