@@ -10,10 +10,16 @@ this session's own, so what they leave there is theirs alone, even while
 other test sessions share the machine: at the end the session fails if
 anything is left in it (each creator must remove what it makes), and then
 removes it. pytest's own `tmp_path` folders stay where pytest keeps them.
+
+A suite started in the background of a non-interactive shell (`pytest &`)
+inherits SIGINT ignored, and every process it starts would too: the tests
+that press Ctrl-C on a worker or a build need the default, so the session
+takes it back.
 """
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +29,10 @@ _session_tmp = {}
 
 
 def pytest_configure(config):
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A handler, unlike SIG_IGN, is not inherited: children start with
+        # the default, and Python turns that into KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     real = tempfile.gettempdir()
     # Before pytest first asks for its base folder, which it derives from it.
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", real)

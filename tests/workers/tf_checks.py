@@ -329,25 +329,42 @@ def check_broadcast_root_mismatch_is_reported(rank, size):
 
 
 def check_strategy_fp16_compression(rank, size):
-    """BytePSStrategy(compression=fp16): large float reductions travel as
-    float16 (values show float16 rounding), scaled so the sum of values that
-    fit float16 but whose sum does not stays finite; small ones stay exact;
+    """BytePSStrategy(compression=fp16): an optimizer's gradients travel as
+    float16 (the step shows float16 rounding), scaled so that gradients
+    that fit float16 but whose sum does not stay finite; small ones stay
+    exact; the user's own reductions (strategy.reduce) are never compressed;
     a DistributedOptimizer's own compression under the strategy is refused."""
     from bps_tf.strategy import BytePSStrategy
     strategy = BytePSStrategy(compression=api.Compression.fp16)
-    big = strategy.run(lambda: tf.fill([2048], 40000.0 + rank))
-    got = strategy.reduce(tf.distribute.ReduceOp.SUM, big, axis=None).numpy()
+
+    def summed_gradient(tag, value, n):
+        """-(the variable after one SGD(1) step from 0) = the summed gradient."""
+        with strategy.scope():   # one name on every worker: variables are matched by it
+            var = keras.Variable(np.zeros([n], np.float32), name=f"fp16_{tag}")
+            opt = keras.optimizers.SGD(1.0)
+            opt.build([var])
+
+        @tf.function
+        def step():
+            strategy.run(lambda: opt.apply_gradients([(tf.fill([n], value), var)]))
+        step()
+        return -var.numpy()
+
     want = 40000.0 * size + size * (size - 1) / 2
+    got = summed_gradient("big", 40000.0 + rank, 2048)   # each fits float16, the sum does not
     assert np.all(np.isfinite(got)) and np.allclose(got, want, rtol=2.0 ** -9, atol=0), got[:4]
-    # Values float16 cannot hold exactly: the sum shows its rounding.
+    # Values float16 cannot hold exactly: the summed gradient shows its rounding.
     values = [np.float32(1.0 / 3.0 + 0.1 * (r + 1)) for r in range(size)]
+    exact = np.float32(sum(np.float64(v) for v in values))
+    got = summed_gradient("uneven", float(values[rank]), 2048)
+    assert abs(got[0] - exact) > exact * 2.0 ** -20, (got[0], exact, "not compressed")
+    assert abs(got[0] - exact) <= exact * 2.0 ** -9, (got[0], exact)
+    got = summed_gradient("small", 1.0 / 3.0, 10)          # under 1,024 elements: not compressed
+    assert np.allclose(got, np.float32(1.0 / 3.0) * size, rtol=2.0 ** -20, atol=0), got
+    # The user's own reduction of the same values: float32 all the way.
     uneven = strategy.run(lambda: tf.fill([2048], values[rank]))
     got = strategy.reduce(tf.distribute.ReduceOp.SUM, uneven, axis=None).numpy()
-    exact = np.float32(sum(np.float64(v) for v in values))
-    assert got[0] != exact and abs(got[0] - exact) <= exact * 2.0 ** -9, (got[0], exact)
-    small = strategy.run(lambda: tf.fill([10], 1.0 / 3.0))
-    got = strategy.reduce(tf.distribute.ReduceOp.SUM, small, axis=None).numpy()
-    assert np.all(got == np.float32(1.0 / 3.0) * size), got   # under 1,024 elements: exact
+    assert abs(got[0] - exact) <= exact * 2.0 ** -20, (got[0], exact, "compressed")
     from bps_tf.keras import DistributedOptimizer
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
