@@ -120,15 +120,13 @@ def main(argv=None) -> int:
             row[name] = {"median_s": med, "rounds_median_s": [m["median_s"] for m in runs],
                          "reps": runs[0]["reps"], "push_pulls_per_s": k / med,
                          "latency_ms": med * 1e3}
-        if UNENCRYPTED in paths:
-            pairs = zip(row["numpy"]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
-            row["encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
-        if IN_GRAPH_CLEAR in paths:
-            pairs = zip(row[IN_GRAPH]["rounds_median_s"], row[IN_GRAPH_CLEAR]["rounds_median_s"])
-            row["in_graph_encrypted_over_unencrypted_time"] = median([a / b for a, b in pairs])
-        if CURVE in paths:
-            pairs = zip(row[CURVE]["rounds_median_s"], row[UNENCRYPTED]["rounds_median_s"])
-            row["curve_over_unencrypted_time"] = median([a / b for a, b in pairs])
+        for key, num, den in (("encrypted_over_unencrypted_time", "numpy", UNENCRYPTED),
+                              ("in_graph_encrypted_over_unencrypted_time", IN_GRAPH,
+                               IN_GRAPH_CLEAR),
+                              ("curve_over_unencrypted_time", CURVE, UNENCRYPTED)):
+            if num in paths and den in paths:   # per round, then the median
+                pairs = zip(row[num]["rounds_median_s"], row[den]["rounds_median_s"])
+                row[key] = median([a / b for a, b in pairs])
         rows.append(row)
     both = UNENCRYPTED in paths
     headers = ["in flight"] + [f"{n} push_pulls/s" for n in paths] + \

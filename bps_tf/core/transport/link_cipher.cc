@@ -312,26 +312,21 @@ void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* fra
   Msg head(8 + slices * ab + sizeof(FrameHeader) + ab);
   unsigned char* a = reinterpret_cast<unsigned char*>(head.data());
   StoreCounter(counter, a);
-  Msg body;
-  if (n == 0) {
-    unsigned char none = 0, nonce[kMaxNonce];
-    Nonce(counter, 1, ops->npub, nonce);
-    ops->encrypt(&none, a + 8, nullptr, &none, 0, nullptr, 0, nullptr, nonce, tx_);
-  } else {
-    Sealed* s = new Sealed{std::move(payload), new char[n]};
-    const unsigned char* plain = reinterpret_cast<const unsigned char*>(s->plain.data());
-    unsigned char* cipher = reinterpret_cast<unsigned char*>(s->cipher);
-    RunSlices(slices, [&](int i) {
-      size_t begin, len;
-      SliceOf(n, slices, i, &begin, &len);
-      unsigned char nonce[kMaxNonce];
-      Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, nonce);
-      ops->encrypt(cipher + begin, a + 8 + i * ab, nullptr, plain + begin, len, nullptr, 0,
-                   nullptr, nonce, tx_);
-    });
-    body = Msg(s->cipher, n, &FreeSealed, s);
-    if (slices > 1) Stats::Get().messages_sealed_in_slices++;
-  }
+  // An empty payload is one empty slice: its tag still binds it.
+  unsigned char none = 0;
+  Sealed* s = n ? new Sealed{std::move(payload), new char[n]} : nullptr;
+  const unsigned char* plain = s ? reinterpret_cast<const unsigned char*>(s->plain.data()) : &none;
+  unsigned char* cipher = s ? reinterpret_cast<unsigned char*>(s->cipher) : &none;
+  RunSlices(slices, [&](int i) {
+    size_t begin, len;
+    SliceOf(n, slices, i, &begin, &len);
+    unsigned char nonce[kMaxNonce];
+    Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, nonce);
+    ops->encrypt(cipher + begin, a + 8 + i * ab, nullptr, plain + begin, len, nullptr, 0,
+                 nullptr, nonce, tx_);
+  });
+  Msg body = s ? Msg(s->cipher, n, &FreeSealed, s) : Msg();
+  if (slices > 1) Stats::Get().messages_sealed_in_slices++;
   unsigned char nonce[kMaxNonce];
   Nonce(counter, 0, ops->npub, nonce);
   const size_t ad = 8 + slices * ab;  // the counter and every slice's tag
@@ -371,30 +366,22 @@ LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, Fra
   // Authentic, so this end's peer sealed it: an old counter means the
   // message came again or out of order, never a new one.
   if (counter <= received_) return Verdict::kReplayed;
-  bool ok = true;
-  char* dest = nullptr;
-  if (n == 0) {
-    unsigned char none = 0;
-    Nonce(counter, 1, ops->npub, nonce);
-    ok = ops->decrypt(&none, nullptr, &none, 0, a + 8, nullptr, 0, nonce, rx_) == 0;
-  } else {
-    unsigned char* p = reinterpret_cast<unsigned char*>(payload->data());
-    dest = sink && *sink ? (*sink)(plain, n) : nullptr;
-    unsigned char* out = dest ? reinterpret_cast<unsigned char*>(dest) : p;
-    std::atomic<bool> all_ok{true};
-    const int count = static_cast<int>(slices);
-    RunSlices(count, [&](int i) {
-      size_t begin, len;
-      SliceOf(n, count, i, &begin, &len);
-      unsigned char slice_nonce[kMaxNonce];
-      Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, slice_nonce);
-      if (ops->decrypt(out + begin, nullptr, p + begin, len, a + 8 + i * ab, nullptr, 0,
-                       slice_nonce, rx_) != 0) {
-        all_ok = false;
-      }
-    });
-    ok = all_ok;
-  }
+  unsigned char none = 0;
+  unsigned char* p = n ? reinterpret_cast<unsigned char*>(payload->data()) : &none;
+  char* dest = n && sink && *sink ? (*sink)(plain, n) : nullptr;
+  unsigned char* out = dest ? reinterpret_cast<unsigned char*>(dest) : p;
+  std::atomic<bool> ok{true};
+  const int count = static_cast<int>(slices);
+  RunSlices(count, [&](int i) {
+    size_t begin, len;
+    SliceOf(n, count, i, &begin, &len);
+    unsigned char slice_nonce[kMaxNonce];
+    Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, slice_nonce);
+    if (ops->decrypt(out + begin, nullptr, p + begin, len, a + 8 + i * ab, nullptr, 0,
+                     slice_nonce, rx_) != 0) {
+      ok = false;
+    }
+  });
   if (!ok) return Verdict::kForged;
   received_ = counter;
   std::memcpy(h, &plain, sizeof(plain));

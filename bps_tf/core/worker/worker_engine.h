@@ -134,6 +134,8 @@ class WorkerEngine {
   // delivered: the channel already decrypted the reply into its place in
   // the output (ReplyDestination), so `data` is not to be read.
   void HandleReply(const FrameHeader& h, const char* data, size_t size, bool delivered = false);
+  // The partition in flight a reply answers (its key, this round), or null.
+  const PartRef* Awaiting(const FrameHeader& h) const;
   // Where an uncompressed pull reply of `bytes` for a partition in flight
   // belongs in its task's output, or null (the channel's payload sink).
   char* ReplyDestination(const FrameHeader& h, size_t bytes);

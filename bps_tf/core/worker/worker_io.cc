@@ -102,26 +102,30 @@ void WorkerEngine::HandleData(const Message& m) {
   }
 }
 
-char* WorkerEngine::ReplyDestination(const FrameHeader& h, size_t bytes) {
-  if (h.type != static_cast<uint16_t>(MsgType::kPullReply)) return nullptr;
+const WorkerEngine::PartRef* WorkerEngine::Awaiting(const FrameHeader& h) const {
   auto it = in_flight_.find(h.key);
-  if (it == in_flight_.end() || it->second.task->round != h.round) return nullptr;
-  Task* t = it->second.task;
-  if (t->compressor || bytes != t->PartLength(it->second.part)) return nullptr;
-  return t->out + t->PartOffset(it->second.part);
+  return it == in_flight_.end() || it->second.task->round != h.round ? nullptr : &it->second;
+}
+
+char* WorkerEngine::ReplyDestination(const FrameHeader& h, size_t bytes) {
+  const PartRef* p = Awaiting(h);
+  if (!p || h.type != static_cast<uint16_t>(MsgType::kPullReply)) return nullptr;
+  Task* t = p->task;
+  if (t->compressor || bytes != t->PartLength(p->part)) return nullptr;
+  return t->out + t->PartOffset(p->part);
 }
 
 void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t size,
                                bool delivered) {
-  auto it = in_flight_.find(h.key);
-  if (it == in_flight_.end() || it->second.task->round != h.round) {
+  const PartRef* awaited = Awaiting(h);
+  if (!awaited) {
     Stats::Get().frames_dropped++;
     return;
   }
-  PartRef p = it->second;
+  PartRef p = *awaited;
   Task* t = p.task;
   uint64_t len = t->PartLength(p.part);
-  in_flight_.erase(it);
+  in_flight_.erase(h.key);
   if (h.type == static_cast<uint16_t>(MsgType::kPullReply) && t->compressor) {
     PartTimes* times = t->times.empty() ? nullptr : &t->times[p.part];
     if (times) times->replied = Clock::now();
