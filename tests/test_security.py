@@ -492,16 +492,17 @@ def test_sealed_messages_changed_replayed_or_reordered_are_rejected(tmp_path):
 class ZmtpAttacker(TapProxy):
     """A relay on the path (like TapProxy) that reads ZeroMQ's framing
     (ZMTP 3: a 64-byte greeting, then frames of flags, size and body) of the
-    bytes going to the server, and does `attack` to the first message that
-    carries a large frame (a push): "changed" flips one bit of it, "replayed"
-    sends it twice, "reordered" holds it back until the next one has gone."""
+    bytes going one way (`direction`: pushes "to server", replies "to worker"),
+    and does `attack` to the first message that carries a large frame:
+    "changed" flips one bit of it, "replayed" sends it twice, "reordered"
+    holds it back until the next one has gone."""
 
-    def __init__(self, listen, target, attack):
-        self.attack, self.done, self.held = attack, False, None
+    def __init__(self, listen, target, attack, direction="to server"):
+        self.attack, self.direction, self.done, self.held = attack, direction, False, None
         super().__init__(listen, target)
 
     def _pump(self, src, dst, record):
-        if not any(r is record for d, r in self.captured if d == "to server"):
+        if not any(r is record for d, r in self.captured if d == self.direction):
             return super()._pump(src, dst, record)
         buf, frames, greeting = bytearray(), [], 64
         try:
@@ -616,6 +617,40 @@ def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why
     assert told, logs
     assert "rejected a message from a peer" in logs["server0"], logs["server0"]
     # A worker that finished its rounds found every sum exact.
+    for r in range(2):
+        if os.path.exists(tmp_path / f"rank{r}.json"):
+            with open(tmp_path / f"rank{r}.json") as f:
+                assert json.load(f)["bad"] == []
+
+
+def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path):
+    """The same attack on a server's reply, which a worker decrypts straight
+    into its output tensor: the reply fails authentication, the worker stops
+    saying so, and no push_pull returns what the decryption left there."""
+    relay = []
+
+    def start_relay(port):
+        relay.append(ZmtpAttacker(("127.0.0.2", port), ("127.0.0.1", port), "changed",
+                                  direction="to worker"))
+        return {"DMLC_PS_ROOT_URI": "127.0.0.2"}
+
+    env = {"BYTEPS_ENCRYPTION": "1", "PATTERN_VALUE": str(PATTERN_VALUE),
+           "BYTEPS_ENABLE_IPC": "0", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
+           "BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
+           "BYTEPS_FATAL_EXIT_GRACE": "2"}
+    try:
+        with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
+                           server_env={"DMLC_NODE_HOST": "127.0.0.2"},
+                           before_workers=start_relay) as c:
+            assert c.wait_all(c.workers + c.servers, timeout=120)
+            codes = [p.returncode for p in c.workers]
+            logs = {name: c.log(name) for name in ("worker0", "worker1", "server0")}
+    finally:
+        for r in relay:
+            r.close()
+    assert relay[0].done, "the relay saw no reply"
+    assert codes != [0, 0], logs
+    assert any("failed authentication" in logs[n] for n in ("worker0", "worker1")), logs
     for r in range(2):
         if os.path.exists(tmp_path / f"rank{r}.json"):
             with open(tmp_path / f"rank{r}.json") as f:
