@@ -306,6 +306,16 @@ def cipher_threads():
     _core().set_cipher_threads(0)
 
 
+def test_a_cipher_thread_count_out_of_range_is_refused(monkeypatch):
+    for value in ("-1", "17", "two"):
+        monkeypatch.setenv("BYTEPS_CIPHER_THREADS", value)
+        with pytest.raises(ValueError, match=f"BYTEPS_CIPHER_THREADS='{value}' is not valid"):
+            config.value("BYTEPS_CIPHER_THREADS")
+    for value in ("0", "1", "16"):
+        monkeypatch.setenv("BYTEPS_CIPHER_THREADS", value)
+        assert config.value("BYTEPS_CIPHER_THREADS") == int(value)
+
+
 def test_a_large_message_sealed_in_slices_opens_whole_and_any_change_is_rejected(
         cipher_threads):
     """With 4 cipher threads a 4 MiB payload is sealed as 4 slices, one tag

@@ -34,6 +34,13 @@ def _nonnegative_int(text: str) -> int:
     return n
 
 
+def _cipher_threads(text: str) -> int:
+    n = int(text, 0)
+    if not 0 <= n <= 16:   # the core's cap (transport/cipher_pool.cc)
+        raise ValueError("it must be 0 (automatic) or a number of threads from 1 to 16")
+    return n
+
+
 def _nonnegative_float(text: str) -> float:
     x = float(text)
     if not x >= 0:
@@ -222,7 +229,7 @@ SETTINGS = (
     # -- transport and security --
     Setting("BYTEPS_ZMQ_IO_THREADS", "zmq_io_threads", "1", _int,
             "ZeroMQ I/O threads per process."),
-    Setting("BYTEPS_CIPHER_THREADS", "cipher_threads", "0", _nonnegative_int,
+    Setting("BYTEPS_CIPHER_THREADS", "cipher_threads", "0", _cipher_threads,
             "Threads that share the encryption of one large message on sealed "
             "links (BYTEPS_ENCRYPTION=1; messages of 512 KiB and more are cut "
             "into slices of at least 256 KiB, each sealed on its own). 0 picks "
