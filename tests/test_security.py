@@ -380,6 +380,19 @@ def test_the_handshake_admits_only_holders_of_the_token():
         client.finish(core.LinkEnd(other).answer(core.LinkEnd(other).hello()))
 
 
+def test_a_hello_of_the_release_before_slices_is_refused_by_name():
+    """Sealed links of the release before sliced payloads spoke handshake
+    version 1; such a node would read a sliced message as forged, so the
+    handshake refuses it, naming another release."""
+    key = os.urandom(32)
+    hello = bytearray(_core().LinkEnd(key).hello())
+    assert hello[:4] == b"BPSK" and hello[4] == 2
+    hello[4] = 1
+    with pytest.raises(ValueError, match=r"handshake version 1 \(this node speaks 2\): "
+                                         r"not a bps_tf of this release"):
+        _core().LinkEnd(key).answer(bytes(hello))
+
+
 def test_a_recorded_handshake_replayed_later_opens_nothing():
     """Someone who recorded a link (its hello and sealed messages) replays
     them: the listening end answers with fresh keys, so the recorded

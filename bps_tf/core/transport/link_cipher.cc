@@ -16,7 +16,10 @@ namespace {
 constexpr char kHandshakeMagic[] = "BPSK";
 constexpr char kRefusalMagic[] = "BPSR";
 constexpr size_t kMagicBytes = 4;
-constexpr uint8_t kHandshakeVersion = 1;
+// 2: payloads sealed in slices (one tag each). A node of the release before
+// would read a sliced message as forged; the version makes both ends refuse
+// at the handshake instead, naming another release as the cause.
+constexpr uint8_t kHandshakeVersion = 2;
 constexpr uint8_t kHelloRole = 1, kAnswerRole = 2;
 constexpr size_t kPublicBytes = 32;
 constexpr size_t kMacBytes = 32;
