@@ -172,19 +172,26 @@ def run_commands(cmds: Sequence[Sequence[str]], parallel: bool = True, echo=None
         for cmd in compiles:
             if echo:
                 echo(" ".join(cmd))
-            procs.append((cmd, _start(cmd)))
+            _start_recorded(cmd, procs)
             if not parallel:
                 _finish(*procs[-1])
         for cmd, proc in procs:
             _finish(cmd, proc)
         if echo:
             echo(" ".join(link))
-        procs.append((link, _start(link)))
+        _start_recorded(link, procs)
         _finish(*procs[-1])
     finally:
         with signals_deferred():
             for _, proc in procs:
                 _stop_tree(proc)
+
+
+def _start_recorded(cmd, procs) -> None:
+    """Starts `cmd` and records it in `procs` as one step: a Ctrl-C that
+    landed between the two would leave a compiler that nobody stops."""
+    with signals_deferred():
+        procs.append((cmd, _start(cmd)))
 
 
 def _start(cmd):
