@@ -62,8 +62,9 @@ def summarize(data: Path, names: dict, reps_in_window: float, top: int):
         sym = sym.split("+0x")[0] or "?"
         name = names.get(pid, f"pid {pid}")
         role = name.rstrip("0123456789")
-        # Engine and summing threads keep the interpreter's name.
-        kind = "python (engine, sum)" if comm.startswith("python") else comm.rstrip("0123456789")
+        # The engine names its threads (bps-io, bps-sum, ...); the rest of
+        # the interpreter's keep its name: the program, a server's I/O loop.
+        kind = "python (main)" if comm.startswith("python") else comm.rstrip("0123456789")
         per_process[name] += 1
         per_thread[(role, kind)] += 1
         per_symbol[(role, kind, f"{sym} ({dso})")] += 1

@@ -214,7 +214,8 @@ def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path, partit
     of five dtypes from 0 bytes to 3 partitions: every sum is exact, no
     message is rejected, and each process says what it seals with. With
     1 MiB partitions and BYTEPS_CIPHER_THREADS=4 large messages are sealed
-    in slices by several threads."""
+    in slices by several threads. A sum sent to both workers is encrypted
+    once for both (link_cipher.h SharedSeal)."""
     env = {"BYTEPS_ENCRYPTION": "1", "BYTEPS_ENABLE_IPC": "0",
            "BYTEPS_PARTITION_BYTES": str(partition), "BYTEPS_CIPHER_THREADS": threads,
            "BYTEPS_LOG_LEVEL": "INFO"}
@@ -232,6 +233,8 @@ def test_sealed_links_give_exact_sums_over_tcp_with_two_servers(tmp_path, partit
         assert result["stats"]["replies_decrypted_to_output"] > 0, result["stats"]
         sliced = result["stats"]["messages_sealed_in_slices"]
         assert (sliced > 0) if threads == "4" else (sliced == 0), result["stats"]
+        # Each sum that went to both workers was encrypted once for both.
+        assert result["stats"]["messages_opened_shared"] > 0, result["stats"]
     for name, log in logs.items():
         line = [x for x in log.splitlines() if "sealed links (BYTEPS_ENCRYPTION=1)" in x]
         assert line and any(s in line[0] for s in SUITES), (name, log[-2000:])
@@ -380,17 +383,56 @@ def test_the_handshake_admits_only_holders_of_the_token():
         client.finish(core.LinkEnd(other).answer(core.LinkEnd(other).hello()))
 
 
-def test_a_hello_of_the_release_before_slices_is_refused_by_name():
-    """Sealed links of the release before sliced payloads spoke handshake
-    version 1; such a node would read a sliced message as forged, so the
-    handshake refuses it, naming another release."""
+@pytest.mark.parametrize("old", [1, 2])
+def test_a_hello_of_an_earlier_release_is_refused_by_name(old):
+    """Sealed links spoke handshake version 1 before sliced payloads and 2
+    before payloads shared by several links; such a node would read those
+    messages as forged, so the handshake refuses it, naming another release."""
     key = os.urandom(32)
     hello = bytearray(_core().LinkEnd(key).hello())
-    assert hello[:4] == b"BPSK" and hello[4] == 2
-    hello[4] = 1
-    with pytest.raises(ValueError, match=r"handshake version 1 \(this node speaks 2\): "
+    assert hello[:4] == b"BPSK" and hello[4] == 3
+    hello[4] = old
+    with pytest.raises(ValueError, match=rf"handshake version {old} \(this node speaks 3\): "
                                          r"not a bps_tf of this release"):
         _core().LinkEnd(key).answer(bytes(hello))
+
+
+@pytest.mark.parametrize("size", [1, 4096, 4 << 20])
+def test_a_payload_sealed_once_for_several_links_opens_on_each_and_nowhere_else(
+        size, cipher_threads):
+    """A server's sum goes to every worker: it is encrypted once (under a
+    fresh key) and each link carries that key in its own sealed header. Every
+    link opens it to the same bytes; its header stays link-sealed (replay,
+    reorder and a message moved to another link are refused); the shared
+    ciphertext changed anywhere, or joined to another message's header, is
+    refused; the same payload shared again is encrypted under a new key."""
+    cipher_threads(4)
+    payload = os.urandom(size)
+    links = [_link() for _ in range(3)]
+    servers = [s for _, s in links]
+    sent = _core().LinkEnd.seal_shared(servers, HEADER, payload)
+    assert len({c for _, c in sent}) == 1                       # encrypted once
+    assert len({s for s, _ in sent}) == 3                       # a header per link
+    assert size < 16 or payload[:16] not in sent[0][1]
+    (c0, _), (c1, _), (c2, _) = links
+    assert c1.open(*sent[0])[0] == "forged"                     # another link's message
+    assert c0.open(sent[0][0], sent[0][1][:-1] + bytes([sent[0][1][-1] ^ 1]))[0] == "forged"
+    for (client, _), msg in zip(links, sent):
+        assert client.open(*msg) == ("ok", HEADER, payload)
+        assert client.open(*msg)[0] == "replayed"
+    # A second payload shared on the same links: a new key, so its
+    # ciphertext differs even for the same bytes, and the old ciphertext
+    # does not open under the new header.
+    again = _core().LinkEnd.seal_shared(servers, HEADER, payload)
+    assert again[0][1] != sent[0][1]
+    assert c0.open(again[0][0], sent[0][1])[0] == "forged"
+    # That did not move the counter: the real message opens; link-sealed
+    # and shared messages interleave on one link.
+    assert c0.open(*again[0]) == ("ok", HEADER, payload)
+    assert c0.open(*servers[0].seal(HEADER, b"single")) == ("ok", HEADER, b"single")
+    shared_flag = bytearray(servers[0].seal(HEADER, payload)[0])
+    shared_flag[7] ^= 0x80                                       # claims the shared form
+    assert c0.open(bytes(shared_flag), sent[0][1])[0] == "forged"
 
 
 def test_a_recorded_handshake_replayed_later_opens_nothing():

@@ -291,6 +291,25 @@ class LinkEnd {
     Ready()->Seal(h, bps::Msg(payload.data(), payload.size()), &frames);
     return py::make_tuple(py::bytes(frames[0].str()), py::bytes(frames[1].str()));
   }
+  // One payload encrypted once and sealed for each of `ends` (link_cipher.h
+  // SharedSeal): [(sealed header, ciphertext)] in their order.
+  static py::list SealShared(const py::list& ends, const std::string& header,
+                             const std::string& payload) {
+    bps::FrameHeader h;
+    if (header.size() != sizeof(h)) throw py::value_error("a header is 64 bytes");
+    std::memcpy(&h, header.data(), sizeof(h));
+    bps::Msg plain(payload.data(), payload.size());
+    std::shared_ptr<bps::SharedSeal> seal;
+    py::list out;
+    for (py::handle e : ends) {
+      bps::LinkCipher* c = e.cast<LinkEnd*>()->Ready();
+      if (!seal) seal = std::make_shared<bps::SharedSeal>(c->suite(), plain);
+      std::vector<bps::Msg> frames;
+      c->SealShared(h, seal, bps::Msg(), &frames);
+      out.append(py::make_tuple(py::bytes(frames[0].str()), py::bytes(frames[1].str())));
+    }
+    return out;
+  }
   // ("ok" | "forged" | "replayed", header, payload) of a received message.
   py::tuple Open(const std::string& sealed, const std::string& payload) {
     bps::Msg s(sealed.data(), sealed.size()), p(payload.data(), payload.size());
@@ -353,7 +372,9 @@ void AddSchedulingProbes(py::module_& m) {
       .def("finish", &LinkEnd::Finish, py::arg("answer"))
       .def_property_readonly("suite", &LinkEnd::suite)
       .def("seal", &LinkEnd::Seal, py::arg("header"), py::arg("payload"))
-      .def("open", &LinkEnd::Open, py::arg("sealed"), py::arg("payload"));
+      .def("open", &LinkEnd::Open, py::arg("sealed"), py::arg("payload"))
+      .def_static("seal_shared", &LinkEnd::SealShared, py::arg("ends"), py::arg("header"),
+                  py::arg("payload"));
   m.def("sodium_describe", &bps::SodiumDescribe);
   // BYTEPS_CIPHER_THREADS for this process (0: automatic); returns the
   // count in effect.

@@ -1,5 +1,6 @@
 #include "common/common.h"
 
+#include <pthread.h>
 #include <unistd.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -167,6 +168,14 @@ uint64_t Fnv1a64(const std::string& text) {
     h *= 1099511628211ULL;
   }
   return h;
+}
+
+void NameThisThread(const char* name) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), name);  // best effort: only a label
+#else
+  (void)name;
+#endif
 }
 
 bool KeepFreedBuffersInHeap() {

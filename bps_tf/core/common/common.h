@@ -68,6 +68,10 @@ std::string JsonString(const std::string& text);  // quoted and escaped
 // to 32 MiB in glibc's heap. Returns whether glibc took both settings.
 bool KeepFreedBuffersInHeap();
 
+// Names the calling thread (up to 15 characters: "bps-io", "bps-sum"), so
+// that top -H, perf and gdb tell the engine's threads from the program's.
+void NameThisThread(const char* name);
+
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();

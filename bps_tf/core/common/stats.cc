@@ -32,6 +32,8 @@ std::string Stats::Json() {
     << ",\"frames_rejected\":" << frames_rejected
     << ",\"replies_decrypted_to_output\":" << replies_decrypted_to_output
     << ",\"messages_sealed_in_slices\":" << messages_sealed_in_slices
+    << ",\"messages_sealed_shared\":" << messages_sealed_shared
+    << ",\"messages_opened_shared\":" << messages_opened_shared
     << ",\"connections_capped\":" << connections_capped << ",\"links_local\":" << links_local
     << ",\"ops_done\":" << ops_done
     << ",\"ops_failed\":" << ops_failed << ",\"partitions_sent\":" << partitions_sent

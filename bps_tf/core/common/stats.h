@@ -34,6 +34,10 @@ class Stats {
   std::atomic<uint64_t> replies_decrypted_to_output{0};
   // Messages sealed in several slices by several threads (cipher_pool.h).
   std::atomic<uint64_t> messages_sealed_in_slices{0};
+  // Messages whose payload was encrypted once for several links (a server's
+  // sum, link_cipher.h SharedSeal): sealed by this node, opened by it.
+  std::atomic<uint64_t> messages_sealed_shared{0};
+  std::atomic<uint64_t> messages_opened_shared{0};
   std::atomic<uint64_t> connections_capped{0};   // TCP connections given TCP_NOTSENT_LOWAT
   std::atomic<uint64_t> links_local{0};  // a worker's links to servers over Unix sockets
   std::atomic<uint64_t> ops_done{0};

@@ -76,7 +76,8 @@ class ServerNode {
   void StartEpoch(const Config& kv);
   void SendOutgoing(std::vector<Outgoing>* out);
   void SendReplies(bool ignore_credit = false);
-  void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved);
+  void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved,
+                 SharedSealSlot* shared = nullptr);
   void SubmitFused(Message& m);
   void Stop(const std::string& error);
   std::string Who() const {
@@ -123,13 +124,13 @@ void ServerNode::SendOutgoing(std::vector<Outgoing>* out) {
 }
 
 void ServerNode::SendReply(int worker, const FrameHeader& header, Msg&& payload,
-                           uint64_t reserved) {
+                           uint64_t reserved, SharedSealSlot* shared) {
   // Tracked even when it cannot be sent: dropping it gives the credit back.
   Msg tracked = schedule_.Track(worker, std::move(payload), reserved);
   auto it = worker_peer_.find(worker);
   if (it == worker_peer_.end()) return;
   const size_t bytes = tracked.size();  // the Msg is handed to libzmq below
-  if (channel_->Send(it->second, header, std::move(tracked))) {
+  if (channel_->SendShared(it->second, header, std::move(tracked), shared)) {
     Stats::Get().bytes_sent += bytes;
   } else {
     BPS_LOG(kWarning, "reply to worker " << worker << " failed: " << zmq_strerror(zmq_errno()));
@@ -142,7 +143,7 @@ void ServerNode::SendReplies(bool ignore_credit) {
   if (fusion_bytes_ == 0) {
     for (auto& r : replies) {
       const uint64_t n = r.payload.size();
-      SendReply(r.worker, r.header, std::move(r.payload), n);
+      SendReply(r.worker, r.header, std::move(r.payload), n, r.shared.get());
     }
     return;
   }
@@ -152,7 +153,8 @@ void ServerNode::SendReplies(bool ignore_credit) {
   auto flush = [this](int worker, FusedBuilder* b, std::deque<ServerReply>* held) {
     if (b->count() == 1) {
       const uint64_t n = held->front().payload.size();
-      SendReply(worker, held->front().header, std::move(held->front().payload), n);
+      SendReply(worker, held->front().header, std::move(held->front().payload), n,
+                held->front().shared.get());
     } else if (b->count() > 1) {
       uint64_t size = 0, reserved = 0;
       char* data = b->Finish(&size);
@@ -176,7 +178,7 @@ void ServerNode::SendReplies(bool ignore_credit) {
     bool small = r.header.type == static_cast<uint16_t>(MsgType::kPullReply) &&
                  kFusedPrefixBytes + 2 * FusedCost(n) <= fusion_bytes_;
     if (!small) {
-      SendReply(r.worker, r.header, std::move(r.payload), n);
+      SendReply(r.worker, r.header, std::move(r.payload), n, r.shared.get());
       continue;
     }
     FusedBuilder& b = fused[r.worker];

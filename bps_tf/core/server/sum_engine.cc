@@ -29,7 +29,10 @@ SumEngine::SumEngine(int server_id, int num_workers, int threads, Post post)
     lanes_.emplace_back(new Lane());
     lanes_.back()->joined.assign(static_cast<size_t>(num_workers), false);
     Lane* lane = lanes_.back().get();
-    lane->thread = std::thread([this, lane] { Run(lane); });
+    lane->thread = std::thread([this, lane] {
+      NameThisThread("bps-sum");
+      Run(lane);
+    });
   }
 }
 
@@ -365,6 +368,9 @@ void SumEngine::MaybeComplete(Lane* lane, uint64_t key, KeyState& st,
 
 void SumEngine::ReplyRound(uint64_t key, KeyState& st, const std::string& refused,
                            uint64_t joined_mask, std::vector<ServerReply>* replies) {
+  // Every worker that pushed gets the same sum: encrypted once for all.
+  std::shared_ptr<SharedSealSlot> shared;
+  if (refused.empty() && st.count > 1) shared = std::make_shared<SharedSealSlot>();
   for (int w = 0; w < num_workers_; ++w) {
     if (!st.pushed[static_cast<size_t>(w)]) continue;  // not in the set, or joined
     const uint64_t their_round = st.round - st.skipped[static_cast<size_t>(w)];
@@ -384,6 +390,7 @@ void SumEngine::ReplyRound(uint64_t key, KeyState& st, const std::string& refuse
     // before its own, which the scheduler needs to name the last one.
     r.header.members = joined_mask;
     r.header.contributors = static_cast<uint32_t>(__builtin_popcountll(joined_mask));
+    r.shared = shared;
     replies->push_back(std::move(r));
   }
 }

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "math/compressor.h"
+#include "transport/link_cipher.h"
 #include "transport/transport.h"
 
 namespace bps {
@@ -60,6 +61,9 @@ struct ServerReply {
   // The order replies to one worker leave in when they queue: a sum takes
   // its pushes' priority; errors go first, the all-joined notice last.
   int32_t priority = INT32_MAX;
+  // Set when the payload goes to several workers (a round's sum): their
+  // sends share one encryption on sealed links (channel.h SendShared).
+  std::shared_ptr<SharedSealSlot> shared;
 };
 
 class SumEngine {

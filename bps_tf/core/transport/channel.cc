@@ -116,6 +116,11 @@ class ZmqChannel : public Channel {
   }
 
   bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) override {
+    return SendShared(to, header, std::move(payload), nullptr);
+  }
+
+  bool SendShared(const Peer& to, const FrameHeader& header, Msg&& payload,
+                  SharedSealSlot* slot) override {
     Socket* s = Open(to.link);
     if (!s) return false;
     FrameHeader h = header;
@@ -129,6 +134,13 @@ class ZmqChannel : public Channel {
       return s->SendFrames(&frames);
     }
     LinkCipher* cipher = l.routed ? sealed_->Cipher(to.link, to.route) : sealed_->Cipher(to.link);
+    if (cipher && slot && payload.size() > 0) {
+      if (!slot->seal || slot->seal->suite() != cipher->suite()) {
+        slot->seal = std::make_shared<SharedSeal>(cipher->suite(), payload);
+      }
+      cipher->SealShared(h, slot->seal, std::move(payload), &frames);
+      return s->SendFrames(&frames);
+    }
     if (cipher) {
       cipher->Seal(h, std::move(payload), &frames);
       return s->SendFrames(&frames);

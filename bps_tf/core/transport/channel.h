@@ -63,6 +63,12 @@ class Channel {
   bool Send(const Peer& to, const FrameHeader& header, const std::string& payload) {
     return Send(to, header, Msg(payload.data(), payload.size()));
   }
+  // Send, for a payload that goes unchanged to several peers (a server's
+  // sum, to each worker): every send of it passes the same slot, and sealed
+  // links encrypt it once for all of them (link_cipher.h SharedSeal). The
+  // caller keeps the bytes unchanged while the slot lives.
+  virtual bool SendShared(const Peer& to, const FrameHeader& header, Msg&& payload,
+                          SharedSealSlot* slot) = 0;
   // Blocks up to timeout_ms for traffic or a notice on the channel's
   // Wakeup; false if waiting failed.
   virtual bool Wait(long timeout_ms) = 0;

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/common.h"
+
 namespace bps {
 
 namespace {
@@ -33,7 +35,10 @@ class Pool {
     }
     // Threads are started on first need, after any fork of the process.
     while (static_cast<int>(threads_.size()) < std::min(n, CipherThreads()) - 1) {
-      threads_.emplace_back([this] { Serve(); });
+      threads_.emplace_back([this] {
+        NameThisThread("bps-cipher");
+        Serve();
+      });
     }
     job_ = &fn;
     next_ = 0;

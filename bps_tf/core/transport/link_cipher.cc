@@ -19,7 +19,10 @@ constexpr size_t kMagicBytes = 4;
 // 2: payloads sealed in slices (one tag each). A node of the release before
 // would read a sliced message as forged; the version makes both ends refuse
 // at the handshake instead, naming another release as the cause.
-constexpr uint8_t kHandshakeVersion = 2;
+// 3: payloads encrypted once for several links (the counter's top bit).
+constexpr uint8_t kHandshakeVersion = 3;
+// Set in a message's stored counter when its payload is a SharedSeal's.
+constexpr uint64_t kSharedPayload = uint64_t{1} << 63;
 constexpr uint8_t kHelloRole = 1, kAnswerRole = 2;
 constexpr size_t kPublicBytes = 32;
 constexpr size_t kMacBytes = 32;
@@ -239,6 +242,19 @@ void FreeSealed(void*, void* hint) {
 
 }  // namespace
 
+// One link's hold on a shared ciphertext, and on the plaintext that link
+// would have sent (whose free function may report something, a credit).
+struct SharedRef {
+  std::shared_ptr<SharedSeal> seal;
+  Msg keep;
+};
+
+namespace {
+
+void FreeSharedRef(void*, void* hint) { delete static_cast<SharedRef*>(hint); }
+
+}  // namespace
+
 const char* SuiteName(Suite s) {
   switch (s) {
     case Suite::kAegis128L: return "AEGIS-128L";
@@ -303,18 +319,38 @@ void LinkCipher::Wipe() {
   suite_ = 0;
 }
 
+Msg LinkCipher::SealHeader(uint64_t counter, const FrameHeader& h, const std::string& tags,
+                           const unsigned char* extra, size_t extra_bytes) {
+  const SuiteOps* ops = OpsOf(suite_);
+  const size_t ab = ops->abytes, plain_bytes = sizeof(FrameHeader) + extra_bytes;
+  // counter, one tag per payload slice, header (and extra), header tag
+  Msg head(8 + tags.size() + plain_bytes + ab);
+  unsigned char* a = reinterpret_cast<unsigned char*>(head.data());
+  StoreCounter(counter | (extra_bytes ? kSharedPayload : 0), a);
+  std::memcpy(a + 8, tags.data(), tags.size());
+  unsigned char plain[sizeof(FrameHeader) + kLinkKeyBytes];
+  std::memcpy(plain, &h, sizeof(FrameHeader));
+  if (extra_bytes) std::memcpy(plain + sizeof(FrameHeader), extra, extra_bytes);
+  unsigned char nonce[kMaxNonce];
+  Nonce(counter, 0, ops->npub, nonce);
+  const size_t ad = 8 + tags.size();  // the counter and every slice's tag
+  unsigned char* sealed = a + ad;
+  ops->encrypt(sealed, sealed + plain_bytes, nullptr, plain, plain_bytes, a, ad, nullptr, nonce,
+               tx_);
+  bps::Wipe(plain, sizeof(plain));
+  return head;
+}
+
 void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* frames) {
   const SuiteOps* ops = OpsOf(suite_);
   if (!ops) throw Error("sealing a message on a link whose handshake is not done");
-  // 2^64 messages would take centuries; refusing beats reusing a nonce.
-  if (sent_ == UINT64_MAX) throw Error("a link's message counter is exhausted");
+  // 2^63 messages would take centuries; refusing beats reusing a nonce.
+  if (sent_ + 1 >= kSharedPayload) throw Error("a link's message counter is exhausted");
   const uint64_t counter = ++sent_;
   const size_t ab = ops->abytes, n = payload.size();
   const int slices = SlicesFor(n);
-  // counter, one tag per payload slice, header, header tag
-  Msg head(8 + slices * ab + sizeof(FrameHeader) + ab);
-  unsigned char* a = reinterpret_cast<unsigned char*>(head.data());
-  StoreCounter(counter, a);
+  std::string tags(slices * ab, '\0');
+  unsigned char* t = reinterpret_cast<unsigned char*>(&tags[0]);
   // An empty payload is one empty slice: its tag still binds it.
   unsigned char none = 0;
   Sealed* s = n ? new Sealed{std::move(payload), new char[n]} : nullptr;
@@ -325,20 +361,60 @@ void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* fra
     SliceOf(n, slices, i, &begin, &len);
     unsigned char nonce[kMaxNonce];
     Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, nonce);
-    ops->encrypt(cipher + begin, a + 8 + i * ab, nullptr, plain + begin, len, nullptr, 0,
-                 nullptr, nonce, tx_);
+    ops->encrypt(cipher + begin, t + i * ab, nullptr, plain + begin, len, nullptr, 0, nullptr,
+                 nonce, tx_);
   });
   Msg body = s ? Msg(s->cipher, n, &FreeSealed, s) : Msg();
   if (slices > 1) Stats::Get().messages_sealed_in_slices++;
-  unsigned char nonce[kMaxNonce];
-  Nonce(counter, 0, ops->npub, nonce);
-  const size_t ad = 8 + slices * ab;  // the counter and every slice's tag
-  unsigned char* sealed = a + ad;
-  ops->encrypt(sealed, sealed + sizeof(FrameHeader), nullptr,
-               reinterpret_cast<const unsigned char*>(&h), sizeof(FrameHeader), a, ad, nullptr,
-               nonce, tx_);
-  frames->push_back(std::move(head));
+  frames->push_back(SealHeader(counter, h, tags, nullptr, 0));
   frames->push_back(std::move(body));
+}
+
+SharedSeal::SharedSeal(Suite suite, const Msg& plain) : suite_(suite), size_(plain.size()) {
+  const SuiteOps* ops = OpsOf(static_cast<uint8_t>(suite));
+  if (!ops) throw Error("sealing a payload with an AEAD this node does not run");
+  // A key of its own for every payload: it seals nothing else, so the
+  // fixed nonces (0, 1 + i) never repeat under it.
+  Lib().api.randombytes_buf(key_, ops->key);
+  const size_t ab = ops->abytes, n = size_;
+  const int slices = SlicesFor(n);
+  tags_.assign(slices * ab, '\0');
+  unsigned char* t = reinterpret_cast<unsigned char*>(&tags_[0]);
+  unsigned char none = 0;
+  if (n) cipher_ = new char[n];
+  const unsigned char* p = n ? reinterpret_cast<const unsigned char*>(plain.data()) : &none;
+  unsigned char* c = n ? reinterpret_cast<unsigned char*>(cipher_) : &none;
+  RunSlices(slices, [&](int i) {
+    size_t begin, len;
+    SliceOf(n, slices, i, &begin, &len);
+    unsigned char nonce[kMaxNonce];
+    Nonce(0, static_cast<uint8_t>(1 + i), ops->npub, nonce);
+    ops->encrypt(c + begin, t + i * ab, nullptr, p + begin, len, nullptr, 0, nullptr, nonce, key_);
+  });
+  if (slices > 1) Stats::Get().messages_sealed_in_slices++;
+}
+
+SharedSeal::~SharedSeal() {
+  bps::Wipe(key_, sizeof(key_));
+  delete[] cipher_;
+}
+
+void LinkCipher::SealShared(const FrameHeader& h, const std::shared_ptr<SharedSeal>& payload,
+                            Msg&& keep, std::vector<Msg>* frames) {
+  const SuiteOps* ops = OpsOf(suite_);
+  if (!ops) throw Error("sealing a message on a link whose handshake is not done");
+  if (payload->suite() != suite()) throw Error("a shared payload sealed with another AEAD");
+  if (sent_ + 1 >= kSharedPayload) throw Error("a link's message counter is exhausted");
+  const uint64_t counter = ++sent_;
+  frames->push_back(SealHeader(counter, h, payload->tags_, payload->key_, ops->key));
+  const size_t n = payload->size();
+  if (n) {
+    auto* ref = new SharedRef{payload, std::move(keep)};
+    frames->push_back(Msg(payload->cipher_, n, &FreeSharedRef, ref));
+  } else {
+    frames->push_back(Msg());
+  }
+  Stats::Get().messages_sealed_shared++;
 }
 
 LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, FrameHeader* h,
@@ -347,31 +423,43 @@ LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, Fra
   const SuiteOps* ops = OpsOf(suite_);
   if (!ops) return Verdict::kForged;
   const size_t ab = ops->abytes, n = payload->size();
+  if (sealed_header.size() < 8) return Verdict::kForged;
+  const unsigned char* a = reinterpret_cast<const unsigned char*>(sealed_header.data());
+  // The form (the top bit) is covered by the header's tag like the rest.
+  const uint64_t stored = LoadCounter(a);
+  const bool shared = (stored & kSharedPayload) != 0;
+  const uint64_t counter = stored & ~kSharedPayload;
+  const size_t plain_bytes = sizeof(FrameHeader) + (shared ? ops->key : 0);
   // The sender chose the slices; their tags say how many, and the header's
   // tag covers them all, so the count cannot be changed on the way.
-  const size_t fixed = 8 + sizeof(FrameHeader) + ab;
+  const size_t fixed = 8 + plain_bytes + ab;
   if (sealed_header.size() < fixed + ab || (sealed_header.size() - fixed) % ab != 0) {
     return Verdict::kForged;
   }
   const size_t slices = (sealed_header.size() - fixed) / ab;
   if (slices > kMaxSlices || (n == 0 && slices != 1)) return Verdict::kForged;
-  const unsigned char* a = reinterpret_cast<const unsigned char*>(sealed_header.data());
-  const uint64_t counter = LoadCounter(a);
   unsigned char nonce[kMaxNonce];
   Nonce(counter, 0, ops->npub, nonce);
-  FrameHeader plain;
+  unsigned char plain[sizeof(FrameHeader) + kLinkKeyBytes];
   const size_t ad = 8 + slices * ab;
   const unsigned char* sealed = a + ad;
-  if (ops->decrypt(reinterpret_cast<unsigned char*>(&plain), nullptr, sealed,
-                   sizeof(FrameHeader), sealed + sizeof(FrameHeader), a, ad, nonce, rx_) != 0) {
+  if (ops->decrypt(plain, nullptr, sealed, plain_bytes, sealed + plain_bytes, a, ad, nonce,
+                   rx_) != 0) {
     return Verdict::kForged;
   }
   // Authentic, so this end's peer sealed it: an old counter means the
   // message came again or out of order, never a new one.
-  if (counter <= received_) return Verdict::kReplayed;
+  if (counter <= received_) {
+    bps::Wipe(plain, sizeof(plain));
+    return Verdict::kReplayed;
+  }
+  FrameHeader header;
+  std::memcpy(&header, plain, sizeof(header));
+  const unsigned char* key = shared ? plain + sizeof(FrameHeader) : rx_;
+  const uint64_t slice_counter = shared ? 0 : counter;
   unsigned char none = 0;
   unsigned char* p = n ? reinterpret_cast<unsigned char*>(payload->data()) : &none;
-  char* dest = n && sink && *sink ? (*sink)(plain, n) : nullptr;
+  char* dest = n && sink && *sink ? (*sink)(header, n) : nullptr;
   unsigned char* out = dest ? reinterpret_cast<unsigned char*>(dest) : p;
   std::atomic<bool> ok{true};
   const int count = static_cast<int>(slices);
@@ -379,16 +467,18 @@ LinkCipher::Verdict LinkCipher::Open(const Msg& sealed_header, Msg* payload, Fra
     size_t begin, len;
     SliceOf(n, count, i, &begin, &len);
     unsigned char slice_nonce[kMaxNonce];
-    Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, slice_nonce);
+    Nonce(slice_counter, static_cast<uint8_t>(1 + i), ops->npub, slice_nonce);
     if (ops->decrypt(out + begin, nullptr, p + begin, len, a + 8 + i * ab, nullptr, 0,
-                     slice_nonce, rx_) != 0) {
+                     slice_nonce, key) != 0) {
       ok = false;
     }
   });
+  bps::Wipe(plain, sizeof(plain));
   if (!ok) return Verdict::kForged;
   received_ = counter;
-  std::memcpy(h, &plain, sizeof(plain));
+  std::memcpy(h, &header, sizeof(header));
   if (delivered) *delivered = dest != nullptr;
+  if (shared) Stats::Get().messages_opened_shared++;
   return Verdict::kOk;
 }
 

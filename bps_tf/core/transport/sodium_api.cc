@@ -35,8 +35,8 @@ void FindAead(void* handle, const std::string& prefix, SodiumAead* a) {
 }  // namespace
 
 bool SodiumApi::complete() const {
-  return init && version_string && memzero && verify_32 && generichash && kx_keypair &&
-         kx_client_session_keys && kx_server_session_keys;
+  return init && version_string && memzero && randombytes_buf && verify_32 && generichash &&
+         kx_keypair && kx_client_session_keys && kx_server_session_keys;
 }
 
 void FindLoadedSodium(SodiumApi* api) {
@@ -53,6 +53,7 @@ void FindLoadedSodium(SodiumApi* api) {
     Find(handle, "sodium_version_string", &a.version_string);
     Find(handle, "sodium_runtime_has_aesni", &a.runtime_has_aesni);
     Find(handle, "sodium_memzero", &a.memzero);
+    Find(handle, "randombytes_buf", &a.randombytes_buf);
     Find(handle, "crypto_verify_32", &a.verify_32);
     Find(handle, "crypto_generichash", &a.generichash);
     Find(handle, "crypto_kx_keypair", &a.kx_keypair);

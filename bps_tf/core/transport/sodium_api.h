@@ -49,6 +49,7 @@ struct SodiumApi {
   const char* (*version_string)(void) = nullptr;
   bps_sodium_int_fn* runtime_has_aesni = nullptr;
   void (*memzero)(void* pnt, size_t len) = nullptr;
+  void (*randombytes_buf)(void* buf, size_t size) = nullptr;
   int (*verify_32)(const unsigned char* x, const unsigned char* y) = nullptr;
   int (*generichash)(unsigned char* out, size_t outlen, const unsigned char* in,
                      unsigned long long inlen, const unsigned char* key, size_t keylen) = nullptr;

@@ -137,7 +137,10 @@ void LocalReduce::Start(const Config& cfg) {
 
 void LocalReduce::StartLoop(Impl* impl) {
   impl->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  impl->thread = std::thread([impl] { impl->Loop(); });
+  impl->thread = std::thread([impl] {
+    NameThisThread("bps-local-sum");
+    impl->Loop();
+  });
   impl_ = impl;
 }
 

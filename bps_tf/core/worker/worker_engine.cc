@@ -152,7 +152,10 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   membership_->Join(scheduler_endpoint_, cfg, extra);
   state_ = State::kJoining;
   stop_requested_ = false;
-  io_thread_ = std::thread([this] { IoLoop(); });
+  io_thread_ = std::thread([this] {
+    NameThisThread("bps-io");
+    IoLoop();
+  });
 }
 
 void WorkerEngine::Shutdown(const std::string& reason) {
