@@ -347,7 +347,12 @@ int ServerNode::Run(std::string* error) {
   std::vector<Outgoing> out;
   while (!done_) {
     if (!channel_->Wait(100)) break;
-    while (channel_->Receive(&m)) Handle(m);
+    // A long stream of small pushes still reaches the lanes in batches.
+    for (int handled = 1; channel_->Receive(&m); ++handled) {
+      Handle(m);
+      if (engine_ && handled % 64 == 0) engine_->Flush();
+    }
+    if (engine_) engine_->Flush();
     SendReplies();
     if (scheduler_ && SecondsSince(last_tick) >= 0.2) {
       last_tick = Clock::now();

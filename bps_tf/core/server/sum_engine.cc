@@ -8,6 +8,10 @@
 namespace bps {
 
 namespace {
+
+// From this payload size up, a push wakes its lane as soon as it is queued.
+constexpr size_t kWakeAtOnceBytes = 64 << 10;
+
 // An error a worker matches to its pending push by the round it sent.
 ServerReply RoundError(const PushJob& job, ServerReply&& r) {
   r.header.round = job.round;
@@ -61,15 +65,30 @@ void SumEngine::Submit(PushJob&& job) {
     idx = it->second;
   }
   Lane* lane = lanes_[idx].get();
+  const bool small = job.payload.size() < kWakeAtOnceBytes;
   {
     std::lock_guard<std::mutex> lock(lane->mu);
     lane->queue.push_back(std::move(job));
   }
-  lane->cv.notify_one();
+  if (small) {
+    lane->unwoken = true;
+  } else {
+    lane->unwoken = false;
+    lane->cv.notify_one();
+  }
+}
+
+void SumEngine::Flush() {
+  for (auto& lane : lanes_) {
+    if (!lane->unwoken) continue;
+    lane->unwoken = false;
+    lane->cv.notify_one();
+  }
 }
 
 void SumEngine::SubmitJoin(int worker) {
   for (auto& lane : lanes_) {
+    lane->unwoken = false;  // woken below, with the pushes before the join
     PushJob job{};
     job.worker = worker;
     job.join = true;

@@ -71,8 +71,14 @@ class SumEngine {
   using Post = std::function<void(std::vector<ServerReply>&&)>;
   SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
-  void Submit(PushJob&& job);  // called by the I/O thread only
+  // Called by the I/O thread only. A small push wakes its lane only at the
+  // next Flush(): the I/O thread hands over everything it received in one
+  // go with one wake-up per lane, not one per push (each costs a context
+  // switch: most of a small push's cost on the server). A large one wakes
+  // it at once, so summing overlaps with receiving the next.
+  void Submit(PushJob&& job);
   void SubmitJoin(int worker);  // every lane sees it, after the worker's pushes
+  void Flush();                 // wakes the lanes that Submit left waiting
 
  private:
   struct KeyState {
@@ -107,6 +113,7 @@ class SumEngine {
     std::condition_variable cv;
     std::deque<PushJob> queue;
     bool stop = false;
+    bool unwoken = false;  // I/O thread only: queued jobs the lane was not told of
     std::unordered_map<uint64_t, KeyState> keys;
     std::vector<bool> joined;  // per worker, until every worker has joined
     int joined_count = 0;
