@@ -55,8 +55,11 @@ void SumEngine::Submit(PushJob&& job) {
   auto it = lane_of_key_.find(job.key);
   size_t idx;
   if (it == lane_of_key_.end()) {
+    // Small keys share lane 0: a batch of them then wakes one thread, not
+    // every lane (their sums take far less than a wake-up); large keys
+    // spread by bytes, lane 0 counting the small ones too.
     idx = 0;
-    for (size_t i = 1; i < lane_bytes_.size(); ++i) {
+    for (size_t i = 1; job.payload.size() >= kWakeAtOnceBytes && i < lane_bytes_.size(); ++i) {
       if (lane_bytes_[i] < lane_bytes_[idx]) idx = i;
     }
     lane_bytes_[idx] += job.payload.size();
