@@ -1,6 +1,7 @@
 // The server's summation engine: partitions are bound to engine threads
-// (each key to the least-loaded thread, by bytes), so one key is only ever
-// touched by one thread and needs no lock. A round of a key completes when
+// (each key to the least-loaded thread, by bytes; keys under 64 KiB all to
+// the first, so that a batch of small pushes wakes one thread), so one key
+// is only ever touched by one thread and needs no lock. A round of a key completes when
 // its contributors (every worker, or the members of a process set: the
 // push header says how many) have pushed it; then each gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
