@@ -28,11 +28,14 @@ SumEngine::SumEngine(int server_id, int num_workers, int threads, Post post)
     : server_id_(server_id), num_workers_(num_workers), post_(std::move(post)) {
   if (threads < 1) threads = 1;
   lane_bytes_.assign(static_cast<size_t>(threads), 0);
-  join_lanes_left_ = threads;
-  for (int i = 0; i < threads; ++i) {
+  for (int i = 0; i <= threads; ++i) {
     lanes_.emplace_back(new Lane());
     lanes_.back()->joined.assign(static_cast<size_t>(num_workers), false);
-    Lane* lane = lanes_.back().get();
+  }
+  join_lanes_left_ = static_cast<int>(lanes_.size());
+  // The last lane, small keys', runs on the caller's thread (Flush).
+  for (int i = 0; i < threads; ++i) {
+    Lane* lane = lanes_[static_cast<size_t>(i)].get();
     lane->thread = std::thread([this, lane] {
       NameThisThread("bps-sum");
       Run(lane);
@@ -48,58 +51,66 @@ SumEngine::~SumEngine() {
     }
     lane->cv.notify_one();
   }
-  for (auto& lane : lanes_) lane->thread.join();
+  for (auto& lane : lanes_) {
+    if (lane->thread.joinable()) lane->thread.join();
+  }
 }
 
 void SumEngine::Submit(PushJob&& job) {
   auto it = lane_of_key_.find(job.key);
   size_t idx;
   if (it == lane_of_key_.end()) {
-    // Small keys share lane 0: a batch of them then wakes one thread, not
-    // every lane (their sums take far less than a wake-up); large keys
-    // spread by bytes, lane 0 counting the small ones too.
-    idx = 0;
-    for (size_t i = 1; job.payload.size() >= kWakeAtOnceBytes && i < lane_bytes_.size(); ++i) {
-      if (lane_bytes_[i] < lane_bytes_[idx]) idx = i;
+    // A small key's sum takes far less than waking a thread: small keys
+    // are summed on this (the I/O) thread; large ones go to the summing
+    // thread with the fewest bytes.
+    idx = lanes_.size() - 1;
+    if (job.payload.size() >= kWakeAtOnceBytes) {
+      idx = 0;
+      for (size_t i = 1; i < lane_bytes_.size(); ++i) {
+        if (lane_bytes_[i] < lane_bytes_[idx]) idx = i;
+      }
+      lane_bytes_[idx] += job.payload.size();
     }
-    lane_bytes_[idx] += job.payload.size();
     lane_of_key_[job.key] = idx;
   } else {
     idx = it->second;
   }
-  Lane* lane = lanes_[idx].get();
-  const bool small = job.payload.size() < kWakeAtOnceBytes;
+  Queue(lanes_[idx].get(), std::move(job));
+}
+
+void SumEngine::Queue(Lane* lane, PushJob&& job) {
   {
     std::lock_guard<std::mutex> lock(lane->mu);
     lane->queue.push_back(std::move(job));
   }
-  if (small) {
-    lane->unwoken = true;
+  if (lane == lanes_.back().get()) {
+    lane->unwoken = true;  // summed at the next Flush
   } else {
-    lane->unwoken = false;
     lane->cv.notify_one();
   }
 }
 
 void SumEngine::Flush() {
-  for (auto& lane : lanes_) {
-    if (!lane->unwoken) continue;
-    lane->unwoken = false;
-    lane->cv.notify_one();
+  Lane* own = lanes_.back().get();
+  if (!own->unwoken) return;
+  own->unwoken = false;
+  std::deque<PushJob> batch;
+  {
+    std::lock_guard<std::mutex> lock(own->mu);
+    batch.swap(own->queue);
   }
+  std::vector<ServerReply> replies;
+  for (auto& job : batch) Process(own, std::move(job), &replies);
+  if (!replies.empty()) post_(std::move(replies));
 }
 
 void SumEngine::SubmitJoin(int worker) {
+  // Every lane sees it after the worker's pushes queued there.
   for (auto& lane : lanes_) {
-    lane->unwoken = false;  // woken below, with the pushes before the join
     PushJob job{};
     job.worker = worker;
     job.join = true;
-    {
-      std::lock_guard<std::mutex> lock(lane->mu);
-      lane->queue.push_back(std::move(job));
-    }
-    lane->cv.notify_one();
+    Queue(lane.get(), std::move(job));
   }
 }
 

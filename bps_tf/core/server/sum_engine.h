@@ -1,7 +1,7 @@
 // The server's summation engine: partitions are bound to engine threads
-// (each key to the least-loaded thread, by bytes; keys under 64 KiB all to
-// the first, so that a batch of small pushes wakes one thread), so one key
-// is only ever touched by one thread and needs no lock. A round of a key completes when
+// (each key to the least-loaded thread, by bytes; keys under 64 KiB to the
+// I/O thread itself, at Flush, since waking a thread costs more than their
+// sum), so one key is only ever touched by one thread and needs no lock. A round of a key completes when
 // its contributors (every worker, or the members of a process set: the
 // push header says how many) have pushed it; then each gets one reply sharing the
 // summed buffer, and the next round accumulates into a fresh buffer, so a
@@ -72,14 +72,15 @@ class SumEngine {
   using Post = std::function<void(std::vector<ServerReply>&&)>;
   SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
-  // Called by the I/O thread only. A small push wakes its lane only at the
-  // next Flush(): the I/O thread hands over everything it received in one
-  // go with one wake-up per lane, not one per push (each costs a context
-  // switch: most of a small push's cost on the server). A large one wakes
-  // it at once, so summing overlaps with receiving the next.
+  // Called by the I/O thread only. A push of a small key (under 64 KiB)
+  // waits for the next Flush(), which sums every such push queued since on
+  // the calling thread: handing it to a summing thread would cost a
+  // context switch each way, far more than the sum (most of a small push's
+  // cost on the server). A large key's push wakes its summing thread at
+  // once, so summing overlaps with receiving the next.
   void Submit(PushJob&& job);
   void SubmitJoin(int worker);  // every lane sees it, after the worker's pushes
-  void Flush();                 // wakes the lanes that Submit left waiting
+  void Flush();
 
  private:
   struct KeyState {
@@ -114,7 +115,7 @@ class SumEngine {
     std::condition_variable cv;
     std::deque<PushJob> queue;
     bool stop = false;
-    bool unwoken = false;  // I/O thread only: queued jobs the lane was not told of
+    bool unwoken = false;  // the small keys' lane: jobs queued since the last Flush
     std::unordered_map<uint64_t, KeyState> keys;
     std::vector<bool> joined;  // per worker, until every worker has joined
     int joined_count = 0;
@@ -123,6 +124,7 @@ class SumEngine {
   // Whether `worker` takes part in the key (true when the set is unknown).
   static bool IsMember(const KeyState& st, int worker);
   void Run(Lane* lane);
+  void Queue(Lane* lane, PushJob&& job);  // wakes a summing thread's lane
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
   // Process's steps. The first push of a key describes it; a push that does
   // not agree with that description (who takes part, async, reduce op) or
@@ -154,6 +156,7 @@ class SumEngine {
   int server_id_;
   int num_workers_;
   Post post_;
+  // One per summing thread, then the small keys' lane (no thread: Flush).
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::unordered_map<uint64_t, size_t> lane_of_key_;
   std::vector<uint64_t> lane_bytes_;
