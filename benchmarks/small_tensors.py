@@ -35,11 +35,11 @@ IN_GRAPH = "TF op in-graph"
 IN_GRAPH_CLEAR = "TF op in-graph no-enc"
 
 
-def make_cases(in_flight, tensor_bytes: int, quick: bool):
+def make_cases(in_flight, tensor_bytes: int, quick: bool, reps_override: int = 0):
     cases = []
     for k in in_flight:
         # About the same number of push_pulls per case, whatever K.
-        reps = max(20, (800 if quick else 4000) // k)
+        reps = reps_override or max(20, (800 if quick else 4000) // k)
         cases.append({"label": f"k{k}", "in_flight": k, "warmup": 3, "reps": reps,
                       "tensors": [[f"t{i}", [tensor_bytes // 4], 0] for i in range(k)]})
     return cases
@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="timed repetitions per case (default about 4,000 push_pulls, 800 "
+                         "with --quick): at 64 in flight --quick times 20 batches, ~60 ms, "
+                         "which one scheduler hiccup on a loaded machine can move by 30 %%")
     ap.add_argument("--no-tf-op", action="store_true", help="numpy API only")
     ap.add_argument("--encryption", choices=("on", "off", "both", "all"), default="on",
                     help="BYTEPS_ENCRYPTION of the jobs; both: the numpy path and the "
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     in_flight = [int(k) for k in args.in_flight.split(",")]
-    cases = make_cases(in_flight, common.parse_size(args.bytes), args.quick)
+    cases = make_cases(in_flight, common.parse_size(args.bytes), args.quick, args.reps)
     extra = dict(item.split("=", 1) for item in args.env)
     enc = {**extra, "BYTEPS_ENCRYPTION": "0" if args.encryption == "off" else "1"}
     paths = {"numpy": ("bps_numpy.py", enc)}
