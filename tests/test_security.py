@@ -564,6 +564,7 @@ class ZmtpAttacker(TapProxy):
 
     def __init__(self, listen, target, attack, direction="to server"):
         self.attack, self.direction, self.done, self.held = attack, direction, False, None
+        self.shared_form = None  # of the attacked message (a sealed link's form bit)
         super().__init__(listen, target)
 
     def _pump(self, src, dst, record):
@@ -634,7 +635,12 @@ class ZmtpAttacker(TapProxy):
                 self.done = True
         if not target:
             dst.sendall(out)
-        elif self.attack == "changed":
+            return
+        # The sealed header's counter (8 bytes, little-endian) has its top
+        # bit set when the payload was encrypted once for several links.
+        head, head_at = frames[0]
+        self.shared_form = len(head) > head_at + 8 and bool(head[head_at + 7] & 0x80)
+        if self.attack == "changed":
             raw, at = frames[1]
             flipped = bytearray(raw)
             flipped[at + 1000] ^= 0x01
@@ -688,10 +694,15 @@ def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why
                 assert json.load(f)["bad"] == []
 
 
-def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path):
+@pytest.mark.parametrize("fusion", ["262144", "0"], ids=["default", "no-fusion"])
+def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path, fusion):
     """The same attack on a server's reply, which a worker decrypts straight
     into its output tensor: the reply fails authentication, the worker stops
-    saying so, and no push_pull returns what the decryption left there."""
+    saying so, and no push_pull returns what the decryption left there. With
+    fusion off every reply is a sum sent alone to each of both workers, so
+    encrypted once for both (link_cipher.h SharedSeal): the changed one is
+    refused the same way. (With fusion on, a reply goes fused or alone as
+    the sums happen to be ready together or not.)"""
     relay = []
 
     def start_relay(port):
@@ -702,7 +713,7 @@ def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path):
     env = {"BYTEPS_ENCRYPTION": "1", "PATTERN_VALUE": str(PATTERN_VALUE),
            "BYTEPS_ENABLE_IPC": "0", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
            "BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
-           "BYTEPS_FATAL_EXIT_GRACE": "2"}
+           "BYTEPS_FATAL_EXIT_GRACE": "2", "BYTEPS_FUSION_THRESHOLD": fusion}
     try:
         with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
                            server_env={"DMLC_NODE_HOST": "127.0.0.2"},
@@ -714,6 +725,8 @@ def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path):
         for r in relay:
             r.close()
     assert relay[0].done, "the relay saw no reply"
+    if fusion == "0":
+        assert relay[0].shared_form, "the changed reply was not one encrypted for both workers"
     assert codes != [0, 0], logs
     assert any("failed authentication" in logs[n] for n in ("worker0", "worker1")), logs
     for r in range(2):
