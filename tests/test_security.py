@@ -273,7 +273,8 @@ def test_a_sealed_link_carries_messages_both_ways_unreadable_to_others(size):
         assert (verdict, header, opened) == ("ok", HEADER, payload)
         # The same message sealed again looks nothing like the first time.
         again = sender.seal(HEADER, payload)
-        assert again[0] != sealed and (size == 0 or again[1] != cipher)
+        # (A ciphertext under 16 bytes may repeat by chance: 1 byte 1 time in 256.)
+        assert again[0] != sealed and (size < 16 or again[1] != cipher)
         assert receiver.open(*again)[0] == "ok"
 
 
@@ -424,8 +425,9 @@ def test_a_payload_sealed_once_for_several_links_opens_on_each_and_nowhere_else(
     # ciphertext differs even for the same bytes, and the old ciphertext
     # does not open under the new header.
     again = _core().LinkEnd.seal_shared(servers, HEADER, payload)
-    assert again[0][1] != sent[0][1]
-    assert c0.open(again[0][0], sent[0][1])[0] == "forged"
+    if size >= 16:  # one byte under two keys is the same byte 1 time in 256
+        assert again[0][1] != sent[0][1]
+        assert c0.open(again[0][0], sent[0][1])[0] == "forged"
     # That did not move the counter: the real message opens; link-sealed
     # and shared messages interleave on one link.
     assert c0.open(*again[0]) == ("ok", HEADER, payload)
