@@ -148,9 +148,9 @@ SETTINGS = (
             "about 25 % faster). Freed memory up to the process's peak stays "
             "mapped. 0: leave glibc's settings (and your GLIBC_TUNABLES) alone."),
     Setting("BYTEPS_SERVER_ENGINE_THREAD", "engine_threads", "4", _int,
-            "Threads a server uses to sum the partitions of 64 KiB or more it owns; "
-            "smaller ones are summed by its I/O thread, once per batch received (handing "
-            "a small sum to another thread costs more than the sum)."),
+            "Threads a server uses to sum the partitions of 64 KiB or more (and the "
+            "compressed ones) it owns; smaller ones are summed by its I/O thread, once per "
+            "batch received (handing a small sum to another thread costs more than the sum)."),
     Setting("BYTEPS_ENABLE_ASYNC", "async", "0", _bool,
             "Asynchronous parameter-server training: BytePSStrategy defaults to "
             "mode='async' and the Keras DistributedOptimizer pushes weight "

@@ -113,15 +113,26 @@ def check_mismatch():
     h, out = start("after_mismatch", np.ones(5, np.float32))
     h.wait(60)
     result["after"] = out.tolist()
-    # The same name in flight twice is refused at once.
+    # The same name in flight twice is refused at once. Each worker checks
+    # its own name, which the other pushes only once this worker has made
+    # its second call, so the first cannot have completed in between (a
+    # fast server answers a small push in less than a Python call).
     a = np.ones(10, np.float32)
-    h1, _ = start("twice", a)
-    h2, _ = start("twice", a)
+    mine, theirs = f"twice{rank}", f"twice{1 - rank}"
+    h1, _ = start(mine, a)
+    h2, _ = start(mine, a)
     try:
         h2.wait(60)
         result["twice_error"] = None
     except RuntimeError as exc:
         result["twice_error"] = str(exc)
+    open(os.path.join(OUT, f"twice_checked{rank}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(OUT, f"twice_checked{1 - rank}")):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the other worker never reached the in-flight-twice check")
+        time.sleep(0.01)
+    start(theirs, a)[0].wait(60)
     h1.wait(60)
 
 

@@ -9,8 +9,9 @@ namespace bps {
 
 namespace {
 
-// From this payload size up, a push wakes its lane as soon as it is queued.
-constexpr size_t kWakeAtOnceBytes = 64 << 10;
+// From this payload size up a key has a summing thread of its own (below,
+// its sum costs less than handing it to a thread and back).
+constexpr size_t kOwnThreadBytes = 64 << 10;
 
 // An error a worker matches to its pending push by the round it sent.
 ServerReply RoundError(const PushJob& job, ServerReply&& r) {
@@ -62,9 +63,10 @@ void SumEngine::Submit(PushJob&& job) {
   if (it == lane_of_key_.end()) {
     // A small key's sum takes far less than waking a thread: small keys
     // are summed on this (the I/O) thread; large ones go to the summing
-    // thread with the fewest bytes.
+    // thread with the fewest bytes. A compressed push is small for a large
+    // partition (decompressing and re-compressing it is the large part).
     idx = lanes_.size() - 1;
-    if (job.payload.size() >= kWakeAtOnceBytes) {
+    if (job.compressed || job.payload.size() >= kOwnThreadBytes) {
       idx = 0;
       for (size_t i = 1; i < lane_bytes_.size(); ++i) {
         if (lane_bytes_[i] < lane_bytes_[idx]) idx = i;

@@ -72,12 +72,12 @@ class SumEngine {
   using Post = std::function<void(std::vector<ServerReply>&&)>;
   SumEngine(int server_id, int num_workers, int threads, Post post);
   ~SumEngine();
-  // Called by the I/O thread only. A push of a small key (under 64 KiB)
-  // waits for the next Flush(), which sums every such push queued since on
-  // the calling thread: handing it to a summing thread would cost a
-  // context switch each way, far more than the sum (most of a small push's
-  // cost on the server). A large key's push wakes its summing thread at
-  // once, so summing overlaps with receiving the next.
+  // Called by the I/O thread only. A push of a small key (under 64 KiB and
+  // not compressed) waits for the next Flush(), which sums every such push
+  // queued since on the calling thread: handing it to a summing thread
+  // would cost a context switch each way, far more than the sum (most of a
+  // small push's cost on the server). A large key's push wakes its summing
+  // thread at once, so summing overlaps with receiving the next.
   void Submit(PushJob&& job);
   void SubmitJoin(int worker);  // every lane sees it, after the worker's pushes
   void Flush();
