@@ -87,6 +87,8 @@ def main(argv=None) -> int:
                     help="a setting for every job (repeatable), e.g. BYTEPS_FUSION_CYCLE_TIME_MS=1")
     ap.add_argument("--out-dir")
     args = ap.parse_args(argv)
+    if args.reps < 0:
+        ap.error("--reps: a number of repetitions, or 0 for the default")
 
     in_flight = [int(k) for k in args.in_flight.split(",")]
     cases = make_cases(in_flight, common.parse_size(args.bytes), args.quick, args.reps)

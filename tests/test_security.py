@@ -654,24 +654,22 @@ class ZmtpAttacker(TapProxy):
                 self.held = (dst, out)
 
 
-@pytest.mark.parametrize("attack", ["changed", "replayed", "reordered"])
-def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why(
-        tmp_path, attack):
-    """An attacker on the path between the workers and the server changes,
-    repeats or reorders one push of a real job. The server rejects that
-    message (nothing is summed from it), tells the worker, and the worker
-    stops with what happened instead of computing on: every process exits
-    non-zero, no push_pull returns a wrong sum."""
+def _job_through_attacker(tmp_path, attack, direction="to server", env=None):
+    """A job of 2 workers and 1 server over TCP with sealed links, ROUNDS
+    push_pulls of a pattern tensor in 64 KiB partitions, its workers reaching
+    the server through a ZmtpAttacker doing `attack` in `direction`. Returns
+    (the relay, the workers' exit codes, the logs)."""
     relay = []
 
     def start_relay(port):
-        relay.append(ZmtpAttacker(("127.0.0.2", port), ("127.0.0.1", port), attack))
+        relay.append(ZmtpAttacker(("127.0.0.2", port), ("127.0.0.1", port), attack,
+                                  direction=direction))
         return {"DMLC_PS_ROOT_URI": "127.0.0.2"}
 
     env = {"BYTEPS_ENCRYPTION": "1", "PATTERN_VALUE": str(PATTERN_VALUE),
            "BYTEPS_ENABLE_IPC": "0", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
            "BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
-           "BYTEPS_FATAL_EXIT_GRACE": "2"}
+           "BYTEPS_FATAL_EXIT_GRACE": "2", **(env or {})}
     try:
         with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
                            server_env={"DMLC_NODE_HOST": "127.0.0.2"},
@@ -682,18 +680,34 @@ def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why
     finally:
         for r in relay:
             r.close()
-    assert relay[0].done, "the relay saw no push"
+    return relay[0], codes, logs
+
+
+def _assert_no_wrong_sum(tmp_path):
+    """A worker that finished its rounds found every sum exact."""
+    for r in range(2):
+        if os.path.exists(tmp_path / f"rank{r}.json"):
+            with open(tmp_path / f"rank{r}.json") as f:
+                assert json.load(f)["bad"] == []
+
+
+@pytest.mark.parametrize("attack", ["changed", "replayed", "reordered"])
+def test_a_push_changed_replayed_or_reordered_on_the_wire_stops_the_job_with_why(
+        tmp_path, attack):
+    """An attacker on the path between the workers and the server changes,
+    repeats or reorders one push of a real job. The server rejects that
+    message (nothing is summed from it), tells the worker, and the worker
+    stops with what happened instead of computing on: every process exits
+    non-zero, no push_pull returns a wrong sum."""
+    relay, codes, logs = _job_through_attacker(tmp_path, attack)
+    assert relay.done, "the relay saw no push"
     assert codes != [0, 0], logs
     words = "came again or out of order" if attack != "changed" else "failed authentication"
     told = [n for n in ("worker0", "worker1")
             if "rejected a message of this node" in logs[n] and words in logs[n]]
     assert told, logs
     assert "rejected a message from a peer" in logs["server0"], logs["server0"]
-    # A worker that finished its rounds found every sum exact.
-    for r in range(2):
-        if os.path.exists(tmp_path / f"rank{r}.json"):
-            with open(tmp_path / f"rank{r}.json") as f:
-                assert json.load(f)["bad"] == []
+    _assert_no_wrong_sum(tmp_path)
 
 
 @pytest.mark.parametrize("fusion", ["262144", "0"], ids=["default", "no-fusion"])
@@ -705,36 +719,14 @@ def test_a_reply_changed_on_the_wire_stops_the_job_with_why(tmp_path, fusion):
     encrypted once for both (link_cipher.h SharedSeal): the changed one is
     refused the same way. (With fusion on, a reply goes fused or alone as
     the sums happen to be ready together or not.)"""
-    relay = []
-
-    def start_relay(port):
-        relay.append(ZmtpAttacker(("127.0.0.2", port), ("127.0.0.1", port), "changed",
-                                  direction="to worker"))
-        return {"DMLC_PS_ROOT_URI": "127.0.0.2"}
-
-    env = {"BYTEPS_ENCRYPTION": "1", "PATTERN_VALUE": str(PATTERN_VALUE),
-           "BYTEPS_ENABLE_IPC": "0", "BYTEPS_PARTITION_BYTES": str(64 * 1024),
-           "BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
-           "BYTEPS_FATAL_EXIT_GRACE": "2", "BYTEPS_FUSION_THRESHOLD": fusion}
-    try:
-        with ManualCluster(2, 1, [WORKER, "pattern", str(tmp_path), str(ROUNDS)], env=env,
-                           server_env={"DMLC_NODE_HOST": "127.0.0.2"},
-                           before_workers=start_relay) as c:
-            assert c.wait_all(c.workers + c.servers, timeout=120)
-            codes = [p.returncode for p in c.workers]
-            logs = {name: c.log(name) for name in ("worker0", "worker1", "server0")}
-    finally:
-        for r in relay:
-            r.close()
-    assert relay[0].done, "the relay saw no reply"
+    relay, codes, logs = _job_through_attacker(tmp_path, "changed", direction="to worker",
+                                               env={"BYTEPS_FUSION_THRESHOLD": fusion})
+    assert relay.done, "the relay saw no reply"
     if fusion == "0":
-        assert relay[0].shared_form, "the changed reply was not one encrypted for both workers"
+        assert relay.shared_form, "the changed reply was not one encrypted for both workers"
     assert codes != [0, 0], logs
     assert any("failed authentication" in logs[n] for n in ("worker0", "worker1")), logs
-    for r in range(2):
-        if os.path.exists(tmp_path / f"rank{r}.json"):
-            with open(tmp_path / f"rank{r}.json") as f:
-                assert json.load(f)["bad"] == []
+    _assert_no_wrong_sum(tmp_path)
 
 
 @pytest.mark.parametrize("job, newcomer, theirs, mine", [

@@ -115,7 +115,6 @@ class SumEngine {
     std::condition_variable cv;
     std::deque<PushJob> queue;
     bool stop = false;
-    bool unwoken = false;  // the small keys' lane: jobs queued since the last Flush
     std::unordered_map<uint64_t, KeyState> keys;
     std::vector<bool> joined;  // per worker, until every worker has joined
     int joined_count = 0;
@@ -124,7 +123,7 @@ class SumEngine {
   // Whether `worker` takes part in the key (true when the set is unknown).
   static bool IsMember(const KeyState& st, int worker);
   void Run(Lane* lane);
-  void Queue(Lane* lane, PushJob&& job);  // wakes a summing thread's lane
+  void Queue(Lane* lane, PushJob&& job);  // and wakes its summing thread, if it has one
   void Process(Lane* lane, PushJob&& job, std::vector<ServerReply>* replies);
   // Process's steps. The first push of a key describes it; a push that does
   // not agree with that description (who takes part, async, reduce op) or

@@ -115,10 +115,6 @@ class ZmqChannel : public Channel {
     return Peer{static_cast<int>(links_.size() - 1), ""};
   }
 
-  bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) override {
-    return SendShared(to, header, std::move(payload), nullptr);
-  }
-
   bool SendShared(const Peer& to, const FrameHeader& header, Msg&& payload,
                   SharedSealSlot* slot) override {
     Socket* s = Open(to.link);

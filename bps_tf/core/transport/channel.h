@@ -59,14 +59,17 @@ class Channel {
                       std::string* bound) = 0;
   // Sends the header, its payload size filled in, and the payload. False
   // (errno in zmq_errno()) when the peer is unknown or its link is closed.
-  virtual bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) = 0;
+  bool Send(const Peer& to, const FrameHeader& header, Msg&& payload) {
+    return SendShared(to, header, std::move(payload), nullptr);
+  }
   bool Send(const Peer& to, const FrameHeader& header, const std::string& payload) {
     return Send(to, header, Msg(payload.data(), payload.size()));
   }
   // Send, for a payload that goes unchanged to several peers (a server's
   // sum, to each worker): every send of it passes the same slot, and sealed
   // links encrypt it once for all of them (link_cipher.h SharedSeal). The
-  // caller keeps the bytes unchanged while the slot lives.
+  // caller keeps the bytes unchanged while the slot lives. A null slot: a
+  // payload for this peer alone (Send).
   virtual bool SendShared(const Peer& to, const FrameHeader& header, Msg&& payload,
                           SharedSealSlot* slot) = 0;
   // Blocks up to timeout_ms for traffic or a notice on the channel's

@@ -153,6 +153,29 @@ void FreeSealed(void*, void* hint) {
   delete s;
 }
 
+// Encrypts n bytes of `plain` to `cipher` in the slices SlicesFor(n) picks,
+// slice i under `key` and nonce (counter, 1 + i); returns their tags. An
+// empty payload is one empty slice: its tag still binds it.
+std::string SealSlices(const SuiteOps& ops, const unsigned char* key, uint64_t counter,
+                       const char* plain, char* cipher, size_t n) {
+  const size_t ab = ops.abytes;
+  const int slices = SlicesFor(n);
+  std::string tags(slices * ab, '\0');
+  unsigned char* t = reinterpret_cast<unsigned char*>(&tags[0]);
+  unsigned char none = 0;
+  const unsigned char* p = n ? reinterpret_cast<const unsigned char*>(plain) : &none;
+  unsigned char* c = n ? reinterpret_cast<unsigned char*>(cipher) : &none;
+  RunSlices(slices, [&](int i) {
+    size_t begin, len;
+    SliceOf(n, slices, i, &begin, &len);
+    unsigned char nonce[kMaxNonce];
+    Nonce(counter, static_cast<uint8_t>(1 + i), ops.npub, nonce);
+    ops.encrypt(c + begin, t + i * ab, nullptr, p + begin, len, nullptr, 0, nullptr, nonce, key);
+  });
+  if (slices > 1) Stats::Get().messages_sealed_in_slices++;
+  return tags;
+}
+
 }  // namespace
 
 // One link's hold on a shared ciphertext, and on the plaintext that link
@@ -234,33 +257,21 @@ Msg LinkCipher::SealHeader(uint64_t counter, const FrameHeader& h, const std::st
   return head;
 }
 
-void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* frames) {
-  const SuiteOps* ops = OpsOf(suite_);
-  if (!ops) throw Error("sealing a message on a link whose handshake is not done");
+uint64_t LinkCipher::NextCounter() {
+  if (!OpsOf(suite_)) throw Error("sealing a message on a link whose handshake is not done");
   // 2^63 messages would take centuries; refusing beats reusing a nonce.
   if (sent_ + 1 >= kSharedPayload) throw Error("a link's message counter is exhausted");
-  const uint64_t counter = ++sent_;
-  const size_t ab = ops->abytes, n = payload.size();
-  const int slices = SlicesFor(n);
-  std::string tags(slices * ab, '\0');
-  unsigned char* t = reinterpret_cast<unsigned char*>(&tags[0]);
-  // An empty payload is one empty slice: its tag still binds it.
-  unsigned char none = 0;
+  return ++sent_;
+}
+
+void LinkCipher::Seal(const FrameHeader& h, Msg&& payload, std::vector<Msg>* frames) {
+  const uint64_t counter = NextCounter();
+  const size_t n = payload.size();
   Sealed* s = n ? new Sealed{std::move(payload), new char[n]} : nullptr;
-  const unsigned char* plain = s ? reinterpret_cast<const unsigned char*>(s->plain.data()) : &none;
-  unsigned char* cipher = s ? reinterpret_cast<unsigned char*>(s->cipher) : &none;
-  RunSlices(slices, [&](int i) {
-    size_t begin, len;
-    SliceOf(n, slices, i, &begin, &len);
-    unsigned char nonce[kMaxNonce];
-    Nonce(counter, static_cast<uint8_t>(1 + i), ops->npub, nonce);
-    ops->encrypt(cipher + begin, t + i * ab, nullptr, plain + begin, len, nullptr, 0, nullptr,
-                 nonce, tx_);
-  });
-  Msg body = s ? Msg(s->cipher, n, &FreeSealed, s) : Msg();
-  if (slices > 1) Stats::Get().messages_sealed_in_slices++;
+  const std::string tags = SealSlices(*OpsOf(suite_), tx_, counter, s ? s->plain.data() : nullptr,
+                                      s ? s->cipher : nullptr, n);
   frames->push_back(SealHeader(counter, h, tags, nullptr, 0));
-  frames->push_back(std::move(body));
+  frames->push_back(s ? Msg(s->cipher, n, &FreeSealed, s) : Msg());
 }
 
 SharedSeal::SharedSeal(Suite suite, const Msg& plain) : suite_(suite), size_(plain.size()) {
@@ -269,22 +280,8 @@ SharedSeal::SharedSeal(Suite suite, const Msg& plain) : suite_(suite), size_(pla
   // A key of its own for every payload: it seals nothing else, so the
   // fixed nonces (0, 1 + i) never repeat under it.
   Lib().api.randombytes_buf(key_, ops->key);
-  const size_t ab = ops->abytes, n = size_;
-  const int slices = SlicesFor(n);
-  tags_.assign(slices * ab, '\0');
-  unsigned char* t = reinterpret_cast<unsigned char*>(&tags_[0]);
-  unsigned char none = 0;
-  if (n) cipher_ = new char[n];
-  const unsigned char* p = n ? reinterpret_cast<const unsigned char*>(plain.data()) : &none;
-  unsigned char* c = n ? reinterpret_cast<unsigned char*>(cipher_) : &none;
-  RunSlices(slices, [&](int i) {
-    size_t begin, len;
-    SliceOf(n, slices, i, &begin, &len);
-    unsigned char nonce[kMaxNonce];
-    Nonce(0, static_cast<uint8_t>(1 + i), ops->npub, nonce);
-    ops->encrypt(c + begin, t + i * ab, nullptr, p + begin, len, nullptr, 0, nullptr, nonce, key_);
-  });
-  if (slices > 1) Stats::Get().messages_sealed_in_slices++;
+  if (size_) cipher_ = new char[size_];
+  tags_ = SealSlices(*ops, key_, 0, plain.data(), cipher_, size_);
 }
 
 SharedSeal::~SharedSeal() {
@@ -294,12 +291,9 @@ SharedSeal::~SharedSeal() {
 
 void LinkCipher::SealShared(const FrameHeader& h, const std::shared_ptr<SharedSeal>& payload,
                             Msg&& keep, std::vector<Msg>* frames) {
-  const SuiteOps* ops = OpsOf(suite_);
-  if (!ops) throw Error("sealing a message on a link whose handshake is not done");
+  const uint64_t counter = NextCounter();
   if (payload->suite() != suite()) throw Error("a shared payload sealed with another AEAD");
-  if (sent_ + 1 >= kSharedPayload) throw Error("a link's message counter is exhausted");
-  const uint64_t counter = ++sent_;
-  frames->push_back(SealHeader(counter, h, payload->tags_, payload->key_, ops->key));
+  frames->push_back(SealHeader(counter, h, payload->tags_, payload->key_, OpsOf(suite_)->key));
   const size_t n = payload->size();
   if (n) {
     auto* ref = new SharedRef{payload, std::move(keep)};

@@ -146,9 +146,12 @@ class LinkCipher {
  private:
   friend class LinkHandshake;
   void Wipe();
-  // Appends the sealed header frame: counter (with `flags`), the payload's
-  // slice tags, then the header and `extra` (a shared payload's key)
-  // encrypted under nonce (counter, 0).
+  // The next message's counter (throws before the handshake, or once the
+  // counter would reach the form bit).
+  uint64_t NextCounter();
+  // The sealed header frame: the counter (its top bit set when `extra`, a
+  // shared payload's key, comes along), the payload's slice tags, then the
+  // header and `extra` encrypted under nonce (counter, 0).
   Msg SealHeader(uint64_t counter, const FrameHeader& h, const std::string& tags,
                  const unsigned char* extra, size_t extra_bytes);
 
