@@ -90,8 +90,9 @@ def main(argv=None) -> int:
     script = "bps_numpy.py" if args.path == "numpy" else "bps_tf_op.py"
     with common.stop_on_signals(), common.processes() as procs:
         warm = [procs.log_dir / f"warm{r}" for r in range(args.workers)]
-        # Enough repetitions to outlast the recording window.
-        per_rep_s = max(args.tensors * size / 0.3e9, args.tensors * 1e-4)
+        # Enough repetitions to outlast the recording window even on a fast
+        # machine (perf fails when the processes it records exit first).
+        per_rep_s = max(args.tensors * size / 1.5e9, args.tensors * 2e-5)
         reps = max(10, int(2 * args.seconds / per_rep_s) + 10)
         case = {"label": common.fmt_size(size).replace(" ", ""), "warmup": 3, "reps": reps,
                 "tensors": [[f"t{i}", [size // 4], 0] for i in range(args.tensors)],
