@@ -21,12 +21,14 @@ clients/servers; W Horovod ranks), run once per round, rounds interleaved:
 A thread samples the CPU time of every process of the job (and their
 children) every 20 ms, from /proc/PID/stat (utime + stime: every thread the
 process ever ran, the ones that have exited included; 10 ms ticks, so a
-case's few CPU-seconds are read to about 1 %). The CPU of a case is the sampled total interpolated
-between the first timed repetition's start and the last one's end (the
-workers' clocks are this machine's CLOCK_MONOTONIC); bytes = W x reps x 2 x
-size (each worker pushes its tensor and pulls the sum). Ratios are per round
-against the baseline column (TCP clear) measured in the same round, then the
-median over rounds. This is what says how many cores a worker and its
+case's few CPU-seconds are read to about 1 %). The CPU of a case is the
+sampled total interpolated between the first timed repetition's start and
+the last one's end (the workers' clocks are this machine's CLOCK_MONOTONIC);
+bytes = W x reps x 2 x size (each worker pushes its tensor and pulls the
+sum). Ratios are per round against the baseline column (TCP clear) measured
+in the same round, then the median over rounds; the targets of issue 37
+(sealed over clear, clear over the echo) are printed the same way, with
+their range over rounds. This is what says how many cores a worker and its
 servers need to feed a 25 or 100 Gbps link, which no machine here has.
 """
 from __future__ import annotations
