@@ -46,6 +46,13 @@ from benchmarks import common, cxx_echo, hvd_peer  # noqa: E402
 from benchmarks.common import PYTHON, WORKERS_DIR, fmt_size, median  # noqa: E402
 
 BASELINE = "TCP clear"
+# (what, numerator column, denominator column, index in a (seconds, core-ns per
+# byte) result, target): the ratios issue 37 set, each taken within one round.
+TARGETS = [
+    ("CPU", "TCP sealed", "TCP clear", 1, "<= 1.5"),
+    ("time", "TCP sealed", "TCP clear", 0, "<= 1.25"),
+    ("CPU", "TCP clear", "C++ echo TCP", 1, "<= 1.3"),
+]
 TCP = {"BYTEPS_ENABLE_IPC": "0"}
 BPS_COLUMNS = {
     "TCP clear": dict(TCP, BYTEPS_ENCRYPTION="0"),
@@ -226,8 +233,11 @@ def main(argv=None) -> int:
     else:
         notes.append(f"Horovod-gloo left out: {reason}")
         print(notes[-1])
-    for name in filter(None, args.skip.split(",")):
-        runners.pop(name.strip(), None)
+    columns = list(BPS_COLUMNS) + ["C++ echo TCP", "C++ echo Unix", "Horovod-gloo"]
+    for name in filter(None, (n.strip() for n in args.skip.split(","))):
+        if name not in columns:
+            ap.error(f"--skip: no column {name!r}; the columns are {', '.join(columns)}")
+        runners.pop(name, None)
     if BASELINE not in runners:
         raise common.JobFailed(f"the baseline column '{BASELINE}' cannot be skipped")
 
@@ -255,8 +265,8 @@ def report(args, cases, runners, got, notes) -> int:
                 "ns_per_byte_rounds": [n for _, n in vals],
                 "ms_rounds": [t * 1e3 for t, _ in vals],
                 # per round against the baseline of that round, then the median
-                "cpu_vs_baseline": median(n / b[1] for (_, n), b in zip(vals, base)),
-                "time_vs_baseline": median(t / b[0] for (t, _), b in zip(vals, base)),
+                "cpu_vs_baseline": median(round_ratios(vals, base, 1)),
+                "time_vs_baseline": median(round_ratios(vals, base, 0)),
             })
     headers = ["size", "path", "ms per push_pull", "core-ns/byte", "GB/s per core",
                "CPU vs TCP clear", "time vs TCP clear"]
@@ -281,13 +291,10 @@ def report(args, cases, runners, got, notes) -> int:
     return 0
 
 
-# (what, numerator column, denominator column, index in a (seconds, core-ns per
-# byte) result, target): the ratios issue 37 set, each taken within one round.
-TARGETS = [
-    ("CPU", "TCP sealed", "TCP clear", 1, "<= 1.5"),
-    ("time", "TCP sealed", "TCP clear", 0, "<= 1.25"),
-    ("CPU", "TCP clear", "C++ echo TCP", 1, "<= 1.3"),
-]
+def round_ratios(vals, base, index):
+    """Item `index` of each round's (seconds, core-ns per byte) result over
+    the same item of the `base` column's result in that round."""
+    return [a[index] / b[index] for a, b in zip(vals, base)]
 
 
 def target_checks(cases, got):
@@ -297,7 +304,7 @@ def target_checks(cases, got):
         for what, num, den, index, target in TARGETS:
             if num not in got or den not in got:
                 continue
-            ratios = [a[index] / b[index] for a, b in zip(got[num][label], got[den][label])]
+            ratios = round_ratios(got[num][label], got[den][label], index)
             out.append({"size": label, "ratio": f"{what}: {num} / {den}", "target": target,
                         "median": median(ratios), "min": min(ratios), "max": max(ratios),
                         "rounds": ratios})

@@ -45,7 +45,8 @@ def record(procs, warm_files, seconds: float, out: Path, result: dict) -> None:
                            "sleep", str(seconds)], capture_output=True, text=True)
     result["t1"] = time.perf_counter()
     if proc.returncode != 0:
-        result["error"] = proc.stderr.strip()[-500:]
+        result["error"] = (f"perf record failed (if the job ended inside the {seconds:g} s "
+                           f"window, use a smaller --seconds): {proc.stderr.strip()[-500:]}")
 
 
 def summarize(data: Path, names: dict, reps_in_window: float, top: int):

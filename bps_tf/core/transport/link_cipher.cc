@@ -291,8 +291,12 @@ SharedSeal::~SharedSeal() {
 
 void LinkCipher::SealShared(const FrameHeader& h, const std::shared_ptr<SharedSeal>& payload,
                             Msg&& keep, std::vector<Msg>* frames) {
+  // Checked before NextCounter, as before the cleanup: a refused message
+  // takes no counter.
+  if (OpsOf(suite_) && payload->suite() != suite()) {
+    throw Error("a shared payload sealed with another AEAD");
+  }
   const uint64_t counter = NextCounter();
-  if (payload->suite() != suite()) throw Error("a shared payload sealed with another AEAD");
   frames->push_back(SealHeader(counter, h, payload->tags_, payload->key_, OpsOf(suite_)->key));
   const size_t n = payload->size();
   if (n) {
