@@ -144,9 +144,13 @@ def test_workers_with_different_local_device_counts_are_refused(cluster):
 def test_workers_in_different_keras_phases_fail_at_once_in_keras_terms(cluster):
     # fit(epochs=1 + rank); then rank 0 evaluates while rank 1 fits; then a
     # callback stops rank 1 after epoch 1. Each fails on every worker at that
-    # boundary, naming what each worker was doing, well within 10 s, and
-    # the job goes on.
+    # boundary, naming what each worker was doing, well within 10 s of the
+    # later worker reaching it, and the job goes on.
     _, _, reports = cluster
+    assert all(reports), reports
+    # Both workers' clocks are this machine's CLOCK_MONOTONIC.
+    last_at = {k: max(r["phases"][k]["boundary_at"] for r in reports)
+               for k in ("epochs", "evaluate", "stop")}
     for report in reports:
         phases = report["phases"]
         assert set(phases) == {"epochs", "evaluate", "stop"}, phases
@@ -157,7 +161,8 @@ def test_workers_in_different_keras_phases_fail_at_once_in_keras_terms(cluster):
         assert "worker 1 started fit with epochs=1" in evaluate, evaluate
         assert stop and "worker 1 ended epoch 1 of fit and stops training" in stop, stop
         assert "worker 0 ended epoch 1 of fit and goes on to epoch 2" in stop, stop
-        assert all(phases[k]["seconds"] < 10 for k in phases), phases
+        delays = {k: phases[k]["raised_at"] - last_at[k] for k in phases}
+        assert all(0 <= d < 10 for d in delays.values()), (delays, phases)
 
 
 def test_variables_built_in_another_order_are_refused_naming_both(cluster):

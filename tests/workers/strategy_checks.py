@@ -305,6 +305,16 @@ def phase_mismatches(rank):
         model.compile(optimizer="sgd", loss="mse")
     x = np.ones((32, 4), "float32")
     y = np.zeros((32, 3), "float32")
+    # The stop's boundary is the first epoch's end, not the fit's start:
+    # the epoch (tracing the train step, on a loaded machine several
+    # seconds) is not the check's delay. CLOCK_MONOTONIC is one clock for
+    # the workers of this machine, so the test compares their times.
+    epoch_ended = {}
+
+    def stop_on_rank_1(epoch, logs):
+        epoch_ended.setdefault("at", _time.monotonic())
+        model.stop_training = rank == 1 and epoch == 0
+
     out = {}
     for name, run in (
             ("epochs", lambda: model.fit(x, y, batch_size=8, epochs=1 + rank, verbose=0)),
@@ -312,8 +322,7 @@ def phase_mismatches(rank):
                                   else model.fit(x, y, batch_size=8, epochs=1, verbose=0))),
             # A callback stops training on one worker only (a rank-dependent EarlyStopping).
             ("stop", lambda: model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
-                keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(
-                    model, "stop_training", rank == 1 and epoch == 0))]))):
+                keras.callbacks.LambdaCallback(on_epoch_end=stop_on_rank_1)]))):
         # Timed from when both workers are here: the divergence starts when
         # the later one reaches the boundary, not when a faster one waits.
         bps_tf.barrier()
@@ -322,7 +331,9 @@ def phase_mismatches(rank):
             run()
             out[name] = {"error": None}
         except PhaseMismatchError as exc:
-            out[name] = {"error": str(exc), "seconds": _time.monotonic() - started}
+            raised = _time.monotonic()
+            out[name] = {"error": str(exc), "seconds": raised - started,
+                         "boundary_at": epoch_ended.get("at", started), "raised_at": raised}
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)    # every worker alike again
     return out
 
