@@ -137,7 +137,7 @@ def test_a_job_whose_workers_finish_ends_with_exit_0(tmp_path):
 
 
 def test_the_reason_a_worker_leaves_is_what_ended_its_program(monkeypatch):
-    from bps_tf.runtime import basics
+    from bps_tf.runtime import basics, messages
     monkeypatch.delattr(sys, "last_type", raising=False)
     monkeypatch.delattr(sys, "ps1", raising=False)
     assert basics.leave_reason() == ""
@@ -146,6 +146,21 @@ def test_the_reason_a_worker_leaves_is_what_ended_its_program(monkeypatch):
     monkeypatch.setattr(sys, "last_type", ValueError, raising=False)
     monkeypatch.setattr(sys, "last_value", ValueError("bad\n  input"), raising=False)
     assert basics.leave_reason() == "failed (ValueError: bad input)"
+    # A long message is cut between words, and says so; TensorFlow's
+    # decoration of an op's error (function, device, op name) is dropped.
+    long = "{{function_node __wrapped__BytepsPushPull_device_/job:localhost/replica:0/task:0/" \
+           "device:CPU:0}} " + " ".join(f"word{i}" for i in range(200)) + \
+           " [Op:BytepsPushPull] name: "
+    monkeypatch.setattr(sys, "last_value", ValueError(long), raising=False)
+    reason = basics.leave_reason()
+    assert reason.startswith("failed (ValueError: word0 word1 ") and reason.endswith(" ...)")
+    words = reason[len("failed (ValueError: "):-len(" ...)")].split(" ")
+    assert words == [f"word{i}" for i in range(len(words))]      # whole words only
+    assert len(reason) <= messages.MAX_CHARS + len("failed (ValueError: ...)") + 1
+    short = "{{function_node f_device_/job:localhost/task:0/device:CPU:0}} push_pull cannot " \
+            "complete: worker 1 left [Op:BytepsPushPull] name: "
+    monkeypatch.setattr(sys, "last_value", ValueError(short), raising=False)
+    assert basics.leave_reason() == "failed (ValueError: push_pull cannot complete: worker 1 left)"
 
 
 def test_each_phase_boundary_says_what_the_worker_is_doing():

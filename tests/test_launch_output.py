@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from bps_tf.launch import output as launch_output, launcher
+from bps_tf.launch import launcher, output as launch_output, procs
 
 LINES = 400
 LONG = 6000      # longer than a pipe's atomic write (4096): must still stay whole
@@ -127,7 +127,106 @@ def test_a_failure_is_named_in_the_end_line(tmp_path):
                     r"worker 0 SIGTERM \([\d.]+ s\), worker 1 exit 3 \([\d.]+ s\)$", err[-1]), err
 
 
+# A worker whose program raised: it tells the job at once (bps_tf's exit
+# handler), then takes long to end (as TensorFlow's teardown does), so the
+# server, which exits 1 because of it, ends first.
+SLOW_FAILURE = r'''
+import atexit, os, time
+atexit.register(time.sleep, 60)    # registered first: runs after bps_tf's shutdown
+import bps_tf
+bps_tf.init()
+if os.environ["DMLC_WORKER_ID"] == "1":
+    raise ValueError("the data of shard 1 is bad")
+bps_tf.shutdown()
+'''
+
+
+def test_the_verdict_names_the_worker_that_failed_first_not_the_server(tmp_path):
+    script = tmp_path / "slow_failure.py"
+    script.write_text(SLOW_FAILURE)
+    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "2", "--timeout",
+                           "60", sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=90, cwd=tempfile.gettempdir())
+    err = proc.stderr.splitlines()
+    # The server went first (the workers were still in their exit handler)...
+    assert "[server 0] bps_tf server: the job failed: worker 1 (host " in proc.stderr, err
+    assert re.match(r"bpslaunch: job failed \(exit code 1\) after [\d.]+ s: server 0 exit 1 .*"
+                    r"worker 1 SIGTERM", err[-1]), err[-3:]
+    # ...but the verdict names the cause, with its exception line.
+    assert re.fullmatch(r"bpslaunch: worker 1 \(pid \d+\) failed first \(ValueError: the data "
+                        r"of shard 1 is bad\); server 0 \(pid \d+\) exited with code 1 after "
+                        r"it; stopping the other processes", err[-2]), err[-3:]
+
+
 # ------------------------------------------------------------- unit level
+
+TRACEBACK = [b"Traceback (most recent call last):", b'  File "x.py", line 3, in <module>',
+             b"    f()", b"KeyError: 'a'", b"", b"During handling of the above exception, "
+             b"another exception occurred:", b"", b"Traceback (most recent call last):",
+             b'  File "x.py", line 5, in <module>', b"    raise ValueError(\"bad\")",
+             b"ValueError: bad", b"  second line of its message"]
+
+
+def test_the_error_watch_keeps_the_first_time_and_the_last_exception_line():
+    watch = launch_output.ErrorWatch()
+    for line in (b"epoch 1: loss 0.5", b"[12:00:01 WARNING bps_tf worker 0] slow step",
+                 b"   Traceback (most recent call last): (quoted, not a traceback)"):
+        watch.feed(line)
+    assert watch.failed_at is None and watch.error == ""
+    watch.feed(TRACEBACK[0])
+    first = watch.failed_at
+    assert first is not None
+    for line in TRACEBACK[1:]:
+        watch.feed(line)
+    assert watch.failed_at == first and watch.error == "ValueError: bad"
+    own = launch_output.ErrorWatch()
+    own.feed(b"bps_tf server: the job failed: worker 1 (host h, pid 7) failed (KeyError: 'a')")
+    assert own.failed_at is not None
+    assert own.error == "bps_tf server: the job failed: worker 1 (host h, pid 7) failed (KeyError: 'a')"
+    long = launch_output.ErrorWatch()
+    long.feed(TRACEBACK[0])
+    long.feed(b"RuntimeError: " + b"word " * 200)
+    assert long.error.endswith("word ...") and len(long.error) <= launch_output.MAX_ERROR_CHARS + 4
+
+
+class _Exited:
+    def __init__(self, pid, code):
+        self.pid, self.returncode = pid, code
+
+    def poll(self):
+        return self.returncode
+
+
+def _child(name, pid, code=None, failed_at=None, error=""):
+    child = procs.Child(name, name.split()[0], _Exited(pid, code))
+    child.errors.failed_at, child.errors.error = failed_at, error
+    if code is not None:
+        child.ended_at = failed_at + 1 if failed_at is not None else 100.0
+    return child
+
+
+def test_the_verdict_blames_the_first_failure_and_the_process_an_error_names():
+    job = procs.Job(grace_s=1)
+    server = _child("server 0", 10, code=1, failed_at=50.0,
+                    error="bps_tf server: the job failed: worker 1 (host h, pid 12) failed (X)")
+    w0 = _child("worker 0", 11)
+    w1 = _child("worker 1", 12, failed_at=40.0, error="ValueError: bad")
+    job.children = [server, w0, w1]
+    assert job.verdict(server) == ("worker 1 (pid 12) failed first (ValueError: bad); server 0 "
+                                   "(pid 10) exited with code 1 after it; stopping the other "
+                                   "processes")
+    # Its own lines not read in time: the server's error names the cause by pid.
+    w1.errors.failed_at, w1.errors.error = None, ""
+    assert job.verdict(server).startswith("worker 1 (pid 12) failed first; server 0 (pid 10) ")
+    # A failure of the process itself: its exit and its error line.
+    job.children = [w0, _child("worker 1", 12, code=3, failed_at=5.0, error="SystemExit: 3")]
+    assert job.verdict(job.children[1], then="") == \
+        "worker 1 (pid 12) exited with code 3 (SystemExit: 3)"
+    # Nothing in the output: the exit alone, as before.
+    quiet = _child("worker 0", 11, code=2)
+    job.children = [quiet]
+    assert job.verdict(quiet) == "worker 0 (pid 11) exited with code 2; stopping the other processes"
 
 def test_child_env_hides_tensorflow_noise_unless_chosen():
     assert launch_output.child_env({}, {}, piped=True) == {

@@ -28,7 +28,7 @@ import logging
 import tensorflow as tf
 
 from bps_tf.comm import collectives, fingerprint, naming
-from bps_tf.runtime import basics, elastic_core, process_sets
+from bps_tf.runtime import basics, elastic_core, messages, process_sets
 
 __all__ = ["ObjectState", "State", "TensorFlowState", "TensorFlowKerasState", "KerasState",
            "HorovodInternalError", "HostsUpdatedInterrupt", "WorkersChangedError", "run"]
@@ -249,7 +249,7 @@ def run(func):
                 if not (isinstance(exc, HorovodInternalError) or elastic_core.changed()):
                     raise
                 log.warning("elastic: the workers changed (%s); restoring the last commit",
-                            " ".join(str(exc).split())[:300])
+                            messages.one_line(exc))
                 state.restore()
                 skip_sync = False
             reset()

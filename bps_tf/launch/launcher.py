@@ -337,7 +337,7 @@ def _supervise(job: Job, deadline: Optional[float], timeout: Optional[float],
         now = time.monotonic()
         for child in job.newly_exited(exited):
             if child.returncode != 0:
-                say(f"{child.label()} {child.exit_text()}; stopping the other processes")
+                say(job.verdict(child))
                 raise Stop(child.returncode if child.returncode > 0 else 1)
             if child.kind == "server" and job.running("worker") and server_left is None:
                 server_left = (now, child)
@@ -432,7 +432,7 @@ def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[s
         job.check(deadline, timeout)
         time.sleep(POLL_INTERVAL_S)
     if child.returncode:
-        say(f"{child.label()} {child.exit_text()}")
+        say(job.verdict(child, then=""))
     return exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)
 
 

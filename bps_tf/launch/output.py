@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Iterable, List, Mapping, Optional
 
-from bps_tf.runtime import config
+from bps_tf.runtime import config, messages
 
 PROG = "bpslaunch"
 
@@ -71,30 +71,87 @@ def hides_tf_startup(user_env: Mapping[str, str]) -> bool:
     return "TF_CPP_MIN_LOG_LEVEL" not in user_env
 
 
+TRACEBACK = b"Traceback (most recent call last):"
+# Lines inside a traceback that are not its exception line: frames and code
+# (indented), the separators of chained exceptions, blank lines.
+_NOT_EXCEPTION = re.compile(rb"^(\s|$|During handling of the above exception|"
+                            rb"The above exception was the direct cause)")
+# bps_tf's own one-line failures: a server's or scheduler's last words, a
+# node's refusal to start (bps_tf/runtime/server.py, runtime/security.py).
+OWN_FAILURE = re.compile(rb"^bps_tf (server|scheduler|worker)( \d+)?: ")
+MAX_ERROR_CHARS = 500
+
+
+class ErrorWatch:
+    """What one child's output says about its failure, for the launcher's verdict.
+
+    ``failed_at``: when (time.monotonic) it first showed an error, a Python
+    traceback or one of bps_tf's failure lines, which may be long before it
+    exits (TensorFlow's teardown takes seconds); ``error``: its last error
+    line, the exception line of its last traceback ("ValueError: ...").
+    Fed whole lines by the thread that copies the child's pipe.
+    """
+
+    def __init__(self) -> None:
+        self.failed_at: Optional[float] = None
+        self.error = ""
+        self._in_traceback = False
+
+    def feed(self, line: bytes) -> None:
+        if line.startswith(TRACEBACK):
+            self._in_traceback = True
+            self._fail()
+        elif self._in_traceback:
+            if not _NOT_EXCEPTION.match(line):
+                self._in_traceback = False
+                self._set_error(line)
+        elif OWN_FAILURE.match(line):
+            self._fail()
+            self._set_error(line)
+
+    def _fail(self) -> None:
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+
+    def _set_error(self, line: bytes) -> None:
+        self.error = messages.one_line(line.decode("utf-8", errors="replace"), MAX_ERROR_CHARS)
+
+
 class ChildOutput:
     """Copies children's stdout/stderr to ours, every line tagged with the child's name.
 
     With ``hide_tf_startup``, TensorFlow's start-up lines (the same on every
-    worker, and not silenced by TF_CPP_MIN_LOG_LEVEL) are dropped.
+    worker, and not silenced by TF_CPP_MIN_LOG_LEVEL) are dropped. Each
+    child's lines also go to its ErrorWatch.
     """
 
     def __init__(self, hide_tf_startup: bool = False) -> None:
         self._threads: List[threading.Thread] = []
+        self._by_pid: dict = {}
         self._noise = TF_STARTUP_NOISE if hide_tf_startup else None
 
-    def attach(self, name: str, popen) -> None:
+    def attach(self, name: str, popen, watch: Optional[ErrorWatch] = None) -> None:
         """Start copying the pipes of ``popen`` (made with stdout=PIPE, stderr=PIPE)."""
         prefix = f"[{name}] ".encode("utf-8")
         for pipe, target in ((popen.stdout, "stdout"), (popen.stderr, "stderr")):
             if pipe is None:
                 continue
-            thread = threading.Thread(target=self._copy, args=(pipe, prefix, target, self._noise),
+            thread = threading.Thread(target=self._copy,
+                                      args=(pipe, prefix, target, self._noise, watch),
                                       name=f"{PROG} {name} {target}", daemon=True)
             thread.start()
             self._threads.append(thread)
+            self._by_pid.setdefault(popen.pid, []).append(thread)
+
+    def drain(self, pid: int, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until an exited child's last lines are read."""
+        give_up = time.monotonic() + timeout_s
+        for thread in self._by_pid.get(pid, []):
+            thread.join(max(0.0, give_up - time.monotonic()))
 
     @staticmethod
-    def _copy(pipe, prefix: bytes, target: str, noise=None) -> None:
+    def _copy(pipe, prefix: bytes, target: str, noise=None,
+              watch: Optional[ErrorWatch] = None) -> None:
         fd = pipe.fileno()
         pending = b""
         try:
@@ -110,12 +167,17 @@ class ChildOutput:
                     *lines, pending = pending.split(b"\n")
                     if noise is not None:
                         lines = [ln for ln in lines if not noise.match(ln)]
+                    if watch is not None:
+                        for line in lines:
+                            watch.feed(line)
                     if lines:
                         write_lines(target, prefixed(prefix, lines))
                 if len(pending) >= MAX_PENDING_BYTES:
                     write_lines(target, prefixed(prefix, [pending]))
                     pending = b""
             if pending:            # a last line without its newline
+                if watch is not None:
+                    watch.feed(pending)
                 write_lines(target, prefixed(prefix, [pending]))
         finally:
             pipe.close()

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import threading
 import time
 from typing import Iterator, List, Mapping, Optional, Sequence
 
-from bps_tf.launch.output import ChildOutput, say
+from bps_tf.launch.output import ChildOutput, ErrorWatch, say
 
 LOG = logging.getLogger("bps_tf.launch.launcher")
 
@@ -26,6 +27,11 @@ POLL_INTERVAL_S = 0.05
 EXIT_TIMEOUT = 124                 # what timeout(1) uses
 EXIT_CANNOT_START = 127            # what a shell uses for "command not found"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long the verdict waits for an exited child's last lines (they may name
+# the process whose failure ended it).
+VERDICT_DRAIN_S = 1.0
+# How bps_tf's messages name a process: "worker 1 (host h, pid 123)".
+_NAMED_PROCESS = re.compile(r"\(host [^,()]*, pid (\d+)\)")
 
 
 class Stop(Exception):
@@ -55,6 +61,7 @@ class Child:
         self.pid = popen.pid      # == its process group id (start_new_session)
         self.started_at = time.monotonic()
         self.ended_at: Optional[float] = None
+        self.errors = ErrorWatch()   # fed from its output when the launcher reads it
 
     @property
     def returncode(self) -> Optional[int]:
@@ -82,6 +89,14 @@ class Child:
 
     def label(self) -> str:
         return f"{self.name} (pid {self.pid})"
+
+    def failed_at(self) -> Optional[float]:
+        """When it first showed that it failed: an error in its output, or a
+        non-zero exit; None while it shows neither."""
+        times = [t for t in (self.errors.failed_at,
+                             self.ended_at if self.returncode not in (None, 0) else None)
+                 if t is not None]
+        return min(times) if times else None
 
     def group_alive(self, live_groups: Optional[set]) -> bool:
         """Whether anything in the child's process group still runs.
@@ -165,7 +180,7 @@ class Job:
         child = Child(name, kind, popen)
         self.children.append(child)
         if self.output is not None:
-            self.output.attach(name, popen)
+            self.output.attach(name, popen, child.errors)
         LOG.info("started %s: %s", child.label(), " ".join(argv))
         return child
 
@@ -187,6 +202,34 @@ class Job:
 
     def running(self, kind: Optional[str] = None) -> List[Child]:
         return [c for c in self.children if c.poll() is None and kind in (None, c.kind)]
+
+    def first_failure(self, trigger: Child) -> Child:
+        """The process whose failure came first, by time: a server that exits
+        because a worker failed is a consequence, not the cause. When the
+        first one's error names another process of the job by its pid (a
+        server's "the job failed: worker 1 (host h, pid 123) failed (...)",
+        "lost worker 1 (...)"), that one is the cause."""
+        failed = [(c.failed_at(), c.kind != "worker", i, c) for i, c in enumerate(self.children)
+                  if c.failed_at() is not None]
+        first = min(failed, key=lambda f: f[:3])[3] if failed else trigger
+        for pid in _NAMED_PROCESS.findall(first.errors.error):
+            named = [c for c in self.children if c.pid == int(pid) and c is not first]
+            if named:
+                return named[0]
+        return first
+
+    def verdict(self, trigger: Child, then: str = "stopping the other processes") -> str:
+        """The launcher's line when ``trigger`` exited non-zero: the process that
+        failed first and its error line (the last exception line of its output)."""
+        if self.output is not None:
+            self.output.drain(trigger.pid, VERDICT_DRAIN_S)
+        culprit = self.first_failure(trigger)
+        error = f" ({culprit.errors.error})" if culprit.errors.error else ""
+        tail = f"; {then}" if then else ""
+        if culprit is trigger:
+            return f"{trigger.label()} {trigger.exit_text()}{error}{tail}"
+        return (f"{culprit.label()} failed first{error}; {trigger.label()} "
+                f"{trigger.exit_text()} after it{tail}")
 
     def newly_exited(self, seen: set) -> List[Child]:
         """Children that exited since the last call, the most telling first."""

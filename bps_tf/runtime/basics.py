@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from bps_tf.runtime import cluster, config, security
+from bps_tf.runtime import cluster, config, messages, security
 from bps_tf.runtime.loader import load_core
 
 _core = None
@@ -139,8 +139,8 @@ def leave_reason() -> str:
         return ""
     if issubclass(kind, KeyboardInterrupt):
         return "was interrupted (SIGINT)"
-    text = " ".join(str(getattr(sys, "last_value", "") or "").split())
-    return f"failed ({kind.__name__}: {text[:300]})" if text else f"failed ({kind.__name__})"
+    text = messages.one_line(getattr(sys, "last_value", "") or "")
+    return f"failed ({kind.__name__}: {text})" if text else f"failed ({kind.__name__})"
 
 
 def suspend() -> None:

@@ -29,7 +29,7 @@ import logging
 import keras
 
 from bps_tf.horovod import elastic as hvd_elastic
-from bps_tf.runtime import basics, elastic_core
+from bps_tf.runtime import basics, elastic_core, messages
 from bps_tf.strategy import choices as strategy_choices
 from bps_tf.strategy import phases
 
@@ -120,7 +120,7 @@ def run_fit(model, strategy, arguments, start):
                 raise
             state.restore()
             log.warning("elastic fit: the workers changed; back to the commit of epoch %d (%s)",
-                        state.epoch, " ".join(str(exc).split())[:200])
+                        state.epoch, messages.one_line(exc))
         hvd_elastic.reset()
         phases.restart_count()
         refresh(strategy)
