@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib
 
 from bps_tf.horovod.lifecycle import init  # noqa: F401  (no TensorFlow)
+from bps_tf.runtime import basics as _basics
 from bps_tf.runtime.basics import (cross_rank, cross_size,  # noqa: F401  (no TensorFlow)
                                    get_pushpull_speed, is_homogeneous, is_initialized, local_rank,
                                    local_size, rank, resume, shutdown, size, start_timeline,
                                    stop_timeline, suspend)
 
 __version__ = "0.1.0"
+_checked = []      # the job-token check of the first lazy name has run
 
 # name -> module that defines it (imported lazily; they need TensorFlow)
 _LAZY = {
@@ -84,6 +86,13 @@ def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'bps_tf' has no attribute {name!r}")
+    if not _checked:
+        # These names lead to joining the cluster: a node that must refuse
+        # to start says so now, before TensorFlow takes seconds to load.
+        refusal = _basics.unprotected_refusal()
+        if refusal:
+            _basics.refuse_to_start(refusal)
+        _checked.append(True)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -102,3 +102,39 @@ def test_the_opt_out_starts_with_a_loud_warning():
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "BYTEPS_ALLOW_INSECURE=1" in err and "NO job token" in err, err
+
+
+REFUSAL = "bps_tf worker: refusing to start without a job token: this node would connect to " \
+          "the scheduler at 192.0.2.10 over the network (from TF_CONFIG)"
+
+
+@pytest.mark.parametrize("joins", ["bps_tf.init()", "bps_tf.BytePSStrategy()"])
+def test_a_worker_without_a_token_refuses_before_tensorflow_loads(joins):
+    # Like the server: one line, exit code 2, no traceback; and before the
+    # seconds TensorFlow takes to load (BytePSStrategy would import it).
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('tensorflow loaded:', 'tensorflow' in sys.modules))\n"
+            f"import bps_tf\n{joins}\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(),
+                          env=_env(TF_CONFIG=_tf_config(REMOTE, 4000, ("chief", 0))),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(REFUSAL), proc.stderr
+    assert proc.stdout.strip() == "tensorflow loaded: False"
+
+
+@pytest.mark.parametrize("task", [("chief", 0), ("ps", 0)])
+def test_bpslaunch_refuses_before_starting_anything(task, tmp_path):
+    marker = tmp_path / "started"
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", sys.executable, "-c",
+                           f"open({str(marker)!r}, 'w').close()"], cwd=tempfile.gettempdir(),
+                          env=_env(TF_CONFIG=_tf_config(REMOTE, 4000, task)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    role = "worker" if task[0] == "chief" else "server"
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"bpslaunch: bps_tf {role}: refusing to start without a job "
+                               "token"), proc.stderr
+    assert not marker.exists()

@@ -36,7 +36,7 @@ from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health
 from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
                                  catch_stop_signals, exit_code_of, signal_name)
-from bps_tf.runtime import cluster, config
+from bps_tf.runtime import basics, cluster, config
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_READY_TIMEOUT_S = 60.0     # for server 0 to report the scheduler port
@@ -387,6 +387,10 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
         say("no cluster is configured: pass -np N to start a local job, or set TF_CONFIG "
             "(or DMLC_ROLE and the other DMLC_* variables) to give this process its place "
             "in a cluster")
+        return EXIT_USAGE
+    refusal = basics.unprotected_refusal(environ)   # before anything starts
+    if refusal:
+        say(refusal)
         return EXIT_USAGE
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
     env = child_env(environ, environ, job.output is not None)

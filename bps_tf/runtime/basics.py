@@ -52,8 +52,11 @@ def _join(c, environ, rank=None) -> None:
         raise RuntimeError(
             f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
             "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
-    security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN", environ),
-                                config.value("BYTEPS_ALLOW_INSECURE", environ), log)
+    try:
+        security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN", environ),
+                                    config.value("BYTEPS_ALLOW_INSECURE", environ), log)
+    except security.InsecureClusterError as exc:
+        refuse_to_start(str(exc))
     values = dict(config.core_settings(environ))
     values.update(spec.core_values())
     if values.get("elastic"):
@@ -80,6 +83,33 @@ def _join(c, environ, rank=None) -> None:
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+
+
+def unprotected_refusal(environ=None) -> str:
+    """Why a node of this environment must not start without a job token
+    (protected mode, security.refuse_unprotected); "" when it may start, or
+    when a setting is wrong (the node's own start-up says which, and how to
+    fix it). Needs no TensorFlow, so it can run before TensorFlow loads."""
+    environ = os.environ if environ is None else environ
+    try:
+        spec = cluster.resolve(environ)
+        token = config.value("BYTEPS_JOB_TOKEN", environ)
+        if config.value("BYTEPS_ALLOW_INSECURE", environ):
+            return ""          # the node warns about it when it starts
+    except ValueError:
+        return ""
+    try:
+        security.refuse_unprotected(spec, token, False, log)
+    except security.InsecureClusterError as exc:
+        return str(exc)
+    return ""
+
+
+def refuse_to_start(message: str) -> None:
+    """Ends this process as a server that refuses to start does: the reason
+    on one line, exit code 2, no traceback (a setting to fix, not a bug)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(security.EXIT_REFUSED)
 
 
 def membership_epoch():

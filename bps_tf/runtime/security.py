@@ -66,6 +66,11 @@ class InsecureClusterError(RuntimeError):
     """A node would talk over a network without a job token."""
 
 
+# What a node that refuses to start exits with, servers and workers alike
+# (bps_tf/runtime/server.py, basics.refuse_to_start): a setting to fix, not a crash.
+EXIT_REFUSED = 2
+
+
 def exposure(spec) -> str:
     """How this node would be reachable from other hosts ("" if not):
     it listens on a non-loopback address, or meets a scheduler on one."""
