@@ -20,7 +20,8 @@ from manual_cluster import ROOT, ManualCluster  # noqa: E402
 WORKER = os.path.join(ROOT, "tests", "workers", "robust_worker.py")
 FAST_FAILURE = {"BYTEPS_TIMEOUT": "3", "BYTEPS_HEARTBEAT_INTERVAL": "0.5",
                 "BYTEPS_FATAL_EXIT_GRACE": "2"}
-# Waiting lines come every third of a short rendezvous timeout: at 2 s and 4 s.
+# Waiting lines come every third of a short rendezvous timeout: at 2 s and 4 s,
+# warnings from half of it (3 s) on.
 RENDEZVOUS_S = 6
 JOIN = "import bps_tf; bps_tf.init()"
 
@@ -34,7 +35,8 @@ def _free_port():
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("DMLC_")}
     env.update(BYTEPS_RENDEZVOUS_TIMEOUT=str(RENDEZVOUS_S), BYTEPS_JOB_TOKEN="t" * 32,
-               TF_CPP_MIN_LOG_LEVEL="2", **extra)
+               TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(extra)
     return env
 
 
@@ -60,7 +62,9 @@ def test_a_missing_scheduler_is_reported_while_waiting_in_the_users_terms():
                 DMLC_PS_ROOT_PORT=str(dead))
     started = time.time()
     procs = {
-        "tf_config": _run([sys.executable, "-c", JOIN], _env(TF_CONFIG=tf_config)),
+        # INFO shows the waiting lines that come before half of the timeout.
+        "tf_config": _run([sys.executable, "-c", JOIN],
+                          _env(TF_CONFIG=tf_config, BYTEPS_LOG_LEVEL="INFO")),
         "dmlc": _run([sys.executable, "-c", JOIN],
                      _env(DMLC_ROLE="worker", DMLC_WORKER_ID="1", **dmlc)),
         "server": _run([sys.executable, "-m", "bps_tf.server"], _env(DMLC_ROLE="server", **dmlc)),
@@ -73,7 +77,15 @@ def test_a_missing_scheduler_is_reported_while_waiting_in_the_users_terms():
         origin = "TF_CONFIG's ps task 0" if name == "tf_config" else \
             "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"
         waiting = f"waiting for the scheduler at {address} (from {origin}) for "
-        assert log.count(waiting) >= 2, log          # at 2 s and at 4 s
+        lines = [line for line in log.splitlines() if waiting in line]
+        # At 2 s an INFO line (nodes start seconds apart: not news yet), at
+        # 4 s, past half of the timeout, a warning.
+        warnings = [line for line in lines if " WARNING bps_tf " in line]
+        assert warnings and all(" for 2 s" not in line for line in warnings), log
+        if name == "tf_config":
+            assert any(" INFO bps_tf " in line and " for 2 s" in line for line in lines), log
+        else:
+            assert all(" INFO " not in line for line in lines), log
         assert "no answer yet" in log, log
         assert (f"could not meet the cluster at the scheduler {address} within {RENDEZVOUS_S} s "
                 f"(BYTEPS_RENDEZVOUS_TIMEOUT): it never answered; check {origin}") in log, log
@@ -100,6 +112,73 @@ def test_a_missing_worker_is_named_by_the_scheduler_while_the_others_wait():
            "TF_CONFIG's cluster" in worker_log, worker_log
     assert "DMLC" not in worker_log, worker_log
     assert "not joined yet: worker(s) 1 (2 of 3 nodes joined)" in ps_log, ps_log
+
+
+def test_a_cluster_size_that_differs_is_named_in_tf_configs_terms():
+    """A worker whose TF_CONFIG lists another cluster than the ps task's:
+    the error says to give every node the same TF_CONFIG cluster, and never
+    names a DMLC_* variable."""
+    ps_port, workers = _free_port(), [_free_port(), _free_port()]
+    ps = _run([sys.executable, "-m", "bps_tf.server"],
+              _env(TF_CONFIG=_tf_config("ps", 0, ps_port, workers)))
+    worker = _run([sys.executable, "-c", JOIN],
+                  _env(TF_CONFIG=_tf_config("worker", 0, ps_port, workers + [_free_port()])))
+    worker_log = worker.communicate(timeout=60)[0]
+    ps.send_signal(signal.SIGTERM)      # it logged the error before it sent it to the worker
+    ps_log = ps.communicate(timeout=30)[0]
+    assert worker.returncode != 0, worker_log
+    said = "cluster setting 'num_workers' disagrees: the scheduler has 2, worker 0 (host "
+    fix = "has 3 (every node must be given the same TF_CONFIG's cluster (its chief, worker and ps tasks))"
+    for log in (worker_log, ps_log):
+        assert said in log and fix in log, log
+        assert "DMLC" not in log, log
+
+
+def test_a_newcomer_says_it_waits_to_be_admitted():
+    """An elastic newcomer (bpslaunch starts one in a lost worker's place)
+    has no rank yet: it logs as a new worker, says it waits to be admitted,
+    and its failure says why it may not have been."""
+    port = _free_port()
+    dmlc = dict(DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                DMLC_PS_ROOT_PORT=str(port), BYTEPS_ELASTIC="1", BYTEPS_RENDEZVOUS_TIMEOUT="4")
+    server = _run([sys.executable, "-m", "bps_tf.server"],
+                  _env(DMLC_ROLE="server", BYTEPS_HOST_SCHEDULER="1", **dmlc))
+    try:
+        newcomer = _run([sys.executable, "-c", JOIN],
+                        _env(DMLC_ROLE="worker", DMLC_WORKER_ID="0", BYTEPS_ELASTIC_NEWCOMER="1",
+                             **dmlc))
+        log = newcomer.communicate(timeout=60)[0]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)
+    assert newcomer.returncode != 0, log
+    assert (f"WARNING bps_tf new worker (waiting to join)] the scheduler at tcp://127.0.0.1:{port} "
+            "answered; this new worker waits to be admitted into the running job at its next "
+            "membership change (elastic)") in log, log
+    assert "it answered, but did not admit this new worker: the job is at its largest size " \
+           "(BYTEPS_ELASTIC_MAX_WORKERS), or its first workers never met (check that every node " \
+           "of DMLC_NUM_WORKER/DMLC_NUM_SERVER was started)" in log, log
+    assert "worker -1" not in log and "waiting for the other workers" not in log, log
+
+
+def test_bpslaunch_jobs_are_described_by_its_options():
+    """A local job's DMLC_* variables come from bpslaunch: its messages name
+    -np and --servers (and the scheduler as its server 0) instead."""
+    from bps_tf.launch import launcher
+    from bps_tf.runtime import cluster
+    shared = launcher._job_env({"DMLC_NUM_WORKER": "9"}, 2, 1)
+    worker = cluster.resolve(launcher._worker_env(shared, 1, 2, 4000)).core_values()
+    server = cluster.resolve(launcher._server_env(shared, 0, 0, "/tmp/ready")).core_values()
+    for values in (worker, server):
+        assert values["members_origin"] == "bpslaunch -np 2 --servers 1"
+        assert values["scheduler_origin"] == "bpslaunch's server 0"
+    # Set by hand, DMLC_* are named as such; a stale launcher value in the
+    # caller's shell is not passed on.
+    hand = dict(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0",
+                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="4000")
+    assert cluster.resolve(hand).core_values()["members_origin"] == \
+        "DMLC_NUM_WORKER/DMLC_NUM_SERVER"
+    assert "BYTEPS_LAUNCHED_BY" not in launcher._clean_env({"BYTEPS_LAUNCHED_BY": "x"})
 
 
 def test_an_interrupted_worker_is_named_and_the_servers_exit_non_zero(tmp_path):

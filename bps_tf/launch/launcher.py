@@ -36,7 +36,7 @@ from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health
 from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
                                  catch_stop_signals, exit_code_of, signal_name)
-from bps_tf.runtime import basics, cluster, config
+from bps_tf.runtime import basics, cluster, config, origins
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_READY_TIMEOUT_S = 60.0     # for server 0 to report the scheduler port
@@ -57,7 +57,7 @@ PLACEMENT_VARIABLES = (
     "TF_CONFIG", "DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_WORKER_ID",
     "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST", "BYTEPS_SERVER_ID",
     "BYTEPS_SERVER_PORT", "BYTEPS_BIND_HOST", "BYTEPS_HOST_SCHEDULER", "BYTEPS_READY_FILE",
-    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE",
+    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", origins.LAUNCHED_BY,
     *HOROVOD_PLACEMENT,
 )
 
@@ -85,6 +85,7 @@ def _job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> 
     env.update({
         "DMLC_NUM_WORKER": str(num_workers),
         "DMLC_NUM_SERVER": str(num_servers),
+        origins.LAUNCHED_BY: f"{PROG} -np {num_workers} --servers {num_servers}",
         "DMLC_PS_ROOT_URI": LOCALHOST,
         "DMLC_NODE_HOST": LOCALHOST,
         "BYTEPS_BIND_HOST": LOCALHOST,

@@ -22,6 +22,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from bps_tf.runtime import origins
+
 ROLES = ("local", "worker", "server", "scheduler", "evaluator")
 DMLC_ROLES = ("worker", "server", "scheduler")
 TF_TASK_TYPES = ("chief", "master", "worker", "ps", "evaluator")
@@ -53,6 +55,7 @@ class ClusterConfig:
     local_size: int = -1
     hostname: str = field(default_factory=socket.gethostname)
     source: str = "none"            # "DMLC", "TF_CONFIG" or "none"
+    launched_by: str = ""           # DMLC_* set by "bpslaunch -np 2 --servers 1" (origins.py)
 
     def core_values(self) -> Dict[str, object]:
         """The placement keys the C++ core reads (see docs/contracts.md)."""
@@ -74,11 +77,8 @@ class ClusterConfig:
             "hostname": self.hostname,
             # Where the scheduler's address and the cluster's size come
             # from: the core's waiting lines and errors name them.
-            "scheduler_origin": {"TF_CONFIG": "TF_CONFIG's ps task 0"}.get(
-                self.source, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"),
-            "members_origin": {"TF_CONFIG": "TF_CONFIG's cluster (its chief, worker and ps "
-                                            "tasks)"}.get(
-                self.source, "DMLC_NUM_WORKER/DMLC_NUM_SERVER"),
+            "scheduler_origin": origins.scheduler(self.source, self.launched_by),
+            "members_origin": origins.members(self.source, self.launched_by),
         }
 
 
@@ -171,7 +171,7 @@ def _resolve_dmlc(environ: Mapping[str, str]) -> ClusterConfig:
                              _strip_brackets(environ.get("DMLC_NODE_HOST", "").strip())
                              or root_host),
         ready_file=environ.get("BYTEPS_READY_FILE", "").strip(),
-        source="DMLC")
+        source="DMLC", launched_by=environ.get(origins.LAUNCHED_BY, "").strip())
     if role == "worker":
         cfg.rank = _int_var(environ, "DMLC_WORKER_ID", minimum=0, maximum=num_workers - 1,
                             fix=f"give each of the DMLC_NUM_WORKER={num_workers} workers a "

@@ -27,6 +27,8 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
   Config hello = extra;
   for (const SharedSetting& s : kSharedSettings) hello.Set(s.key, cfg.Get(s.key));
   hello.Set("hostname", cfg.Get("hostname"));
+  // The scheduler's errors about the cluster's size name it, in this node's terms.
+  hello.Set("members_origin", members_origin_);
   hello.Set("pid", std::to_string(getpid()));
   welcomed_ = ready_ = false;
   last_heard_ = last_beat_ = Clock::now();
@@ -68,7 +70,14 @@ void Membership::Tick() {
   if (!joined()) return;
   if (!welcomed_ && report_waiting_ && SecondsSince(last_report_) >= report_every_s_) {
     last_report_ = Clock::now();
-    BPS_LOG(kWarning, WaitingLine(SecondsSince(joined_at_)));
+    // Nodes start seconds apart (a TensorFlow import takes 10 s on a busy
+    // machine): waiting is news only once half of the timeout has passed.
+    double waited = SecondsSince(joined_at_);
+    if (waited >= rendezvous_s_ * kWarnAfter) {
+      BPS_LOG(kWarning, WaitingLine(waited));
+    } else {
+      BPS_LOG(kInfo, WaitingLine(waited));
+    }
   }
   if (SecondsSince(last_beat_) < heartbeat_s_) return;
   last_beat_ = Clock::now();
@@ -84,6 +93,10 @@ std::string Membership::WaitingLine(double waited_s) const {
            ": no answer yet; is that process started, and can this machine reach that "
            "address?" + limit;
   }
+  if (newcomer()) {
+    return "the scheduler at " + endpoint_ + " answered; this new worker waits to be admitted "
+           "into the running job at its next membership change (elastic), for " + waited + limit;
+  }
   return "the scheduler at " + endpoint_ + " answered; waiting for the other workers and "
          "servers of " + members_origin_ + " to join, for " + waited + limit;
 }
@@ -96,6 +109,11 @@ std::string Membership::RendezvousFailure(double timeout_s) const {
     return head + "it never answered; check " + origin_ + " (the scheduler's address), that "
            "the process there runs and that this machine can reach it, and that "
            "BYTEPS_JOB_TOKEN and BYTEPS_ENCRYPTION are the same on every node";
+  }
+  if (newcomer()) {
+    return head + "it answered, but did not admit this new worker: the job is at its largest "
+           "size (BYTEPS_ELASTIC_MAX_WORKERS), or its first workers never met (check that every "
+           "node of " + members_origin_ + " was started)";
   }
   return head + "it answered, but not every worker and server joined; check that every "
          "node of " + members_origin_ + " was started (the scheduler logs which are missing)";

@@ -51,11 +51,15 @@ class Membership {
   // at the scheduler ... within N s: ...".
   std::string RendezvousFailure(double timeout_s) const;
   static constexpr double kWaitReportS = 10;
+  // Waiting lines are warnings from this fraction of the timeout on, INFO before.
+  static constexpr double kWarnAfter = 0.5;
   // True once nothing came from the scheduler for longer than timeout_s.
   bool Silent(double timeout_s) const { return SecondsSince(last_heard_) > timeout_s; }
   // Says goodbye, with why this node leaves ("" when it finished), and gives
   // it linger_ms to reach the scheduler.
   void Leave(int linger_ms, const std::string& reason = "");
+  // An elastic worker that has no rank yet: it waits to be admitted.
+  bool newcomer() const { return role_ == Role::kWorker && id_ < 0; }
   void Close();
 
  private:

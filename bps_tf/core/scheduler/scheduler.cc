@@ -6,8 +6,32 @@
 #include <algorithm>
 #include <cstdlib>
 #include <random>
+#include <sstream>
+
+#include "scheduler/membership.h"
 
 namespace bps {
+
+namespace {
+
+// What to do about a setting that differs between the scheduler and a node
+// (`who`, whose HELLO is `kv`). The cluster's size is named in each side's
+// own terms (TF_CONFIG's lists, bpslaunch's options, DMLC_*: see
+// bps_tf/runtime/origins.py), every other setting by its variable.
+std::string SameEverywhere(const SharedSetting& s, const Config& cfg, const std::string& who,
+                           const Config& kv) {
+  std::string key = s.key;
+  if (key != "num_workers" && key != "num_servers") {
+    return std::string("set it the same on every node: ") + s.env;
+  }
+  std::string mine = cfg.Get("members_origin", "DMLC_NUM_WORKER/DMLC_NUM_SERVER");
+  std::string theirs = kv.Get("members_origin", mine);
+  if (theirs == mine) return "every node must be given the same " + mine;
+  return "the scheduler's comes from " + mine + ", " + who + "'s from " + theirs +
+         ": make them describe the same cluster";
+}
+
+}  // namespace
 
 int Scheduler::KvInt(const Config& kv, const std::string& key, int dflt) {
   try {
@@ -217,8 +241,8 @@ std::string Scheduler::SettingsDisagree(const Node& n, const Config& kv) const {
     std::string theirs = kv.Get(s.key, "");
     if (mine != theirs) {
       return std::string("cluster setting '") + s.key + "' disagrees: the scheduler has " + mine +
-             ", " + Describe(n) + " has " + theirs + " (set it the same on every node: " + s.env +
-             ")";
+             ", " + Describe(n) + " has " + theirs + " (" +
+             SameEverywhere(s, cfg_, Describe(n), kv) + ")";
     }
   }
   return "";
@@ -230,7 +254,8 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
   if (workers > num_workers_ || servers > num_servers_) {
     Fail("more nodes joined than the cluster has: " + std::to_string(workers) + " workers (of " +
              std::to_string(num_workers_) + ") and " + std::to_string(servers) + " servers (of " +
-             std::to_string(num_servers_) + ")",
+             std::to_string(num_servers_) + "), as " +
+             cfg_.Get("members_origin", "DMLC_NUM_WORKER/DMLC_NUM_SERVER") + " says",
          out);
     return;
   }
@@ -338,10 +363,17 @@ void Scheduler::ReportMissing() {
     missing += (missing.empty() ? "" : "; ") + std::to_string(num_servers_ - servers) + " of " +
                std::to_string(num_servers_) + " servers";
   }
-  BPS_LOG(kWarning, "waiting for the cluster to meet, for "
-                        << static_cast<int>(SecondsSince(started_)) << " s: not joined yet: "
-                        << missing << " (" << nodes_.size() << " of "
-                        << num_workers_ + num_servers_ << " nodes joined)");
+  std::ostringstream line;
+  line << "waiting for the cluster to meet, for " << static_cast<int>(SecondsSince(started_))
+       << " s: not joined yet: " << missing << " (" << nodes_.size() << " of "
+       << num_workers_ + num_servers_ << " nodes joined)";
+  // Nodes start seconds apart: news only once half of the timeout has passed.
+  double warn_after = cfg_.GetDouble("rendezvous_timeout_s", 120) * Membership::kWarnAfter;
+  if (SecondsSince(started_) >= warn_after) {
+    BPS_LOG(kWarning, line.str());
+  } else {
+    BPS_LOG(kInfo, line.str());
+  }
 }
 
 Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,

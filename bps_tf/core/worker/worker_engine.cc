@@ -84,7 +84,8 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   homogeneous_ = true;
   host_group_ = HostGroup();
   host_group_.ranks = {rank_};
-  SetLogIdentity("worker " + std::to_string(rank_));
+  // An elastic newcomer has no rank until the scheduler admits it.
+  SetLogIdentity(rank_ < 0 ? "new worker (waiting to join)" : "worker " + std::to_string(rank_));
   // A new cluster after shutdown(): nothing learned from the old one holds.
   tensors_.clear();
   declaring_.clear();
