@@ -82,6 +82,21 @@ def _run(cmd):
     subprocess.run(cmd, check=True)
 
 
+def _announce(line):
+    """One line before the long compile. pip keeps a build's output to
+    itself (shown with -v, or on failure) and says only "Building wheel for
+    bps_tf (pyproject.toml): still running...", so the line also goes to the
+    user's terminal, when there is one."""
+    print(line, flush=True)
+    if sys.stdout.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write("\n" + line + "\n")
+    except OSError:
+        pass              # no terminal (CI, a container without one): the log has it
+
+
 class BuildNative(build_ext):
     """Compiles with g++ directly: three targets, no distutils compiler model."""
 
@@ -110,15 +125,23 @@ class BuildNative(build_ext):
                 _run(base + extra + ["-c", src, "-o", obj])
             return obj
 
+        def obj_of(src):
+            if src == "pybind_module.cc":
+                return os.path.join(tmp, "pybind_module.o")
+            return os.path.join(tmp, "core_" + src.replace("/", "_") + ".o")
+
+        stale = [src for src in CORE_SOURCES + ["pybind_module.cc"]
+                 if _newer(obj_of(src), [os.path.join(core_dir, src)] + headers)]
+        if stale:
+            _announce(f"bps_tf: compiling its C++ engine and Python module with {cxx} "
+                      f"({len(stale)} files; a few minutes on 2 cores)...")
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             for src in CORE_SOURCES:
-                obj = os.path.join(tmp, "core_" + src.replace("/", "_") + ".o")
                 jobs.append(("core", pool.submit(compile_obj, os.path.join(core_dir, src),
-                                                 obj, core_include)))
-            pyb = os.path.join(tmp, "pybind_module.o")
+                                                 obj_of(src), core_include)))
             jobs.append(("py", pool.submit(
-                compile_obj, os.path.join(core_dir, "pybind_module.cc"), pyb,
+                compile_obj, os.path.join(core_dir, "pybind_module.cc"), obj_of("pybind_module.cc"),
                 core_include + ["-I" + pybind11.get_include(),
                                 "-I" + sysconfig.get_paths()["include"], "-fvisibility=hidden"])))
             objs = {"core": [], "py": []}
