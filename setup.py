@@ -133,8 +133,10 @@ class BuildNative(build_ext):
         stale = [src for src in CORE_SOURCES + ["pybind_module.cc"]
                  if _newer(obj_of(src), [os.path.join(core_dir, src)] + headers)]
         if stale:
+            files = f"{len(stale)} file" + ("s" if len(stale) > 1 else "")
+            took = "; a few minutes on 2 cores" if len(stale) > 10 else ""
             _announce(f"bps_tf: compiling its C++ engine and Python module with {cxx} "
-                      f"({len(stale)} files; a few minutes on 2 cores)...")
+                      f"({files}{took})...")
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             for src in CORE_SOURCES:
