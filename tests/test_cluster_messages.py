@@ -140,7 +140,7 @@ def test_a_newcomer_says_it_waits_to_be_admitted():
     and its failure says why it may not have been."""
     port = _free_port()
     dmlc = dict(DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
-                DMLC_PS_ROOT_PORT=str(port), BYTEPS_ELASTIC="1", BYTEPS_RENDEZVOUS_TIMEOUT="4")
+                DMLC_PS_ROOT_PORT=str(port), BYTEPS_ELASTIC="1", BYTEPS_RENDEZVOUS_TIMEOUT="3")
     server = _run([sys.executable, "-m", "bps_tf.server"],
                   _env(DMLC_ROLE="server", BYTEPS_HOST_SCHEDULER="1", **dmlc))
     try:
