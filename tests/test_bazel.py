@@ -185,3 +185,15 @@ def test_bazel_outputs_work_as_the_package(bazel_bin, tmp_path):
     assert seen["package"].startswith(str(stage)) and seen["core"].startswith(str(stage))
     # Exactly the staged libraries, none of the pip-built ones.
     assert seen["loaded"] == sorted(str(stage / p) for p in (CORE, OPS, "bps_tf/" + suffix))
+
+
+def test_without_bazel_the_test_fails_and_says_how_to_install_it(monkeypatch):
+    # Nothing is installed behind the user's back, and nothing is skipped.
+    monkeypatch.setattr(sys.modules[__name__], "DEBIAN_PACKAGES",
+                        {"bazel-bootstrap": "no-such-bazel", "bazel-rules-java": "/no/such/path"})
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _require_bazel()
+    assert str(failed.value) == (
+        "the Bazel build cannot be tested: Debian's bazel-bootstrap and bazel-rules-java are not "
+        "installed. Install them first, as root, as the README's test instructions say: "
+        "apt-get update && apt-get install -y bazel-bootstrap bazel-rules-java")
