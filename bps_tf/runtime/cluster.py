@@ -1,11 +1,13 @@
 """Where this process sits in a bps_tf job, read from the environment.
 
-A process learns its place from one of two sources:
+A process learns its place from one of three sources, in this order:
 
 * ``DMLC_*`` / ``BYTEPS_*`` variables (BytePS names), set by ``bpslaunch -np``
   or by hand; they win whenever ``DMLC_ROLE`` is set;
 * ``TF_CONFIG`` (TensorFlow's cluster description, written e.g. by Kubeflow's
-  TFJob), used when ``DMLC_ROLE`` is absent.
+  TFJob), used when ``DMLC_ROLE`` is absent;
+* a Kubernetes pod's own variables (a JobSet's or an Indexed Job's, see
+  k8s_cluster.py), when neither of the others is set.
 
 With neither, the process runs alone (role ``local``). ``resolve`` turns the
 environment into a ``ClusterConfig`` and rejects anything inconsistent with a
@@ -52,7 +54,7 @@ class ClusterConfig:
     local_rank: int = -1            # -1: the scheduler groups workers by host
     local_size: int = -1
     hostname: str = field(default_factory=socket.gethostname)
-    source: str = "none"            # "DMLC", "TF_CONFIG" or "none"
+    source: str = "none"            # "DMLC", "TF_CONFIG", "Kubernetes" or "none"
 
     def core_values(self) -> Dict[str, object]:
         """The placement keys the C++ core reads (see docs/contracts.md)."""
@@ -74,7 +76,9 @@ class ClusterConfig:
             "hostname": self.hostname,
             # Where the scheduler's address and the cluster's size come
             # from: the core's waiting lines and errors name them.
-            "scheduler_origin": {"TF_CONFIG": "TF_CONFIG's ps task 0"}.get(
+            "scheduler_origin": {"TF_CONFIG": "TF_CONFIG's ps task 0",
+                                 "Kubernetes": "server 0's pod name (DMLC_PS_ROOT_URI "
+                                               "overrides it)"}.get(
                 self.source, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"),
             "members_origin": {"TF_CONFIG": "TF_CONFIG's cluster (its chief, worker and ps "
                                             "tasks)"}.get(
@@ -83,12 +87,15 @@ class ClusterConfig:
 
 
 def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterConfig:
-    """This process's place in the job, from ``DMLC_*``, ``TF_CONFIG`` or neither."""
+    """This process's place in the job, from ``DMLC_*``, ``TF_CONFIG``, Kubernetes or none."""
+    from bps_tf.runtime import k8s_cluster   # it builds on this module
     environ = os.environ if environ is None else environ
     if environ.get("DMLC_ROLE", "").strip():
         cfg = _resolve_dmlc(environ)
     elif environ.get("TF_CONFIG", "").strip():
         cfg = _resolve_tf_config(environ["TF_CONFIG"], environ)
+    elif k8s_cluster.configured(environ):
+        cfg = k8s_cluster.resolve(environ)
     else:
         cfg = _alone("local", source="none")
     _apply_local_overrides(cfg, environ)
@@ -104,7 +111,8 @@ def describe(cfg: ClusterConfig) -> str:
     if cfg.role == "evaluator":
         return f"bps_tf evaluator: runs alone, outside the training cluster {origin}"
     if cfg.role == "worker":
-        return (f"bps_tf worker rank {cfg.rank} of {cfg.num_workers}, "
+        rank = f"rank {cfg.rank}" if cfg.rank >= 0 else "(newcomer: joins the running job)"
+        return (f"bps_tf worker {rank} of {cfg.num_workers}, "
                 f"{cfg.num_servers} server(s), scheduler {scheduler} {origin}")
     binds = join_host_port(cfg.bind_host, cfg.port) if cfg.port else f"{cfg.bind_host}:<free port>"
     if cfg.role == "scheduler":
@@ -484,3 +492,6 @@ def _strip_brackets(host: str) -> str:
 
 def _shorten(text: str) -> str:
     return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
+
+
+int_var, choose_bind_host = _int_var, _bind_host   # shared with k8s_cluster.py
