@@ -38,7 +38,8 @@ No TensorFlow here.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+import os
+from typing import Dict, Mapping, Optional, Tuple
 
 from bps_tf.runtime import cluster
 from bps_tf.runtime.cluster import ClusterConfig, ClusterSpecError
@@ -75,7 +76,7 @@ def resolve(environ: Mapping[str, str]) -> ClusterConfig:
     port = cluster.int_var(environ, "DMLC_PS_ROOT_PORT", default=DEFAULT_PORT, minimum=1,
                             maximum=65535, fix="set it to the servers' port (the "
                             "containerPort of the server pods), or unset it for 2222")
-    hosts = test_hosts(environ)
+    hosts = host_overrides(environ)
     scheduler = _get(environ, "DMLC_PS_ROOT_URI") or server0
     advertise = _get(environ, "DMLC_NODE_HOST") or own
     scheduler, advertise = hosts.get(scheduler, scheduler), hosts.get(advertise, advertise)
@@ -104,9 +105,9 @@ def resolve(environ: Mapping[str, str]) -> ClusterConfig:
     return cfg
 
 
-def test_hosts(environ: Mapping[str, str]) -> Dict[str, str]:
+def host_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """BYTEPS_K8S_TEST_HOSTS, "name=127.0.0.x,...": pod names -> loopback addresses (tests only)."""
-    text = _get(environ, TEST_HOSTS)
+    text = _get(os.environ if environ is None else environ, TEST_HOSTS)
     table: Dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, address = item.partition("=")
@@ -202,4 +203,4 @@ def _elastic(environ: Mapping[str, str]) -> bool:
         raise ClusterSpecError(str(exc)) from None
 
 
-__all__ = ["configured", "resolve", "test_hosts", "DEFAULT_PORT", "TEST_HOSTS"]
+__all__ = ["configured", "resolve", "host_overrides", "DEFAULT_PORT", "TEST_HOSTS"]
