@@ -41,8 +41,8 @@ from __future__ import annotations
 import os
 from typing import Dict, Mapping, Optional, Tuple
 
-from bps_tf.runtime import cluster
-from bps_tf.runtime.cluster import ClusterConfig, ClusterSpecError
+from bps_tf.runtime import placement
+from bps_tf.runtime.placement import ClusterConfig, ClusterSpecError
 
 DEFAULT_PORT = 2222                    # TFJob's default port, and the manifests'
 SERVER_JOBS = ("server",)
@@ -73,7 +73,7 @@ def resolve(environ: Mapping[str, str]) -> ClusterConfig:
         role, index, own, server0, form = _indexed_job_place(environ)
     num_workers = _count(environ, "DMLC_NUM_WORKER", "workers", form)
     num_servers = _count(environ, "DMLC_NUM_SERVER", "servers", form)
-    port = cluster.int_var(environ, "DMLC_PS_ROOT_PORT", default=DEFAULT_PORT, minimum=1,
+    port = placement.int_var(environ, "DMLC_PS_ROOT_PORT", default=DEFAULT_PORT, minimum=1,
                             maximum=65535, fix="set it to the servers' port (the "
                             "containerPort of the server pods), or unset it for 2222")
     hosts = host_overrides(environ)
@@ -83,7 +83,7 @@ def resolve(environ: Mapping[str, str]) -> ClusterConfig:
     cfg = ClusterConfig(
         role=role, num_workers=num_workers, num_servers=num_servers,
         scheduler_host=scheduler, scheduler_port=port, advertise_host=advertise,
-        bind_host=cluster.choose_bind_host(environ, [scheduler, advertise], advertise),
+        bind_host=placement.choose_bind_host(environ, [scheduler, advertise], advertise),
         ready_file=_get(environ, "BYTEPS_READY_FILE"),
         # The pod's host name: each pod is a host of its own (its own network).
         hostname=own.split(".", 1)[0], source="Kubernetes")
@@ -112,7 +112,7 @@ def host_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, address = item.partition("=")
         address = address.strip()
-        if not sep or not name.strip() or not cluster.is_loopback(address):
+        if not sep or not name.strip() or not placement.is_loopback(address):
             raise ClusterSpecError(
                 f"{TEST_HOSTS} has {item!r}: it is for tests only and maps a pod's name to a "
                 f"loopback address (name=127.0.0.x or name=::1); unset it outside tests")
@@ -184,7 +184,7 @@ def _label(environ: Mapping[str, str], name: str, label: str) -> str:
 
 
 def _index(environ: Mapping[str, str], name: str, fix: str) -> int:
-    return cluster.int_var(environ, name, minimum=0, fix=fix)
+    return placement.int_var(environ, name, minimum=0, fix=fix)
 
 
 def _count(environ: Mapping[str, str], name: str, what: str, form: str) -> int:
@@ -192,7 +192,7 @@ def _count(environ: Mapping[str, str], name: str, what: str, form: str) -> int:
         raise ClusterSpecError(
             f"{name} is not set: Kubernetes does not tell a pod how many {what} its job has "
             f"(this pod: {form}); set {name} to that number in every pod's env")
-    return cluster.int_var(environ, name, minimum=1, fix=f"set it to the number of {what}")
+    return placement.int_var(environ, name, minimum=1, fix=f"set it to the number of {what}")
 
 
 def _elastic(environ: Mapping[str, str]) -> bool:
