@@ -27,6 +27,7 @@ from bps_tf.runtime import k8s_cluster
 from bps_tf.runtime.placement import (  # noqa: F401 (ClusterConfig & co. are this module's API)
     DEFAULT_BIND_HOST, LOOPBACK_BIND_HOST, ClusterConfig, ClusterSpecError, is_loopback)
 from bps_tf.runtime.placement import choose_bind_host as _bind_host
+from bps_tf.runtime.placement import flag_var as _flag_var
 from bps_tf.runtime.placement import int_var as _int_var
 from bps_tf.runtime.placement import strip_brackets as _strip_brackets
 
@@ -368,15 +369,6 @@ def _apply_local_overrides(cfg: ClusterConfig, environ: Mapping[str, str]) -> No
             f"BYTEPS_LOCAL_RANK={cfg.local_rank} is not below the local size "
             f"{cfg.local_size}; set BYTEPS_LOCAL_RANK from 0 to {cfg.local_size - 1} "
             f"(or set BYTEPS_LOCAL_SIZE to match)")
-
-
-def _flag_var(environ: Mapping[str, str], name: str) -> bool:
-    text = environ.get(name, "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
-        return False
-    if text in ("1", "true", "yes", "on"):
-        return True
-    raise ClusterSpecError(f"{name}={environ[name]!r} is not a flag; set it to 0 or 1")
 
 
 def _host_var(environ: Mapping[str, str], name: str) -> str:

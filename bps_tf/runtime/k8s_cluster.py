@@ -74,8 +74,8 @@ def resolve(environ: Mapping[str, str]) -> ClusterConfig:
     num_workers = _count(environ, "DMLC_NUM_WORKER", "workers", form)
     num_servers = _count(environ, "DMLC_NUM_SERVER", "servers", form)
     port = placement.int_var(environ, "DMLC_PS_ROOT_PORT", default=DEFAULT_PORT, minimum=1,
-                            maximum=65535, fix="set it to the servers' port (the "
-                            "containerPort of the server pods), or unset it for 2222")
+                             maximum=65535, fix="set it to the servers' port (the "
+                             "containerPort of the server pods), or unset it for 2222")
     hosts = host_overrides(environ)
     scheduler = _get(environ, "DMLC_PS_ROOT_URI") or server0
     advertise = _get(environ, "DMLC_NODE_HOST") or own
@@ -196,11 +196,7 @@ def _count(environ: Mapping[str, str], name: str, what: str, form: str) -> int:
 
 
 def _elastic(environ: Mapping[str, str]) -> bool:
-    from bps_tf.runtime import config
-    try:
-        return bool(config.value("BYTEPS_ELASTIC", environ))
-    except ValueError as exc:
-        raise ClusterSpecError(str(exc)) from None
+    return placement.flag_var(environ, "BYTEPS_ELASTIC")
 
 
 __all__ = ["configured", "resolve", "host_overrides", "DEFAULT_PORT", "TEST_HOSTS"]

@@ -89,6 +89,15 @@ def int_var(environ: Mapping[str, str], name: str, *, default: Optional[int] = N
     return number
 
 
+def flag_var(environ: Mapping[str, str], name: str) -> bool:
+    text = environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ClusterSpecError(f"{name}={environ[name]!r} is not a flag; set it to 0 or 1")
+
+
 def choose_bind_host(environ: Mapping[str, str], hosts: List[str], own: str = "") -> str:
     """BYTEPS_BIND_HOST, else a loopback address when every address of the
     job is a loopback one (a cluster on one machine is not reachable from
