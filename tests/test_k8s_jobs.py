@@ -11,8 +11,8 @@ changes, which stand in for the cluster:
   its own (127.77.x.n): the test-only override of bps_tf/runtime/k8s_cluster.py;
 * ports the OS says are free replace 2222/2223 (``DMLC_PS_ROOT_PORT``,
   ``BYTEPS_HEALTH_PORT``), and the image's /app is this repository;
-* fewer epochs (``--epochs 10``); in the elastic job ``BYTEPS_TIMEOUT=4``
-  (a killed worker is noticed in 4 s instead of 30) and a wrapper with gates
+* fewer epochs (``--epochs 10``); in the elastic job a short ``BYTEPS_TIMEOUT``
+  (10 s instead of 30, times BPS_TEST_TIMEOUT_SCALE / 2) and a wrapper with gates
   (tests/workers/k8s_digits_gated.py) so the pods change mid-training.
 
 The JobSet job starts its workers when every server pod is ready, as
@@ -236,7 +236,10 @@ def test_elastic_indexed_job_gains_and_loses_a_worker_while_training(tmp_path):
     port = _free_port([p.address for p in servers])
     health = _free_port([p.address for p in servers])
     secrets = [render.secret_from_literal("bps-tf-elastic-token", token=TOKEN)]
-    common = {"DMLC_PS_ROOT_PORT": str(port), "BYTEPS_TIMEOUT": "4"}
+    # A killed worker is noticed after BYTEPS_TIMEOUT (30 s by default), which is also how long
+    # the others have to come back after a change: short, but not so short that a worker slowed
+    # down by a loaded machine is dropped.
+    common = {"DMLC_PS_ROOT_PORT": str(port), "BYTEPS_TIMEOUT": str(int(5 * TIMEOUT_SCALE))}
 
     def discovered(running):
         # What the DNS discovery helper lists for the pods that exist now.
