@@ -33,7 +33,7 @@ def core():
 
 def join(environ=None) -> None:
     """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1),
-    unless joined already. ``bps_tf.init()`` (bps_tf.horovod.lifecycle) is
+    unless joined already. ``bps_tf.init()`` (bps_tf.comm.lifecycle) is
     the public call; it also registers the process sets.
 
     Blocks until every worker and server has met; raises with the reason if
