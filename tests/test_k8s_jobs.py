@@ -116,12 +116,14 @@ def _addresses(count):
     return [f"{base}.{i + 1}" for i in range(count)]
 
 
-def _free_port(addresses):
+def _free_port(addresses, avoid=()):
     """A port free on every one of the addresses (the servers all bind it)."""
     for _ in range(50):
         with socket.socket() as first:
             first.bind((addresses[0], 0))
             port = first.getsockname()[1]
+            if port in avoid:
+                continue
             others = []
             try:
                 for address in addresses[1:]:
@@ -196,7 +198,7 @@ def test_jobset_trains_the_digits_example(tmp_path):
     servers = [p for p in pods if "-server-" in p.name]
     workers = [p for p in pods if "-worker-" in p.name]
     port = _free_port([p.address for p in servers])
-    health = _free_port([p.address for p in servers])
+    health = _free_port([p.address for p in servers], avoid=(port,))
     secrets = [render.secret_from_literal("bps-tf-jobset-token", token=TOKEN)]
     common = {"BYTEPS_K8S_TEST_HOSTS": _hosts(pods), "DMLC_PS_ROOT_PORT": str(port)}
     try:
@@ -234,7 +236,7 @@ def test_elastic_indexed_job_gains_and_loses_a_worker_while_training(tmp_path):
     pods = [Pod(p, a, workdir, gated) for p, a in zip(rendered, addresses)]
     servers, workers, newcomer = pods[:2], pods[2:4], pods[4]
     port = _free_port([p.address for p in servers])
-    health = _free_port([p.address for p in servers])
+    health = _free_port([p.address for p in servers], avoid=(port,))
     secrets = [render.secret_from_literal("bps-tf-elastic-token", token=TOKEN)]
     # A killed worker is noticed after BYTEPS_TIMEOUT (30 s by default), which is also how long
     # the others have to come back after a change: short, but not so short that a worker slowed
