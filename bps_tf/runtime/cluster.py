@@ -9,7 +9,7 @@ A process learns its place from one of three sources, in this order:
 * a Kubernetes pod's own variables (a JobSet's or an Indexed Job's, see
   k8s_cluster.py), when neither of the others is set.
 
-With neither, the process runs alone (role ``local``). ``resolve`` turns the
+With none, the process runs alone (role ``local``). ``resolve`` turns the
 environment into a ``ClusterConfig`` and rejects anything inconsistent with a
 ``ClusterSpecError`` that names the variable, the bad value and the fix, so a
 misconfigured pod fails at start-up instead of hanging at rendezvous.
