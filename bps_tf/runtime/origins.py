@@ -19,13 +19,16 @@ def scheduler(source: str, launched_by: str = "") -> str:
     """Where the scheduler's address came from: "TF_CONFIG's ps task 0", ..."""
     if source == "TF_CONFIG":
         return "TF_CONFIG's ps task 0"
+    if source == "Kubernetes":
+        return "server 0's pod name (DMLC_PS_ROOT_URI overrides it)"
     if launched_by:
         return "bpslaunch's server 0"
     return "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"
 
 
 def members(source: str, launched_by: str = "") -> str:
-    """Where the numbers of workers and servers came from."""
+    """Where the numbers of workers and servers came from (a Kubernetes pod
+    reads them from DMLC_NUM_WORKER/DMLC_NUM_SERVER too)."""
     if source == "TF_CONFIG":
         return "TF_CONFIG's cluster (its chief, worker and ps tasks)"
     if launched_by:
