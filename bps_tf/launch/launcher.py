@@ -392,8 +392,7 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
             "Indexed Job variables: docs/kubernetes.md) to give this process its place "
             "in a cluster")
         return EXIT_USAGE
-    refusal = basics.unprotected_refusal(environ)   # before anything starts
-    if refusal:
+    if refusal := basics.unprotected_refusal(environ):   # before anything starts
         say(refusal)
         return EXIT_USAGE
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
