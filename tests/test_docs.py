@@ -41,7 +41,10 @@ def _package_manager_calls(path):
     """Lines of ``path`` that start a package manager as a process."""
     import ast
     with open(path) as f:
-        tree = ast.parse(f.read(), path)
+        text = f.read()
+    if not any(name in text for name in PACKAGE_MANAGERS):
+        return []
+    tree = ast.parse(text, path)
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
