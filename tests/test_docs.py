@@ -42,7 +42,7 @@ def _package_manager_calls(path):
     import ast
     with open(path) as f:
         text = f.read()
-    if not any(name in text for name in PACKAGE_MANAGERS):
+    if not any(quote + name in text for quote in "\"'" for name in PACKAGE_MANAGERS):
         return []
     tree = ast.parse(text, path)
     found = []
