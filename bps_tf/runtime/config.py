@@ -206,7 +206,9 @@ SETTINGS = (
             "Seconds without a heartbeat after which a peer is declared dead "
             "and every process stops with an error naming it."),
     Setting("BYTEPS_RENDEZVOUS_TIMEOUT", "rendezvous_timeout_s", "120", float,
-            "Seconds a node waits for the whole cluster to meet at start-up."),
+            "Seconds a node waits for the whole cluster to meet at start-up. "
+            "The scheduler (also inside server 0) waits a fifth longer plus "
+            "2 s, then fails the job naming the nodes that never joined."),
     Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
             "Seconds one push_pull may wait for the other workers before it "
             "fails (0: the stall settings below decide; dead peers are caught "
