@@ -34,14 +34,11 @@ import weakref
 from typing import Dict
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cdo_lib
-from tensorflow.python.distribute import reduce_util
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.framework import indexed_slices
 
 from bps_tf.comm import async_training, collectives
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm import naming
+from bps_tf.hooks.tf_internals import CROSS_DEVICE_OPS as cdo_lib
 
 # Tensors smaller than this travel uncompressed: they gain nothing, and they
 # are the scalars (metrics, loss) whose exact values users read.
@@ -64,7 +61,7 @@ def allgather_rows(tensor, key: str, rank: int, size: int):
 # --------------------------------------------------------------------------
 # CrossDeviceOps
 # --------------------------------------------------------------------------
-class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
+class PushPullCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """Reduces local replicas with add_n, then across workers with push_pull."""
 
     def __init__(self, num_workers: int, rank: int, compression=None):
@@ -131,11 +128,11 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         names = self._namer.batch(len(pairs))
         results = []
         for (value, destinations), name in zip(pairs, names):
-            values = list(value.values) if isinstance(value, values_lib.DistributedValues) \
+            values = list(value.values) if isinstance(value, tf.distribute.DistributedValues) \
                 else [value]
             total = len(values) * self._num_workers
             dests = _destinations_or_devices(destinations, value)
-            if any(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+            if any(isinstance(v, tf.IndexedSlices) for v in values):
                 reduced, pp_ops = self._reduce_sparse(reduce_op, values, name, total)
             else:
                 reduced, pp_ops = self._reduce_dense(reduce_op, values, name, total, priority)
@@ -162,9 +159,9 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
             else:
                 summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
                                         if priority is None else priority)
-            if reduce_op == reduce_util.ReduceOp.MEAN:
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
                 summed = collectives.divide(summed, total)
-            elif reduce_op != reduce_util.ReduceOp.SUM:
+            elif reduce_op != tf.distribute.ReduceOp.SUM:
                 raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
         return summed, [op] if op is not None else []
 
@@ -178,7 +175,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
                 and size is not None and size >= FP16_MIN_ELEMENTS)
 
     def _reduce_sparse(self, reduce_op, values, name, total):
-        if not all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+        if not all(isinstance(v, tf.IndexedSlices) for v in values):
             # Mixed dense and sparse replicas: the dense sum is exact.
             return self._reduce_dense(reduce_op, values, name, total)
         slices = values
@@ -192,10 +189,10 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
                 indices, index_ops = allgather_rows(indices, naming.part_key(name, "indices"),
                                                 self._rank, self._num_workers)
                 pp_ops = rows_ops + index_ops
-            if reduce_op == reduce_util.ReduceOp.MEAN:
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
                 rows = collectives.divide(rows, total)
             indices = tf.cast(indices, slices[0].indices.dtype)
-            result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
+            result = tf.IndexedSlices(rows, indices, slices[0].dense_shape)
         return result, pp_ops
 
     # -- which push_pulls serve which gradient --------------------------
@@ -227,7 +224,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
                 found += _trace_back(component, table)
         if not found:
             return
-        primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
+        primary = var.values[0] if isinstance(var, tf.distribute.DistributedValues) else var
         entry = _Applied(primary, sorted(set(found)))
         self._applied.setdefault(graph, []).append(entry)
         label = getattr(var, "bps_label", None) or entry.label
@@ -281,13 +278,13 @@ def _destinations_or_devices(destinations, value):
 
 def _components(value) -> list:
     """The graph tensors a (possibly distributed, possibly sparse) value is made of."""
-    if isinstance(value, values_lib.DistributedValues):
+    if isinstance(value, tf.distribute.DistributedValues):
         parts = list(value.values)
     else:
         parts = [value]
     out = []
     for part in parts:
-        if isinstance(part, indexed_slices.IndexedSlices):
+        if isinstance(part, tf.IndexedSlices):
             part = part.values
         if isinstance(part, tf.Tensor) and not tf.executing_eagerly() and hasattr(part, "op"):
             out.append(part)

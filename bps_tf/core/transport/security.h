@@ -25,7 +25,8 @@
 // (local_credential, PLAIN), authenticated but not encrypted. No network
 // carries their bytes, and a process able to read them (root on that
 // machine) could as well read the memory of the processes at either end;
-// CURVE would only cost time (3x at 64 MiB, docs/performance.md section 17).
+// CURVE would only cost time (3x at 64 MiB: docs/performance-history.md,
+// "Unix sockets on one machine").
 // The listening side is not authenticated by PLAIN: channel.cc never
 // reconnects a local link, so a process that takes a dead server's name
 // gets no credential.
