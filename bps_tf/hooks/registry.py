@@ -260,8 +260,16 @@ def require(group: str, feature: str, policy: Optional[str] = "error") -> None:
 def require_entry(name: str, feature: str = "") -> None:
     """Raises :class:`HookError` if entry ``name`` is missing: its feature
     (``feature``, else the one it was declared with) cannot run."""
-    if not locate_entry(name):
-        raise _refusal([name], feature or _hooks[name].feature or _hooks[name].group)
+    require_entries([name], feature)
+
+
+def require_entries(names, feature: str = "") -> None:
+    """Raises one :class:`HookError` naming every one of ``names`` that is
+    missing (``feature``: what cannot run; else the first one's)."""
+    gone = [name for name in names if not locate_entry(name)]
+    if gone:
+        first = _hooks[gone[0]]
+        raise _refusal(gone, feature or first.feature or first.group)
 
 
 # --------------------------------------------------------------------------

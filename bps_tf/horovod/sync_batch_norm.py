@@ -41,8 +41,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     computed over the batches of all workers (same arguments)."""
 
     def __init__(self, *args, **kwargs):
-        registry.require_entry(MOMENTS)
-        registry.require_entry(REDUCTION_AXES.name)
+        registry.require_entries([MOMENTS, REDUCTION_AXES.name], FEATURE)
         super().__init__(*args, **kwargs)
 
     def _moments(self, inputs, mask):

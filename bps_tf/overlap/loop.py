@@ -158,8 +158,8 @@ class OverlappedApply(DeferredApply):
             optimizer.build(self.variables)
         overlap_guard.install_flushes()
         hooks.require(overlap_guard.GROUP, "OverlappedApply", policy=None)
-        hooks.install(GROUP)
-        hooks.require_entry("keras.Layer._flatten_layers", "OverlappedApply")
+        hooks.require_entries([OWN_VARIABLES.name, "keras.Layer._flatten_layers"],
+                              "OverlappedApply")
         self._install_hooks()
         # Reads between steps (an eager numpy(), a tf.function reading the
         # weights directly) apply the pending updates first.
