@@ -16,7 +16,7 @@ DOC = os.path.join(ROOT, "docs", "dependencies.md")
 BEGIN, END = "<!-- hooks:begin -->", "<!-- hooks:end -->"
 # Every module that declares hooks (importing it declares them).
 DECLARING = ("bps_tf.ops", "bps_tf.hooks.keras_shared", "bps_tf.hooks.tf_internals",
-             "bps_tf.horovod.optimizer_variables", "bps_tf.horovod.sync_batch_norm_entries",
+             "bps_tf.comm.optimizer_variables", "bps_tf.horovod.sync_batch_norm_entries",
              "bps_tf.overlap.guard", "bps_tf.overlap.engine", "bps_tf.overlap.fit",
              "bps_tf.overlap.fit_entries", "bps_tf.overlap.loop", "bps_tf.strategy.keras_hooks",
              "bps_tf.strategy.epoch_length", "bps_tf.strategy.checkpoint_hooks",

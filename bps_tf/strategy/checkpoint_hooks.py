@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from bps_tf.comm import collectives, naming
 from bps_tf.comm import compression as compression_lib
-from bps_tf.horovod import api
+from bps_tf.comm import exchange
 from bps_tf.hooks import registry as hooks
 from bps_tf.hooks.entries import PrivateAttribute
 from bps_tf.hooks.roles import keras_class
@@ -157,7 +157,7 @@ def _restore_from_rank0(original):
                 state["epoch"] = INITIAL_EPOCH.get(model, feature=_BACKUP)
             except Exception as exc:  # pylint: disable=broad-except
                 state["error"] = f"{type(exc).__name__}: {exc}"
-        state = api.broadcast_object(state, root_rank=0,
+        state = exchange.broadcast_object(state, root_rank=0,
                                      name=naming.strategy_key("backup", "state"))
         if state["error"]:
             raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")

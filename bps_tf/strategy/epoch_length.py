@@ -34,10 +34,10 @@ import weakref
 
 import tensorflow as tf
 
+from bps_tf.comm import exchange
 from bps_tf.hooks import registry as hooks
 from bps_tf.hooks import roles
 from bps_tf.hooks.entries import PrivateAttribute
-from bps_tf.horovod import api
 
 log = logging.getLogger("bps_tf")
 
@@ -176,7 +176,7 @@ def unsized(iterator, is_bps=None) -> bool:
 
 
 def _allgather_counts(mine: int) -> list:
-    return api.allgather(tf.constant([mine], tf.int64), name=COUNTS_NAME).numpy().tolist()
+    return exchange.allgather(tf.constant([mine], tf.int64), name=COUNTS_NAME).numpy().tolist()
 
 
 # --------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.comm.compression import Compression
+from bps_tf.comm import lifecycle
 from bps_tf.hooks import tf_internals
-from bps_tf.horovod import lifecycle
 from bps_tf.runtime import basics, cluster
 from bps_tf.strategy import keras_hooks
 from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps

@@ -32,7 +32,7 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf.comm import async_training
+from bps_tf.comm import async_training, optimizer_variables
 from bps_tf.hooks import keras_shared
 from bps_tf.hooks import registry as hooks
 from bps_tf.hooks import tf_internals  # noqa: F401  (declares the strategy's TF internals)
@@ -330,6 +330,7 @@ def install() -> None:
     import keras  # noqa: F401  (the hooks' targets)
     keras_shared.install()
     hooks.install(GROUP)
+    hooks.install(optimizer_variables.GROUP)
     hooks.install("strategy.tf")
     hooks.require(GROUP, "BytePSStrategy")
     hooks.require("strategy.tf", "BytePSStrategy")
