@@ -7,7 +7,7 @@ that loads it (its C++ ABI changes every release), so it is built here only
 when the building Python can import TensorFlow (`pip install
 --no-build-isolation .`), and stamped with that TensorFlow's key; otherwise,
 or after a TensorFlow upgrade, bps_tf compiles it at first import into a
-per-user cache (bps_tf/runtime/op_build.py). A stale build is never loaded.
+per-user cache (bps_tf/ops/op_build.py). A stale build is never loaded.
 """
 import importlib.util
 import os
@@ -44,7 +44,7 @@ WARNINGS = ["-Wall", "-Wno-sign-compare"]
 def _load_op_build():
     # By path: importing the bps_tf package here would need its native parts.
     spec = importlib.util.spec_from_file_location(
-        "bps_tf_op_build", os.path.join(HERE, "bps_tf", "runtime", "op_build.py"))
+        "bps_tf_op_build", os.path.join(HERE, "bps_tf", "ops", "op_build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -6,7 +6,7 @@ the CPU path, without TensorFlow.
 
 W worker processes share the GPU, S servers on loopback. Each worker runs the
 steps of the TF GPU kernel (benchmarks/workers/gpu_path.py says which) with
-CuPy buffers and the CUDA kernels of bps_tf/kernels/gpu_reduce.cu:
+CuPy buffers and the CUDA kernels of bps_tf/core/gpu/gpu_reduce.cu:
 
 1. exact sums for float16, bfloat16, float32 and float64, sizes from 0 to
    3 partitions, compared bit for bit on every worker;

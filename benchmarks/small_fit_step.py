@@ -5,7 +5,8 @@ strategy's few scalar reductions, each a round trip through the servers.
 Baseline in the same run: the same job with one worker (its push_pulls still
 go through a server, but nobody waits for a peer). A wake-up lost by an I/O
 thread shows here at once (every message waits out a 100 ms poll timeout;
-docs/performance.md §14).
+docs/performance-history.md, "A lost wake-up: 100 ms per message on quiet
+channels").
 
     python benchmarks/small_fit_step.py [--workers 2] [--servers 1] [--rounds 3]
 """

@@ -23,7 +23,7 @@ of all of ``x``.
 """
 from __future__ import annotations
 
-from tensorflow.python.distribute import distribute_lib
+import tensorflow as tf
 
 from bps_tf.strategy import BytePSExtended, BytePSStrategy
 
@@ -36,7 +36,7 @@ class PerWorkerInputExtended(BytePSExtended):
     def _input_context(self):
         # One input pipeline: nothing is sharded by worker; each batch is
         # split over this worker's devices only.
-        return distribute_lib.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+        return tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                            num_replicas_in_sync=len(self._devices))
 
 

@@ -2,7 +2,7 @@
 and the suite leaves nothing in the temporary folder.
 
 After `pip install .` with build isolation the op library is compiled at
-first import (bps_tf/runtime/op_build.py). Doing that once here keeps the compile
+first import (bps_tf/ops/op_build.py). Doing that once here keeps the compile
 out of tests that bound their processes' start-up time.
 
 The tests, every process they start and pytest's own `tmp_path` folders use
@@ -49,7 +49,7 @@ def pytest_sessionstart(session):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("DMLC_")}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
-        proc = subprocess.run([sys.executable, "-m", "bps_tf.runtime.op_build"], env=env,
+        proc = subprocess.run([sys.executable, "-m", "bps_tf.op_build"], env=env,
                               cwd=tempfile.gettempdir(), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:

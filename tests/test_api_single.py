@@ -727,7 +727,7 @@ def test_overlapped_apply_refuses_an_unverified_optimizer_type_unless_allowed():
 
 def _forget_data_hooks(monkeypatch):
     """The registry as if the end-of-data hooks were never installed."""
-    from bps_tf.runtime import hooks
+    from bps_tf.hooks import registry as hooks
     from bps_tf.strategy import data_check
     names = {h.name for h in hooks.hooks(data_check.GROUP)}
     monkeypatch.setattr(hooks, "_installed", hooks._installed - names)

@@ -153,7 +153,7 @@ def test_bazel_outputs_work_as_the_package(bazel_bin, tmp_path):
         shutil.copy(os.path.join(bazel_bin, path), stage / path)
     # Bazel built the op library against this TensorFlow: say so, as a
     # packaging step would, or bps_tf rightly refuses to trust it.
-    stamp = subprocess.run([sys.executable, "-m", "bps_tf.runtime.op_build", "--stamp", str(stage / OPS)],
+    stamp = subprocess.run([sys.executable, "-m", "bps_tf.op_build", "--stamp", str(stage / OPS)],
                            cwd=str(tmp_path), capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
                            env=dict(os.environ, PYTHONPATH=str(stage), TF_CPP_MIN_LOG_LEVEL="2"))
     assert stamp.returncode == 0, stamp.stderr

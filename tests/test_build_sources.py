@@ -5,7 +5,7 @@ added to one and not the other would build with pip and fail with Bazel (or
 the reverse) only at link time, so this checks both against the tree. The op
 library is compiled at first import from the installed package: every
 header it includes must ship (package_data) and take part in its cache key
-(bps_tf/runtime/op_build.py), or an edited header would reuse a stale build.
+(bps_tf/ops/op_build.py), or an edited header would reuse a stale build.
 """
 import ast
 import glob
@@ -35,19 +35,19 @@ def _literal(path, names):
 def _op_build():
     # By path, as setup.py loads it: importing bps_tf would need its native parts.
     spec = importlib.util.spec_from_file_location(
-        "bps_tf_op_build_for_tests", os.path.join(PACKAGE, "runtime", "op_build.py"))
+        "bps_tf_op_build_for_tests", os.path.join(PACKAGE, "ops", "op_build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _setup_lists():
-    """setup.py's core sources; the op sources come from bps_tf/runtime/op_build.py,
+    """setup.py's core sources; the op sources come from bps_tf/ops/op_build.py,
     which setup.py and the build at first import share."""
     core = _literal(os.path.join(ROOT, "setup.py"), {"CORE_SOURCES"})
     assert "CORE_SOURCES" in core, "setup.py no longer names its sources"
-    ops = _literal(os.path.join(PACKAGE, "runtime", "op_build.py"), {"OP_SOURCES"})
-    assert "OP_SOURCES" in ops, "bps_tf/runtime/op_build.py no longer names the op sources"
+    ops = _literal(os.path.join(PACKAGE, "ops", "op_build.py"), {"OP_SOURCES"})
+    assert "OP_SOURCES" in ops, "bps_tf/ops/op_build.py no longer names the op sources"
     return core["CORE_SOURCES"], ["bps_tf/" + s for s in ops["OP_SOURCES"]]
 
 
@@ -181,4 +181,4 @@ def test_op_library_cache_key_hashes_every_header_it_includes():
         unhashed = sorted(os.path.relpath(h, PACKAGE)
                           for h in _included(path, roots) - hashed)
         assert not unhashed, (f"{src} includes {unhashed}, which the op library's cache key "
-                              "does not hash (bps_tf/runtime/op_build.py)")
+                              "does not hash (bps_tf/ops/op_build.py)")

@@ -181,6 +181,31 @@ def test_bpslaunch_jobs_are_described_by_its_options():
     assert "BYTEPS_LAUNCHED_BY" not in launcher._clean_env({"BYTEPS_LAUNCHED_BY": "x"})
 
 
+def test_a_scheduler_nobody_reaches_fails_after_the_rendezvous_timeout():
+    """A ps task that hosts the scheduler (TF_CONFIG) and a scheduler of its
+    own (DMLC_ROLE=scheduler), with no other node started: each gives up
+    after BYTEPS_RENDEZVOUS_TIMEOUT (and its margin), naming the nodes that
+    never joined, instead of waiting for ever."""
+    limit = 1
+    ps_env = _env(TF_CONFIG=_tf_config("ps", 0, _free_port(), [_free_port()]))
+    dmlc_env = _env(DMLC_ROLE="scheduler", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1",
+                    DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(_free_port()))
+    for env in (ps_env, dmlc_env):
+        env["BYTEPS_RENDEZVOUS_TIMEOUT"] = str(limit)
+    started = time.time()
+    procs = {name: _run([sys.executable, "-m", "bps_tf.server"], env)
+             for name, env in (("ps", ps_env), ("scheduler", dmlc_env))}
+    logs = {name: proc.communicate(timeout=60)[0] for name, proc in procs.items()}
+    # The margin: a fifth more and 2 s; then 3 s telling late joiners why.
+    assert time.time() - started < limit * 1.2 + 2 + 3 + 15, logs
+    for name, proc in procs.items():
+        assert proc.returncode != 0, (name, logs[name])
+        assert f"the cluster did not meet within {limit} s (BYTEPS_RENDEZVOUS_TIMEOUT): " \
+               "not joined yet: worker(s) 0" in logs[name], (name, logs[name])
+    assert "(1 of 2 nodes joined)" in logs["ps"], logs["ps"]
+    assert "worker(s) 0, 1; 1 of 1 servers (0 of 3 nodes joined)" in logs["scheduler"], logs
+
+
 def test_an_interrupted_worker_is_named_and_the_servers_exit_non_zero(tmp_path):
     """Ctrl-C (SIGINT) on worker 1 of a running job: worker 0's push_pull
     fails saying so (not "every worker must make the same push_pulls"), and

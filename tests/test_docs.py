@@ -69,3 +69,34 @@ def test_no_test_installs_system_packages():
             path = os.path.join(folder, name)
             found += [f"{os.path.relpath(path, ROOT)}:{n}" for n in _package_manager_calls(path)]
     assert found == [], found
+
+
+CODE = (".py", ".cc", ".h", ".cu", ".cuh", ".sh")
+
+
+def test_the_performance_page_stays_a_summary():
+    """docs/performance.md stays under 400 lines; measurement write-ups go to
+    docs/performance-history.md."""
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) < 400, f"docs/performance.md has {len(lines)} lines"
+
+
+def test_code_cites_the_performance_docs_by_title_not_number():
+    """Section numbers of docs/performance-history.md change as it grows:
+    code names a section by its title (or anchor)."""
+    bad = []
+    for folder in ("bps_tf", "benchmarks", "tools", "tests", "examples"):
+        for root, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if not name.endswith(CODE):
+                    continue
+                path = os.path.join(root, name)
+                if os.path.samefile(path, __file__):
+                    continue
+                with open(path, errors="replace") as f:
+                    for number, line in enumerate(f, 1):
+                        if "performance" in line and ("\u00a7" in line or " section 1" in line
+                                                      or " section 2" in line):
+                            bad.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not bad, "\n".join(bad)

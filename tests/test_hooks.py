@@ -1,10 +1,10 @@
-"""The hook registry (bps_tf/runtime/hooks.py): targets found by role, and
-what happens when a Keras/TensorFlow release moves one.
+"""The hook registry (bps_tf/hooks/registry.py): targets found by role, and
+what happens when a Keras/TensorFlow release moves one (tests/
+test_hook_renames.py renames every entry's name across a copy of Keras).
 
-The registry's own rules run in this process without TensorFlow. The checks
-that hide a hook's target run in fresh processes: each removes or renames
-something of Keras *before* bps_tf installs its hooks, as a future release
-would, then trains a small model in a single process (no cluster).
+The registry's own rules run in this process without TensorFlow; a fresh
+process trains with every hook in place. What bps_tf does when a release
+moves a target is tests/test_hook_renames.py's.
 """
 import json
 import logging
@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
+from bps_tf.hooks import versions
 
 TIMEOUT_S = 300
 
@@ -124,7 +125,7 @@ def _run(*parts, **env):
 TRAIN = """
 import json, logging, numpy as np, keras
 import bps_tf
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
 
 records = []
 class Keep(logging.Handler):
@@ -146,31 +147,6 @@ def train(**strategy_args):
 """
 
 
-def test_the_overlap_falls_back_to_the_barrier_with_the_same_weights():
-    # A Keras that moved the method the deferred update calls: its lookup
-    # fails (Keras' own calls of it are left working, as they would be).
-    out, _ = _run("""
-        from bps_tf.runtime import hooks
-        from bps_tf.overlap import fit  # declares the overlap's hooks
-        def moved():
-            raise hooks.HookMissing("no class in Optimizer's MRO defines '_backend_update_step'")
-        hooks._hooks["keras.optimizers.Optimizer._backend_update_step"].locate = moved
-        """, TRAIN, """
-        hidden, weights = train()                 # overlap asked for (the default)
-        barrier, expected = train(overlap=False)
-        print(json.dumps({"overlap": hidden.overlap, "same": weights == expected,
-                          "missing": sorted(hooks.missing()),
-                          "warnings": [r for r in records if "overlap is off" in r]}))
-        """)
-    assert out["overlap"] is False
-    assert out["same"], "the fallback trained a different model than the barrier"
-    assert out["missing"] == ["keras.optimizers.Optimizer._backend_update_step"]
-    assert len(out["warnings"]) == 1, out["warnings"]
-    warning = out["warnings"][0]
-    assert "_backend_update_step" in warning and "Keras (" in warning and "verified on" in \
-        warning
-
-
 def test_with_every_hook_the_overlap_is_on():
     out, _ = _run(TRAIN, """
         strategy, _ = train()
@@ -179,53 +155,37 @@ def test_with_every_hook_the_overlap_is_on():
     assert out == {"overlap": True, "missing": {}}
 
 
-def test_a_missing_hook_that_cannot_fall_back_is_a_clear_error():
-    out, _ = _run("""
-        import json, keras
-        del keras.optimizers.LossScaleOptimizer.check_finite
-        import bps_tf
-        from bps_tf.runtime import hooks
-        try:
-            bps_tf.BytePSStrategy()
-            print(json.dumps({"error": None}))
-        except hooks.HookError as exc:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        """)
-    assert out["error"] is not None, "BytePSStrategy() ran without the loss-scale check's hook"
-    message = out["error"]
-    assert "keras.optimizers.LossScaleOptimizer.check_finite" in message
-    assert "BytePSStrategy" in message and "Last verified: Keras" in message
-    import keras
-    assert f"Keras ({keras.__version__})" in message
-
-
-def test_renamed_trainer_classes_are_found_by_role():
-    # Keras 3.16 renamed the backend's TensorFlowTrainer to Trainer (and the
-    # base Trainer to BaseTrainer): the name bps_tf once patched is gone.
-    out, _ = _run("""
-        import sys, keras
-        trainer = next(c for c in keras.Model.__mro__ if "make_train_function" in vars(c))
-        backend = sys.modules[trainer.__module__]
-        setattr(backend, "Renamed" + trainer.__name__, trainer)
-        delattr(backend, trainer.__name__)
-        """, TRAIN, """
-        strategy, weights = train()
-        print(json.dumps({"missing": hooks.missing(), "overlap": strategy.overlap,
-                          "trained": len(weights)}))
-        """)
-    assert out == {"missing": {}, "overlap": True, "trained": 4}
-
-
 def test_the_keras_floor_is_checked(monkeypatch):
     import keras
     for old in ("3.7.0", "3.8.0", "3.9.2"):
         monkeypatch.setattr(keras, "__version__", old)
         with pytest.raises(hooks.HookError, match=rf"Keras >= 3\.10 \(found {re.escape(old)}\)"):
-            hooks.check_keras_version()
+            versions.check_keras_version()
     monkeypatch.setattr(keras, "__version__", "3.10.0")
-    hooks.check_keras_version()
+    versions.check_keras_version()
     monkeypatch.setattr(keras, "__version__", "3.16.0.dev2026102704")
-    hooks.check_keras_version()
+    versions.check_keras_version()
+
+
+def test_versions_newer_than_verified_get_one_warning_naming_them(monkeypatch, caplog):
+    import types
+    monkeypatch.setitem(sys.modules, "keras", types.SimpleNamespace(__version__="3.16.0"))
+    monkeypatch.setitem(sys.modules, "tensorflow", types.SimpleNamespace(__version__="2.23.0"))
+    monkeypatch.setattr(versions, "_said", versions.threading.Event())
+    with caplog.at_level(logging.WARNING, logger="bps_tf"):
+        assert versions.warn_if_newer()
+        assert not versions.warn_if_newer()            # once per process
+    said = [r.getMessage() for r in caplog.records if "newer than" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "Keras 3.16.0 (last verified: 3.15.1" in said[0], said
+    assert "TensorFlow 2.23.0 (last verified: 2.21.0" in said[0], said
+    # The verified releases and pre-releases, and older ones, are silent.
+    monkeypatch.setattr(versions, "_said", versions.threading.Event())
+    for keras_version, tf_version in (("3.15.1", "2.21.0"), ("3.16.0.dev2026102704", "2.22.0rc0"),
+                                      ("3.10.0", "2.16.2")):
+        sys.modules["keras"].__version__ = keras_version
+        sys.modules["tensorflow"].__version__ = tf_version
+        assert not versions.warn_if_newer(), (keras_version, tf_version)
 
 
 def test_the_docs_table_is_current():

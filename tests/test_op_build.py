@@ -19,7 +19,9 @@ import time
 import pytest
 
 import bps_tf
-from bps_tf.runtime import op_build
+from bps_tf.op_build import load_builder
+
+op_build = load_builder()
 
 BUILD_TIMEOUT_S = 900
 PROBE = textwrap.dedent("""
@@ -95,7 +97,7 @@ def test_a_stale_installed_library_is_never_loaded(built):
         assert seen["loaded"] == [lib] and seen["sum"] == [1.0, 2.5]
         assert "compiling" not in err  # the cache already holds this TensorFlow's build
         # Once stamped for this TensorFlow, the installed library is the one used.
-        stamp = subprocess.run([sys.executable, "-m", "bps_tf.runtime.op_build", "--stamp", installed],
+        stamp = subprocess.run([sys.executable, "-m", "bps_tf.op_build", "--stamp", installed],
                                cwd=stage, env=dict(os.environ, PYTHONPATH=stage,
                                                    TF_CPP_MIN_LOG_LEVEL="2"),
                                capture_output=True, text=True, timeout=300)

@@ -138,3 +138,41 @@ def test_bpslaunch_refuses_before_starting_anything(task, tmp_path):
     assert lines[0].startswith(f"bpslaunch: bps_tf {role}: refusing to start without a job "
                                "token"), proc.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("token, why", [
+    ("s3cr3t", "it is 6 bytes long (at least 16)"),
+    ("t" * 32, "it uses 1 different characters (at least 8)"),
+    ("passwordpassword", "it uses 7 different characters (at least 8)"),
+    ("1234567890123456", "it holds about 53 bits of entropy (at least 64)"),
+])
+def test_a_weak_token_is_refused_off_loopback_with_the_way_to_make_one(token, why, caplog):
+    worker = cluster.resolve({"TF_CONFIG": _tf_config(REMOTE, 4000, ("chief", 0))})
+    log = logging.getLogger("bps_tf")
+    with pytest.raises(security.InsecureClusterError) as info:
+        security.refuse_unprotected(worker, token, False, log)
+    message = str(info.value)
+    assert "refusing a weak BYTEPS_JOB_TOKEN" in message and why in message, message
+    assert security.MAKE_TOKEN in message and "BYTEPS_ALLOW_INSECURE=1" in message
+    # The command it names prints a token that passes.
+    command = security.MAKE_TOKEN.replace("python", sys.executable, 1)
+    made = subprocess.run(command, shell=True, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert len(made) >= 16 and security.token_weakness(made) == ""
+    security.refuse_unprotected(worker, made, False, log)
+    # On loopback the token only keeps jobs apart; a trusted network opts out.
+    local = cluster.resolve({"TF_CONFIG": _tf_config("127.0.0.1", 4000, ("chief", 0))})
+    security.refuse_unprotected(local, token, False, log)
+    with caplog.at_level(logging.WARNING, logger="bps_tf"):
+        security.refuse_unprotected(worker, token, True, log)
+    assert any("weak job token" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_on_the_network_with_a_weak_token_refuses_to_start():
+    proc = subprocess.run([sys.executable, "-m", "bps_tf.server"], cwd=tempfile.gettempdir(),
+                          env=_env(TF_CONFIG=_tf_config(REMOTE, _free_port()),
+                                   BYTEPS_JOB_TOKEN="short"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "refusing a weak BYTEPS_JOB_TOKEN" in proc.stderr, proc.stderr
+    assert "secrets.token_hex(16)" in proc.stderr, proc.stderr

@@ -37,10 +37,23 @@ def test_secrets_are_derived_per_token_and_per_purpose():
         security.derive("", "plain_credential")
 
 
+def test_the_token_is_stretched_by_a_memory_hard_derivation():
+    """Whatever crosses the network can be recorded and used to test guesses
+    of the token offline: each guess costs a scrypt of 16 MiB
+    (docs/reliability.md#security), then one HMAC per purpose."""
+    import hashlib
+    import hmac
+    master = hashlib.scrypt(b"token-a", salt=b"bps_tf job token v2", n=1 << 14, r=8, p=1,
+                            maxmem=64 << 20, dklen=32)
+    for name, label in security.LABELS.items():
+        assert security.derive("token-a", name) == hmac.new(master, label,
+                                                            hashlib.sha256).digest()
+
+
 @pytest.mark.parametrize("env, mode, keys", [
     # with a token, the local links' credential too (Unix sockets on one machine)
-    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "aead",
-     {"plain_credential", "link_key", "local_credential"}),
+    # sealed links: nothing for the gate (a public label), the handshake's key
+    ({"BYTEPS_JOB_TOKEN": "s3cr3t"}, "aead", {"link_key", "local_credential"}),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "curve"}, "curve",
      {"curve_server_secret", "curve_client_secret", "local_credential"}),
     ({"BYTEPS_JOB_TOKEN": "s3cr3t", "BYTEPS_ENCRYPTION": "0"}, "plain",
@@ -384,21 +397,22 @@ def test_the_handshake_admits_only_holders_of_the_token():
         client.finish(core.LinkEnd(other).answer(core.LinkEnd(other).hello()))
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_a_hello_of_an_earlier_release_is_refused_by_name(old):
-    """Sealed links spoke handshake version 1 before sliced payloads and 2
-    before payloads shared by several links; such a node would read those
-    messages as forged, so the handshake refuses it, naming another release."""
+    """Sealed links spoke handshake version 1 before sliced payloads, 2
+    before payloads shared by several links and 3 before the slow token
+    derivation and the public gate; such a node would read those messages
+    as forged (or hold other keys), so the handshake refuses it, naming
+    another release."""
     key = os.urandom(32)
     hello = bytearray(_core().LinkEnd(key).hello())
-    assert hello[:4] == b"BPSK" and hello[4] == 3
+    assert hello[:4] == b"BPSK" and hello[4] == 4
     hello[4] = old
-    with pytest.raises(ValueError, match=rf"handshake version {old} \(this node speaks 3\): "
-                                         r"not a bps_tf of this release"):
+    with pytest.raises(ValueError, match=rf"handshake version {old} \(this node speaks 4\): "
+                                         r"a bps_tf of another release"):
         _core().LinkEnd(key).answer(bytes(hello))
 
 
-@pytest.mark.parametrize("size", [1, 4096, 4 << 20])
 def test_a_payload_sealed_once_for_several_links_opens_on_each_and_nowhere_else(
         size, cipher_threads):
     """A server's sum goes to every worker: it is encrypted once (under a
@@ -466,7 +480,7 @@ class SealedPeer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.plain_username = b"bps_tf"
-        self.sock.plain_password = security.derive(token, "plain_credential").hex().encode()
+        self.sock.plain_password = security.gate_password(token, security.ENCRYPTION_ON)
         self.end = _core().LinkEnd(link_key or security.derive(token, "link_key"))
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.sock.send(self.end.hello())
@@ -515,9 +529,14 @@ def _attack_with_sealed_messages(port, token):
     peer.sock.send_multipart([sealed, cipher[:50] + b"b" + cipher[51:]])   # changed
     alerts["changed"] = peer.alert()
     peer.close()
-    # The gate credential without the link key: the hello gets no answer, and
-    # anything sent in its place is dropped unopened.
+    # Past the gate (a public label: any PLAIN hello passes) without the link
+    # key: the hello is refused in clear, naming the cause, and anything sent
+    # in its place is dropped unopened.
     peer = SealedPeer(port, token, link_key=os.urandom(32))
+    assert peer.sock.poll(10000), "a peer without the link key was not told why"
+    refusal = peer.sock.recv_multipart()
+    assert len(refusal) == 1 and refusal[0][:4] == b"BPSR", refusal
+    alerts["no link key"] = refusal[0][4:].decode()
     peer.sock.send_multipart([os.urandom(136), os.urandom(100)])
     assert not peer.sock.poll(1000), "a peer without the link key got an answer"
     peer.close()
@@ -547,6 +566,9 @@ def test_sealed_messages_changed_replayed_or_reordered_are_rejected(tmp_path):
                 assert json.load(f)["bad"] == []
         assert c.wait_all(c.servers, timeout=20)
         log = c.log("server0")
+    refused = alerts.pop("no link key")
+    assert "refused this node's handshake: its MAC does not verify: it holds another " \
+           "BYTEPS_JOB_TOKEN" in refused, refused
     for kind, text in alerts.items():
         assert "rejected a message of this node" in text, (kind, text)
     assert "came again or out of order" in alerts["replayed"]

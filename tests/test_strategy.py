@@ -187,6 +187,26 @@ def test_replicas_that_drifted_apart_are_caught_within_the_check_interval(cluste
         assert "kernel" in error, error
 
 
+def test_the_fit_fingerprint_counts_across_fits_and_checks_at_each_end(cluster):
+    # Two fits of 3 batches each (interval 4), rank 1's weight changed in the
+    # second: caught at that fit's end (its 6th batch), not never.
+    _, _, reports = cluster
+    for report in reports:
+        error = report["drift"]["short_fits"]
+        assert error and "drifted apart" in error and "at its end (batch 6" in error, error
+
+
+def test_per_replica_statistics_of_sync_state_false_are_no_drift(cluster):
+    # BytePSStrategy(sync_state=False): each replica's own BatchNormalization
+    # statistics differ by design and are left out; a weight is still checked.
+    _, _, reports = cluster
+    for report in reports:
+        assert report["drift"]["sync_state_off"] is None, report["drift"]["sync_state_off"]
+        error = report["drift"]["sync_state_off_perturbed"]
+        assert error and "drifted apart" in error and "kernel" in error, error
+        assert "moving_mean" not in error and "moving_variance" not in error, error
+
+
 def test_workers_must_agree_on_the_early_data_check(cluster):
     _, _, reports = cluster
     for report in reports:

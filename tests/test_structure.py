@@ -28,6 +28,7 @@ OP_USERS = {"bps_tf.comm.collectives", "bps_tf.comm.gradients"}
 # layer never import each other.
 LAYERS = (
     ("runtime", ("bps_tf.runtime",)),
+    ("hooks", ("bps_tf.hooks",)),
     ("ops", ("bps_tf.ops",)),
     ("comm", ("bps_tf.comm",)),
     ("faces", ("bps_tf.horovod", "bps_tf.overlap", "bps_tf.launch")),
@@ -257,6 +258,21 @@ def test_no_private_names_across_modules():
                     and not node.attr.startswith("__")):
                 bad.append(f"{module}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+def test_tensorflow_and_keras_internals_are_reached_only_through_the_registry():
+    """``tensorflow.python`` and ``keras.src`` are imported by bps_tf.hooks
+    alone (its entries name each internal; docs/dependencies.md lists them)."""
+    bad = []
+    for module in MODULES:
+        if module == "bps_tf.hooks" or module.startswith("bps_tf.hooks."):
+            continue
+        for node in ast.walk(_tree(module)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{module}: imports {n}" for n in names
+                    if n.startswith(("tensorflow.python", "keras.src"))]
+    assert not bad, "internals imported outside bps_tf/hooks:\n" + "\n".join(bad)
 
 
 def test_files_are_small():

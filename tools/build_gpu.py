@@ -1,7 +1,7 @@
 """Builds bps_tf's GPU pieces and decides whether the TF GPU kernel can be built.
 
 Two products:
-  * libbps_gpu_reduce.so: the TF-free CUDA kernels (bps_tf/kernels/gpu_reduce.cu)
+  * libbps_gpu_reduce.so: the TF-free CUDA kernels (bps_tf/core/gpu/gpu_reduce.cu)
     behind their C ABI, for the ctypes harness in tests/gpu/. Needs only nvcc.
   * the GPU kernel of the TF op library (bps_tf/kernels/push_pull_gpu_kernels.cc
     plus the same kernels), linked into libbps_tf_ops.so by setup.py. Needs a
@@ -27,7 +27,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(REPO, "bps_tf", "kernels")
-REDUCE_SRC = os.path.join(KERNELS, "gpu_reduce.cu")
+CORE = os.path.join(REPO, "bps_tf", "core")
+# Framework-free, so part of the core (includes are paths under bps_tf/core).
+REDUCE_DIR = os.path.join(CORE, "gpu")
+REDUCE_SRC = os.path.join(REDUCE_DIR, "gpu_reduce.cu")
 TF_KERNEL_SRC = os.path.join(KERNELS, "push_pull_gpu_kernels.cc")
 DEFAULT_LIB = os.path.join(REPO, "build", "gpu", "libbps_gpu_reduce.so")
 # Ampere and Hopper machine code, plus PTX of the newest so later GPUs can JIT it.
@@ -129,7 +132,7 @@ def build_reduce_library(out=DEFAULT_LIB, archs=None, emulation=False, nvcc=None
         raise RuntimeError("nvcc not found: install a CUDA toolkit or set CUDA_HOME")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     cmd = nvcc_base(nvcc, cuda_archs(archs), ptx=ptx) + [
-        "-shared", "--cudart", "static", REDUCE_SRC, "-o", out]
+        "-shared", "--cudart", "static", "-I" + CORE, REDUCE_SRC, "-o", out]
     if emulation:
         cmd.insert(1, "-DBPS_GPU_HOST_EMULATION")
     return out, _run(cmd, quiet=quiet)
@@ -220,12 +223,13 @@ def compile_tf_gpu_objects(nvcc, base, tf_cflags, tf_include, tmp, archs=None, f
     """Objects for the op library: the kernels (nvcc) and the TF GPU kernel (g++),
     each recompiled only when its sources changed (unless force).
     Returns (objects, link flags)."""
-    core_dir = os.path.join(REPO, "bps_tf", "core")
-    header = os.path.join(KERNELS, "gpu_reduce.h")
+    core_dir = CORE
+    header = os.path.join(REDUCE_DIR, "gpu_reduce.h")
     reduce_obj = os.path.join(tmp, "gpu_reduce.cu.o")
-    if _stale(reduce_obj, [REDUCE_SRC, header, os.path.join(KERNELS, "gpu_reduce_ops.cuh")],
+    if _stale(reduce_obj, [REDUCE_SRC, header, os.path.join(REDUCE_DIR, "gpu_reduce_ops.cuh")],
               force):
-        _run(nvcc_base(nvcc, cuda_archs(archs)) + ["-c", REDUCE_SRC, "-o", reduce_obj])
+        _run(nvcc_base(nvcc, cuda_archs(archs)) + ["-I" + CORE, "-c", REDUCE_SRC, "-o",
+                                                   reduce_obj])
     kernel_obj = os.path.join(tmp, "push_pull_gpu_kernels.cc.o")
     core_headers = [os.path.join(core_dir, h) for h in ("bps_api.h", "dtypes.h")]
     abi = os.path.join(KERNELS, "core_abi.h")

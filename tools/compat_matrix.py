@@ -13,8 +13,14 @@ table into docs/dependencies.md between its markers.
     python tools/compat_matrix.py --venv-root /work/venvs --reuse
 
 Venvs live under ``--venv-root`` (default ~/.cache/bps_tf/matrix) and are
-reused with ``--reuse`` when their TensorFlow is the one asked for; bps_tf
-itself is reinstalled from the checkout every run.
+reused with ``--reuse`` when their TensorFlow and Keras are the ones asked
+for (the Keras *distribution* too: a release candidate's keras-nightly is
+not keras); bps_tf itself is reinstalled from the checkout every run. Each
+combination installs its TensorFlow/Keras pins with requirements-base.txt
+(everything but TensorFlow and Keras), so no second Keras distribution is
+pulled over the one its TensorFlow brings; a venv whose ``keras`` folder
+belongs to two distributions, or to another one than expected, is a failed
+row, and each row records the Keras it ran.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ COMBINATIONS = {
     "tf2.22rc0": (["tensorflow-cpu==2.22.0rc0"], {},
                   "the release candidate, with the keras-nightly it pulls"),
 }
+# The distribution that must provide the `keras` package (default "keras").
+KERAS_DISTRIBUTION = {"tf2.22rc0": "keras-nightly"}
 QUICK_START = ["bpslaunch", "-np", "2", "--servers", "1", "python",
                os.path.join(ROOT, "examples", "keras_digits.py")]
 TF_KERAS_QUICK_START = ["bpslaunch", "-np", "2", "--servers", "1", "python",
@@ -80,9 +88,14 @@ def _run(cmd, env=None, cwd=None, timeout=None, log=None):
 
 
 def _versions(python):
-    probe = ("import json, tensorflow as tf, keras, numpy\n"
+    """What the venv's Python imports, and which distributions own the
+    files of its ``keras`` package (``keras_distributions``)."""
+    probe = ("import json, tensorflow as tf, keras, numpy, importlib.metadata as md\n"
              "found = {'tensorflow': tf.__version__, 'keras': keras.__version__, "
-             "'numpy': numpy.__version__}\n"
+             "'numpy': numpy.__version__, 'keras_file': keras.__file__}\n"
+             "found['keras_distributions'] = sorted(\n"
+             "    [d.metadata['Name'], d.version] for d in md.distributions()\n"
+             "    if any(str(f) == 'keras/__init__.py' for f in (d.files or [])))\n"
              "try:\n    import tf_keras\n    found['tf_keras'] = tf_keras.__version__\n"
              "except ImportError:\n    pass\n"
              "print(json.dumps(found))")
@@ -99,6 +112,24 @@ def _versions(python):
     return {}
 
 
+def keras_problem(found, expected="keras", pinned=None):
+    """Why the Keras a venv runs is not the one its combination stands for
+    ("" when it is): ``found`` is what :func:`_versions` read."""
+    owners = found.get("keras_distributions")
+    if owners is None:
+        return "no keras could be imported"
+    names = sorted({name.lower() for name, _ in owners})
+    if len(owners) != 1:
+        return (f"the keras package belongs to {len(owners)} distributions "
+                f"({', '.join(f'{n} {v}' for n, v in owners)}): one was installed over the "
+                f"other; install the TensorFlow first, then requirements-base.txt")
+    if names != [expected.lower()]:
+        return f"keras comes from {owners[0][0]} {owners[0][1]}, not {expected}"
+    if pinned and owners[0][1].replace("-", "") != pinned.replace("-", ""):
+        return f"keras {owners[0][1]} is installed, not {pinned}"
+    return ""
+
+
 def _venv(name, requirements, root, reuse, log):
     path = os.path.join(root, name)
     python = os.path.join(path, "bin", "python")
@@ -108,13 +139,17 @@ def _venv(name, requirements, root, reuse, log):
               for r in requirements if "==" in r}
     found = _versions(python) if os.path.exists(python) else {}
     same = lambda a, b: (a or "").replace("-", "") == b.replace("-", "")  # noqa: E731  2.22.0-rc0
-    if not (reuse and all(same(found.get(k), v) for k, v in pinned.items())):
+    expected = KERAS_DISTRIBUTION.get(name, "keras")
+    if not (reuse and all(same(found.get(k), v) for k, v in pinned.items())
+            and not keras_problem(found, expected, pinned.get("keras"))):
         shutil.rmtree(path, ignore_errors=True)
         code, _, out = _run([sys.executable, "-m", "venv", path], log=log)
         if code != 0:
             raise RuntimeError(f"venv: {out}")
-        code, _, out = _run([python, "-m", "pip", "install", "-q", *requirements, "-r",
-                             os.path.join(ROOT, "requirements-test.txt")], log=log, timeout=1800)
+        code, _, out = _run([python, "-m", "pip", "install", "-q", *requirements,
+                             "-r", os.path.join(ROOT, "requirements-base.txt"),
+                             "-r", os.path.join(ROOT, "requirements-test-tools.txt")],
+                            log=log, timeout=1800)
         if code != 0:
             raise RuntimeError(f"pip install of {requirements}: {out}")
     code, _, out = _run([python, "-m", "pip", "install", "-q", "--force-reinstall",
@@ -134,6 +169,11 @@ def run_one(name, root, reuse, timeout, log):
         return row
     python = os.path.join(path, "bin", "python")
     row["versions"] = _versions(python)
+    problem = keras_problem(row["versions"], KERAS_DISTRIBUTION.get(name, "keras"),
+                            dict(r.split("==") for r in requirements if "==" in r).get("keras"))
+    if problem:
+        row.update(install="fail", error=f"not the Keras of {name}: {problem}")
+        return row
     env = dict(os.environ, **extra_env, TF_CPP_MIN_LOG_LEVEL="2",
                PATH=os.path.join(path, "bin") + os.pathsep + os.environ.get("PATH", ""))
     env.pop("PYTHONPATH", None)
@@ -170,8 +210,12 @@ def table(rows):
             quick = ("pass" if q["exit"] == 0 else f"FAIL (exit {q['exit']})") + \
                     f", {q['seconds']:.0f} s"
             smoke = ("pass" if s["exit"] == 0 else "FAIL") + f": {s['summary']}"
-        lines.append(f"| {row['name']} | {versions.get('tensorflow', '?')} | "
-                     f"{versions.get('keras', '?')} | {quick} | {smoke} | {row.get('date', '')} |")
+        owners = versions.get("keras_distributions") or []
+        keras = versions.get("keras", "?")
+        if len(owners) == 1 and owners[0][0].lower() != "keras":
+            keras += f" ({owners[0][0]})"    # the distribution that ran, e.g. keras-nightly
+        lines.append(f"| {row['name']} | {versions.get('tensorflow', '?')} | {keras} | {quick} | "
+                     f"{smoke} | {row.get('date', '')} |")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ from bps_tf import ops as bps_ops
 # BPS_BENCH_TF_INPUTS=variables: the tensors are variables the function
 # reads, as a train step's gradients are computed inside it; the default
 # passes them as arguments, and converting 64 Python arguments costs the
-# call about 0.8 ms by itself (docs/performance.md §12).
+# call about 0.8 ms by itself (docs/performance-history.md, "The TF op's output
+# buffer and tensor fusion").
 IN_GRAPH = os.environ.get("BPS_BENCH_TF_INPUTS", "arguments") == "variables"
 
 

@@ -30,9 +30,9 @@ import threading
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.ops import control_flow_util
 
 from bps_tf.comm import naming
+from bps_tf.hooks import tf_internals
 from bps_tf.runtime import basics
 
 # dtypes the ops support directly
@@ -135,7 +135,7 @@ def require_init() -> None:
         raise basics.NotInitializedError(
             "bps_tf is not initialized: call bps_tf.init() first (once per "
             "process, before any push_pull, broadcast or allgather).")
-    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+    if not tf.executing_eagerly() and tf_internals.in_xla_context(
             tf.compat.v1.get_default_graph()):
         # XLA would fail later with a long list of "unsupported operations".
         raise RuntimeError(
@@ -249,8 +249,7 @@ def keep_priority(keep: bool):
     if not keep or tf.executing_eagerly():
         return contextlib.nullcontext()
     graph = tf.compat.v1.get_default_graph()
-    return graph._attr_scope(  # pylint: disable=protected-access
-        {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
+    return tf_internals.attr_scope(graph, {"_bps_keep_priority": attr_value_pb2.AttrValue(b=True)})
 
 
 def refuse_when_joined(key: str) -> None:
@@ -369,9 +368,8 @@ def reduce_on_servers(tensor, key: str, kind: str, priority: int = 0):
 def kernel_devices(op_type: str = "BytepsPushPull") -> set:
     """Device types with a kernel registered for ``op_type`` in the loaded
     op library (``{"CPU"}``, or ``{"CPU", "GPU"}`` for a CUDA build)."""
-    from tensorflow.python.framework import kernels
     _ops()
-    return {k.device_type for k in kernels.get_registered_kernels_for_op(op_type).kernel}
+    return tf_internals.kernel_devices(op_type)
 
 
 # Scaled float16 transport. The scale is a power of two (so scaling itself

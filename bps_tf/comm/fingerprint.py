@@ -14,11 +14,13 @@ ranks and the fingerprints.
 
 Used by the gradient reductions of ``DistributedGradientTape``, the TF1
 ``DistributedOptimizer`` (in their traced step, or eagerly) and by
-``model.fit`` under ``BytePSStrategy`` (between steps).
+``model.fit`` under ``BytePSStrategy`` (between steps, counted across
+``fit`` calls, and at the end of each: :class:`Schedule`, :func:`check_owner`).
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -64,11 +66,14 @@ def values(variables: Sequence) -> tf.Tensor:
     return tf.stack([_bits(tf.convert_to_tensor(v)) for v in variables])
 
 
-def compare(rows: np.ndarray, names: Sequence[str], what: str) -> None:
-    """Raises ReplicasDriftedError if the workers' rows differ."""
-    different = [i for i in range(rows.shape[1]) if len(set(rows[:, i].tolist())) > 1]
+def compare(rows: np.ndarray, names, what: str) -> None:
+    """Raises ReplicasDriftedError if the workers' rows differ. ``names``:
+    the variables' names, or a function that returns them (called only
+    when some differ)."""
+    different = np.nonzero((rows != rows[:1]).any(axis=0))[0].tolist()
     if not different:
         return
+    names = names() if callable(names) else names
     shown = "; ".join(
         f"{names[i]}: " + ", ".join(f"rank {r} {int(rows[r, i]):#x}" for r in range(rows.shape[0]))
         for i in different[:_SHOWN])
@@ -96,7 +101,61 @@ def _exchange(variables, key: str) -> tf.Tensor:
 def check_now(variables: Sequence, key: str, what: str) -> None:
     """Eager: exchange and compare the fingerprints of ``variables`` now."""
     rows = _exchange(variables, key).numpy()
-    compare(rows, [naming.variable_name(v) for v in variables], what)
+    compare(rows, lambda: [naming.variable_name(v) for v in variables], what)
+
+
+# owner (a model) -> (ids of its checked variables, their traced table)
+_traced: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def check_owner(owner, variables: Sequence, key: str, what: str) -> None:
+    """Eager: :func:`check_now` for the variables of ``owner`` (a model),
+    with their fingerprints taken by one traced function, kept per owner
+    while its variables stay the same: one call instead of a few eager ops
+    per variable (docs/performance.md: the replica fingerprint's cost)."""
+    ids = tuple(id(v) for v in variables)
+    entry = _traced.get(owner)
+    if entry is None or entry[0] != ids:
+        held = list(variables)
+
+        def table():
+            # Rank and size read when it runs: the trace outlives an elastic change.
+            size, rank = membership.size(), membership.rank()
+            mine = tf.reshape(values(held), [1, -1])
+            return tf.scatter_nd([[rank]], mine, [size, len(held)])
+        entry = _traced[owner] = (ids, tf.function(table, autograph=False))
+    with collectives.membership_free():
+        rows = collectives.push_pull_sum(entry[1](), naming.part_key(key, "fingerprint"),
+                                         collectives.BLOCKING_PRIORITY).numpy()
+    compare(rows, lambda: [naming.variable_name(v) for v in variables], what)
+
+
+class Schedule:
+    """When the checks of one owner (a model's ``fit``) are due: every
+    :func:`every` steps counted across its calls, and at the end of each
+    call that ran steps since the last check. Every worker counts the same
+    steps; :func:`reset_steps` (an elastic restart) starts all counts again."""
+
+    _all: "weakref.WeakSet" = weakref.WeakSet()
+
+    def __init__(self):
+        self.steps = 0         # since the first call (or the last reset)
+        self.unchecked = 0     # steps since the last check
+        Schedule._all.add(self)
+
+    def step(self) -> bool:
+        """Counts one step; whether a check is due now."""
+        n = every()
+        self.steps += 1
+        self.unchecked += 1
+        return n > 0 and self.steps % n == 0
+
+    def end_due(self) -> bool:
+        """At the end of a call: whether steps ran since the last check."""
+        return every() > 0 and self.unchecked > 0
+
+    def checked(self) -> None:
+        self.unchecked = 0
 
 
 _eager_steps: Dict[str, int] = {}
@@ -157,3 +216,5 @@ def reset_steps() -> None:
     counts its steps from zero, so the checks stay at the same steps."""
     with _lock:
         _eager_steps.clear()
+        for schedule in list(Schedule._all):
+            schedule.steps = schedule.unchecked = 0

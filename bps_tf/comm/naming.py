@@ -82,7 +82,6 @@ ranks, after ``BYTEPS_STALL_CHECK_TIME_SECONDS`` and stops the job after
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 import threading
@@ -90,6 +89,8 @@ import weakref
 from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
+
+from bps_tf.hooks import keras_shared
 
 # Prefix of every key BytePSStrategy makes.
 STRATEGY_PREFIX = "bps.strategy"
@@ -325,21 +326,6 @@ def allgather_data_key(key: str, eager_total_rows: Optional[int] = None) -> str:
 # --------------------------------------------------------------------------
 # Names for people (never keys)
 # --------------------------------------------------------------------------
-_creating = threading.local()
-
-
-@contextlib.contextmanager
-def creating_variable(path: str):
-    """While a Keras variable creates its TensorFlow variable: its path, for
-    :func:`display_path` (set by bps_tf.strategy.keras_hooks)."""
-    previous = getattr(_creating, "path", None)
-    _creating.path = path
-    try:
-        yield
-    finally:
-        _creating.path = previous
-
-
 def variable_identity(path: str) -> str:
     """What workers must agree a variable is, from its Keras path: each
     component without the number Keras appends per process (``dense_3`` is
@@ -354,5 +340,5 @@ def display_path(name) -> str:
     """The path a person knows a variable being created now by (Keras 3's
     ``model/layer/kernel``), for error messages and the timeline only: it is
     this process's own business, so it never enters a key."""
-    path = getattr(_creating, "path", None)
+    path = keras_shared.creating_path()
     return str(path) if path else str(name or "").split(":")[0]

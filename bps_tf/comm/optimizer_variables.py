@@ -7,7 +7,7 @@ TensorFlow at import: ``bps_tf.init()`` installs it once Keras is loaded.
 """
 from __future__ import annotations
 
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
 
 GROUP = "horovod"
 

@@ -17,9 +17,9 @@ from typing import List, Mapping, Optional
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
-from tensorflow.python.framework import op_def_registry
 
 from bps_tf.comm import naming
+from bps_tf.hooks import tf_internals
 from bps_tf.runtime import basics
 
 log = logging.getLogger("bps_tf.compat.tf1_rewriter")
@@ -45,7 +45,7 @@ def _grad_input_index(op_type: str) -> Optional[int]:
     """Index of the dense gradient input of an optimizer op, or None."""
     if not op_type.startswith(("Apply", "ResourceApply")):
         return None
-    op_def = op_def_registry.get(op_type)
+    op_def = tf_internals.OP_DEF_REGISTRY.get(op_type)
     if op_def is None:
         return None
     names = [arg.name for arg in op_def.input_arg]

@@ -26,6 +26,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from bps_tf.hooks import registry
+from bps_tf.horovod.sync_batch_norm_entries import FEATURE, MOMENTS, REDUCTION_AXES
 from bps_tf.horovod.sync_moments import global_moments
 from bps_tf.runtime import basics
 from bps_tf.runtime.config import tf_keras_enabled
@@ -38,11 +40,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` whose training statistics are
     computed over the batches of all workers (same arguments)."""
 
+    def __init__(self, *args, **kwargs):
+        registry.require_entries([MOMENTS, REDUCTION_AXES.name], FEATURE)
+        super().__init__(*args, **kwargs)
+
     def _moments(self, inputs, mask):
         if not basics.is_initialized():
             return super()._moments(inputs, mask)
         weights = None if mask is None else tf.expand_dims(mask, -1)
-        return global_moments(inputs, list(self._reduction_axes), weights,
+        return global_moments(inputs, list(REDUCTION_AXES.get(self, feature=FEATURE)), weights,
                               self.path or self.name)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from bps_tf.hooks import registry
+from bps_tf.horovod.sync_batch_norm_entries import LEGACY_ENTRY
 from bps_tf.horovod.sync_moments import global_moments
 from bps_tf.runtime import basics
 
@@ -18,6 +20,7 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):
             raise ValueError("SyncBatchNormalization(fused=True): the fused kernel computes the "
                              "moments of this worker's batch alone; leave fused unset or False.")
         kwargs.setdefault("name", "sync_batch_normalization")
+        registry.require_entry(LEGACY_ENTRY)
         super().__init__(fused=False, **kwargs)
 
     def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):

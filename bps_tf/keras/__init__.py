@@ -28,11 +28,11 @@ from bps_tf.runtime.basics import (cross_rank, cross_size, is_homogeneous, is_in
                                    stop_timeline)
 from bps_tf.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                          remove_process_set)
-from bps_tf.strategy import keras_hooks
+from bps_tf.hooks import keras_shared
 
-# Rank-0-only progress bar, XLA off under the strategy, rank-0 checkpoints.
-keras_hooks.install()
-keras_hooks.give_tf_keras_a_version()
+# Rank-0-only progress bar, compile()'s Keras 2 argument, variable labels;
+# tf.keras.__version__ under TF_USE_LEGACY_KERAS=1.
+keras_shared.install()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",

@@ -115,11 +115,6 @@ class MetricAverageCallback(_KerasCallback):
             logs[key] = float(value)
 
 
-def _is_schedule(rate) -> bool:
-    # Keras 3's and tf_keras' schedule classes share the name, not a base.
-    return any(cls.__name__ == "LearningRateSchedule" for cls in type(rate).__mro__)
-
-
 def _is_number(value) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return False
@@ -158,16 +153,15 @@ class LearningRateScheduleCallback(_KerasCallback):
         self._restore_momentum = None
 
     def _lr_variable(self):
-        optimizer = self.model.optimizer
-        rate = getattr(optimizer, "_learning_rate", None)           # Keras 3, tf_keras
-        if rate is None:
-            rate = getattr(optimizer, "_hyper", {}).get("learning_rate")   # tf_keras legacy
-        if _is_schedule(rate):
+        # A float learning rate is a variable (Keras 3 and tf_keras, legacy
+        # optimizers included); a schedule is computed, and cannot be set.
+        rate = self.model.optimizer.learning_rate
+        if not hasattr(rate, "assign"):
             raise TypeError(
                 f"{type(self).__name__}: the optimizer's learning rate is a "
                 "LearningRateSchedule, which cannot be set; build the optimizer "
                 "with a float learning_rate, or drop this callback.")
-        return optimizer.learning_rate
+        return rate
 
     def _in_range(self, epoch) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -186,7 +180,9 @@ class LearningRateScheduleCallback(_KerasCallback):
         variable once the optimizer is built), else None."""
         if not self.momentum_correction:
             return None
-        hyper = getattr(self.model.optimizer, "_hyper", {}).get("momentum")
+        # tf_keras' legacy optimizers answer a hyperparameter by name (their
+        # variable once built); Keras 3's momentum is a plain number.
+        hyper = getattr(self.model.optimizer, "momentum", None)
         return hyper if isinstance(hyper, tf.Variable) else None
 
     def on_train_batch_end(self, batch, logs=None):

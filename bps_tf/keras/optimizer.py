@@ -34,7 +34,7 @@ import tensorflow as tf
 from bps_tf.comm import async_training
 from bps_tf.compat.pass_aggregation import passes_count
 from bps_tf.horovod import api
-from bps_tf.keras import legacy_optimizer
+from bps_tf.keras import legacy_optimizer, optimizer_entries
 
 
 class _DistributedMixin(legacy_optimizer.ReduceMixin):
@@ -70,7 +70,7 @@ class _DistributedMixin(legacy_optimizer.ReduceMixin):
             raise ValueError("DistributedOptimizer(compression=...) in asynchronous training "
                              "(BYTEPS_ENABLE_ASYNC=1): the servers keep full-precision "
                              "weights; drop the compression.")
-        variables = list(self._trainable_variables if trainable_variables is None
+        variables = list(optimizer_entries.TRAINABLE.get(self) if trainable_variables is None
                          else trainable_variables)
         return async_training.exchange_all(
             variables, lambda: super(_DistributedMixin, self).apply(grads, trainable_variables))
@@ -79,7 +79,7 @@ class _DistributedMixin(legacy_optimizer.ReduceMixin):
         if self._bps_async():
             return self._bps_apply_async(grads, trainable_variables)
         if self._bps_should_reduce() and not self._bps_accumulating() and len(grads):
-            variables = (self._trainable_variables if trainable_variables is None
+            variables = (optimizer_entries.TRAINABLE.get(self) if trainable_variables is None
                          else trainable_variables)
             grads = self._bps_reduce(grads, variables)
         return super().apply(grads, trainable_variables)
@@ -116,6 +116,7 @@ def distributed_class(base, name=None, compression=api.Compression.none,
         __module__=base.__module__,
         __qualname__=base.__qualname__,
     )
+    optimizer_entries.require(legacy=mixin is not None)
     return type(base.__name__, (mixin or _DistributedMixin, base), settings)
 
 
@@ -237,7 +238,7 @@ def make_distributed_in_place(optimizer, **kwargs):
         return optimizer
     if legacy_optimizer.is_tf_keras_optimizer(optimizer):
         kwargs["mixin"] = legacy_optimizer.LegacyDistributedMixin
-    optimizer.__class__ = distributed_class(type(optimizer), **kwargs)
+    optimizer_entries.swap_class(optimizer, distributed_class(type(optimizer), **kwargs))
     return optimizer
 
 

@@ -2,7 +2,7 @@
 // -DGOOGLE_CUDA=1, by setup.py through tools/build_gpu.py).
 //
 // One call, all on the op's CUDA stream:
-//   1. several inputs: sum them on the device (gpu_reduce.h) into the output;
+//   1. several inputs: sum them on the device (core/gpu/gpu_reduce.h) into the output;
 //   2. copy device -> pinned host buffer;
 //   3. when the stream reaches that point, hand the host buffer to the engine
 //      (bps_enqueue_push_pull sums it across workers in place);
@@ -34,7 +34,7 @@
 
 #include "bps_api.h"
 #include "core_abi.h"
-#include "gpu_reduce.h"
+#include "gpu/gpu_reduce.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "unsupported/Eigen/CXX11/Tensor"

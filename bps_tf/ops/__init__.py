@@ -10,7 +10,9 @@ import os
 
 import tensorflow as tf
 
-from bps_tf.runtime import basics, hooks, op_build
+from bps_tf.hooks import registry as hooks
+from bps_tf.ops import op_build
+from bps_tf.runtime import basics
 from bps_tf.runtime.loader import preload_libzmq
 
 OP_TYPES = ("BytepsPushPull", "BytepsBroadcast", "BytepsPushPullStart", "BytepsPushPullWait")
@@ -25,7 +27,7 @@ def _load():
     return path, tf.load_op_library(path)
 
 
-# The op library in use: the installed one or a build in the cache (op_build).
+# The op library in use: the installed one or a build in the cache (bps_tf/ops/op_build.py).
 LIBRARY_PATH, _ops = _load()
 
 # Stateful ops are chained in program order by tf.function's automatic

@@ -27,7 +27,19 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from bps_tf.comm import collectives
+from bps_tf.hooks.entries import InstancePatch
+from bps_tf.hooks.roles import keras_class
 from bps_tf.overlap import guard as overlap_guard
+
+# A layer's forward pass, replaced on the layers whose variables an engine
+# applies (each engine's own layers only).
+LAYER_CALL = InstancePatch(
+    "keras.Layer.call (per layer)", overlap_guard.GROUP, keras_class("keras.Layer"), "call",
+    "keras.Layer", changes="a pending update of the layer's variables is applied right before "
+                           "its forward pass", why="the overlap applies each variable's update "
+                                                   "where its layer first reads it; no Keras "
+                                                   "callback runs inside a traced step",
+    when_missing="fallback", private=False)
 
 
 def current_graph():
@@ -36,9 +48,11 @@ def current_graph():
 
 
 def last_op_id(graph) -> int:
-    """Id of the op created last in ``graph`` (ids grow in creation order)."""
-    ops = graph.get_operations()
-    return ops[-1]._id if ops else 0  # pylint: disable=protected-access
+    """Position of the op created last in ``graph``: TensorFlow numbers a
+    graph's ops 1, 2, ... in creation order, and ``Graph.version`` is the
+    last number given (bps_tf.overlap.guard.op_positions numbers them the
+    same way)."""
+    return graph.version
 
 
 class DeferredApply:
@@ -86,7 +100,7 @@ class DeferredApply:
             return original(*args, **kwargs)
 
         call._bps_overlap = mark
-        object.__setattr__(layer, "call", call)
+        LAYER_CALL.apply(layer, call)
 
     # -- the two halves ------------------------------------------------------
     def applied(self, graph) -> dict:

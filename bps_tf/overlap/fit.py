@@ -39,23 +39,30 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import weakref
 from typing import Optional
 
+from bps_tf.overlap import fit_engine, fit_entries
 from bps_tf.overlap import guard as overlap_guard
-from bps_tf.overlap import fit_engine
 from bps_tf.overlap.fit_engine import FitOverlap, OverlapError  # noqa: F401  (the engine)
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
 
 log = logging.getLogger("bps_tf")
 
 _installed = [False]
+# model -> its FitOverlap (None: set up, then turned off); models looked at
+_controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_checked: "weakref.WeakSet" = weakref.WeakSet()
 
 
 # --------------------------------------------------------------------------
 # Keras: when to set it up, and the flush points
 # --------------------------------------------------------------------------
 def controller(model) -> Optional[FitOverlap]:
-    return getattr(model, "_bps_fit_overlap", None)
+    try:
+        return _controllers.get(model)
+    except TypeError:     # not weakly referenceable: never set up
+        return None
 
 
 def flush_model(model) -> int:
@@ -81,18 +88,18 @@ def _ensure(model):
     if ctl is not None and ctl.optimizer is not getattr(model, "optimizer", None):
         # compile() again: the hooks serve the old optimizer only.
         ctl.flush()
-        object.__setattr__(model, "_bps_fit_overlap", None)
+        _controllers[model] = None
         log.warning("BytePSStrategy overlap: off for this model after compile() with a new "
                     "optimizer (barrier between steps).")
         return
-    if not getattr(strategy, "overlap", False) or getattr(model, "_bps_fit_overlap_checked", False):
+    if not getattr(strategy, "overlap", False) or model in _checked:
         return
-    object.__setattr__(model, "_bps_fit_overlap_checked", True)
+    _checked.add(model)
     reason = overlap_guard.fallback_reason(model, strategy)
     if reason is not None:
         fit_engine.log_barrier(reason)
         return
-    object.__setattr__(model, "_bps_fit_overlap", FitOverlap(model, strategy))
+    _controllers[model] = FitOverlap(model, strategy)
 
 
 def _flush_first(model_of=lambda self: self):
@@ -124,14 +131,6 @@ hooks.register("keras.callbacks.CallbackList.on_train_end", GROUP,
                when_missing="fallback")(_flush_first(lambda callbacks: callbacks.model))
 
 
-for _name in ("_backend_update_step", "_apply_weight_decay", "_use_weight_decay"):
-    hooks.probe(f"keras.optimizers.Optimizer.{_name}", GROUP,
-                hooks.attribute_of("keras.optimizers.Optimizer", _name, defined_by_role=True),
-                changes="called (per optimizer) by the deferred update of the overlap",
-                why="the overlap applies one variable's update of the previous step, which "
-                    "Keras' public apply() cannot do", when_missing="fallback")
-
-
 @hooks.register("keras.Model.make_train_function", GROUP,
                 hooks.attribute_of("keras.Model", "make_train_function"),
                 changes="sets up the overlap for the model and guards its train function",
@@ -156,7 +155,7 @@ def install() -> bool:
     of them: every model then keeps the step barrier, which gives the same
     weights."""
     import keras  # noqa: F401  (the hooks' targets)
-    gone = {**hooks.install(GROUP), **overlap_guard.install_flushes()}
+    gone = {**hooks.install(GROUP), **fit_entries.missing(), **overlap_guard.install_flushes()}
     if not _installed[0]:
         atexit.register(flush_all)
         _installed[0] = True

@@ -16,10 +16,9 @@ import weakref
 from typing import Dict, List
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.framework import indexed_slices
 
 from bps_tf.comm import collectives, naming
+from bps_tf.overlap import fit_entries as entries
 from bps_tf.overlap import guard as overlap_guard
 from bps_tf.overlap.engine import DeferredApply, current_graph
 from bps_tf.runtime import config
@@ -48,7 +47,7 @@ def log_barrier(reason: str) -> None:
 
 
 def _local_values(value) -> list:
-    if isinstance(value, values_lib.DistributedValues):
+    if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
     return [value]
 
@@ -74,18 +73,10 @@ class _BatchRecorder:
         return value
 
     def _attach(self):
-        try:
-            object.__setattr__(self._iterator, "get_next_as_optional",
-                               self._get_next_as_optional)
-            return True
-        except (AttributeError, TypeError):
-            return False
+        return entries.ITERATOR_NEXT.apply(self._iterator, self._get_next_as_optional)
 
     def _detach(self):
-        try:
-            object.__delattr__(self._iterator, "get_next_as_optional")
-        except (AttributeError, TypeError):
-            pass
+        entries.ITERATOR_NEXT.remove(self._iterator)
 
     def __enter__(self):
         if hasattr(type(self._iterator), "get_next_as_optional") and not self._attach():
@@ -171,8 +162,8 @@ class FitOverlap(DeferredApply):
 
     def _patch_optimizer(self):
         opt = self.optimizer
-        weight_decay = opt._apply_weight_decay        # pylint: disable=protected-access
-        update_step = opt._backend_update_step        # pylint: disable=protected-access
+        weight_decay = entries.WEIGHT_DECAY.original(opt)
+        update_step = entries.UPDATE_STEP.original(opt)
 
         def deferred_weight_decay(variables):
             if not (self._active and self.enabled):
@@ -183,9 +174,9 @@ class FitOverlap(DeferredApply):
             if not (self._active and self.enabled):
                 return update_step(grads, trainable_variables, learning_rate)
             sparse = [(g, v) for g, v in zip(grads, trainable_variables)
-                      if isinstance(g, indexed_slices.IndexedSlices)]
+                      if isinstance(g, tf.IndexedSlices)]
             dense = [(g, v) for g, v in zip(grads, trainable_variables)
-                     if g is not None and not isinstance(g, indexed_slices.IndexedSlices)]
+                     if g is not None and not isinstance(g, tf.IndexedSlices)]
             if sparse:
                 self._log_sparse([v for _, v in sparse])
                 weight_decay([v for _, v in sparse])
@@ -196,8 +187,8 @@ class FitOverlap(DeferredApply):
                                        tf.convert_to_tensor(learning_rate)))
             return None
 
-        object.__setattr__(opt, "_apply_weight_decay", deferred_weight_decay)
-        object.__setattr__(opt, "_backend_update_step", deferred_update_step)
+        entries.WEIGHT_DECAY.apply(opt, deferred_weight_decay)
+        entries.UPDATE_STEP.apply(opt, deferred_update_step)
 
     def _patch_train_step(self):
         original = self.model.train_step
@@ -216,7 +207,7 @@ class FitOverlap(DeferredApply):
             if graph is not None and not self._active:
                 self._finish_trace(graph)
             return outputs
-        object.__setattr__(self.model, "train_step", train_step)
+        entries.TRAIN_STEP.apply(self.model, train_step)
 
     def _finish_trace(self, graph):
         """Checks the traced step's reads (bps_tf.overlap.guard.stale_reads:
@@ -224,9 +215,10 @@ class FitOverlap(DeferredApply):
         Each start's priority is the C++ priority pass's (bps_tf/ops/
         priority_pass.cc): the start takes the rank of the variable its key's
         wait updates, by that variable's first read in the step."""
-        entries = {i: w for i, w in self.windows.get(graph, {}).items() if w[0] is not None}
-        windows = {i: (applied, op._id if op is not None else None)  # pylint: disable=protected-access
-                   for i, (applied, op) in entries.items()}
+        kept = {i: w for i, w in self.windows.get(graph, {}).items() if w[0] is not None}
+        position = overlap_guard.op_positions(graph) or {}
+        windows = {i: (applied, position.get(op, 0) if op is not None else None)
+                   for i, (applied, op) in kept.items()}
         handles = {i: overlap_guard.resource_handles([self.variables[i]]) for i in windows}
         names = {i: naming.variable_name(self.variables[i]) for i in windows}
         stale = overlap_guard.stale_reads(graph, handles, windows, names)
@@ -330,23 +322,23 @@ class FitOverlap(DeferredApply):
     def _pending_step(self):
         """``optimizer.iterations`` reads the pending gradients' step (a
         variable, as in the barrier's update: the same ops, the same rounding)."""
-        opt = self.optimizer
-        saved = opt._iterations  # pylint: disable=protected-access
-        object.__setattr__(opt, "_iterations", self._step)
-        try:
+        with entries.ITERATIONS.swapped(self.optimizer, self._step):
             yield
-        finally:
-            object.__setattr__(opt, "_iterations", saved)
 
     def update(self, i, grad):
         """Weight decay then ``update_step`` on variable ``i``, as the
-        optimizer's apply does, for the pending step (cross-replica)."""
+        optimizer's apply does, for the pending step (cross-replica). The
+        weight decay is Keras' own step, copied (Keras' method merges into
+        a replica context, and this runs in cross-replica context): a
+        registry entry checks that Keras' step is still the one copied
+        (bps_tf.overlap.fit_entries.WEIGHT_DECAY_STEP)."""
         var = self.variables[i]
         opt = self.optimizer
         learning_rate = self._lr
+        use_weight_decay = entries.USE_WEIGHT_DECAY.original(opt)
         with self._pending_step():
             def fn(v, g):
-                if opt.weight_decay is not None and opt._use_weight_decay(v):  # pylint: disable=protected-access
+                if opt.weight_decay is not None and use_weight_decay(v):
                     lr = tf.cast(learning_rate, v.dtype)
                     wd = tf.cast(opt.weight_decay, v.dtype)
                     v.assign_sub(v * wd * lr)

@@ -41,7 +41,8 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from bps_tf.comm import naming
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
+from bps_tf.hooks import roles
 
 _state = threading.local()
 
@@ -61,22 +62,37 @@ def stale_reads(graph, handles: Dict[int, List], windows: Dict[int, tuple],
     internal = {}
     for external, placeholder in graph.captures:
         internal.setdefault(id(external), []).append(placeholder)
+    position = op_positions(graph)
+    if position is None:
+        return ["the order of the step's ops cannot be told (ops were removed from its graph)"]
     found = []
     for i, ((before, last), started) in windows.items():
         for handle in handles.get(i, []):
             for placeholder in internal.get(id(handle), []):
                 for op in placeholder.consumers():
-                    if before < op._id <= last:  # pylint: disable=protected-access
+                    at = position[op]
+                    if before < at <= last:
                         continue   # the deferred update itself
-                    early = op._id <= before  # pylint: disable=protected-access
-                    late = started is not None and op._id > started  # pylint: disable=protected-access
+                    early = at <= before
+                    late = started is not None and at > started
                     if early or late:
                         when = ("before its pending update is applied" if early else
                                 "after its gradient's push_pull is started")
                         found.append(f"{op.type} op {op.name!r} uses {names[i]} {when}")
                     elif first_reads is not None:
-                        first_reads[i] = min(first_reads.get(i, op._id), op._id)  # pylint: disable=protected-access
+                        first_reads[i] = min(first_reads.get(i, at), at)
     return found
+
+
+def op_positions(graph):
+    """{op: its position in ``graph``}: 1, 2, ... in creation order, as
+    ``Graph.version`` counts them (bps_tf.overlap.engine.last_op_id); None
+    when the two disagree (an op was removed), and positions cannot be
+    compared with the windows then."""
+    ops = graph.get_operations()
+    if len(ops) != graph.version:
+        return None
+    return {op: n for n, op in enumerate(ops, start=1)}
 
 
 # --------------------------------------------------------------------------
@@ -176,11 +192,10 @@ _train_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def resource_handles(variables) -> list:
     """The eager resource handles of ``variables`` (Keras or tf variables;
     every local copy of a distributed one)."""
-    from tensorflow.python.distribute import values as values_lib
     handles = []
     for v in variables:
         value = getattr(v, "value", v)
-        parts = value.values if isinstance(value, values_lib.DistributedValues) else [value]
+        parts = value.values if isinstance(value, tf.distribute.DistributedValues) else [value]
         handles += [p.handle for p in parts]
     return handles
 
@@ -271,8 +286,7 @@ _WHY_READS = ("reads of a weight between steps must see the barrier's value; Ker
 
 
 def _concrete_function_class():
-    concrete = tf.function(lambda: tf.constant(0)).get_concrete_function()
-    return hooks.defining_class(type(concrete), "_call_flat"), "_call_flat"
+    return hooks.defining_class(roles.concrete_function_class(), "_call_flat"), "_call_flat"
 
 
 @hooks.register("keras.Variable.value", GROUP, hooks.attribute_of("keras.Variable", "value"),
@@ -319,7 +333,7 @@ def _call_flat_wrapper(call_flat):
 
     def _call_flat(self, tensor_inputs, captured_inputs):
         if _watched_handles and not flushing and tf.executing_eagerly():
-            train = _train_graphs.get(getattr(self, "_func_graph", None))
+            train = _train_graphs.get(getattr(self, "graph", None))
             if train is not None:
                 ctl = train()
                 if ctl is not None:

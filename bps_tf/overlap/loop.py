@@ -60,16 +60,38 @@ import tensorflow as tf
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.overlap import guard as overlap_guard
 from bps_tf.overlap.engine import DeferredApply, current_graph
-from bps_tf.runtime import basics, hooks
+from bps_tf.hooks import registry as hooks
+from bps_tf.hooks import tf_internals
+from bps_tf.hooks.entries import PrivateAttribute, defined_by
+from bps_tf.hooks.roles import keras_class
+from bps_tf.runtime import basics
 
 log = logging.getLogger("bps_tf")
 
-try:  # keeps the deferred updates out of the user's GradientTape
-    from tensorflow.python.eager import record as _record
-    _stop_recording = _record.stop_recording
-except (ImportError, AttributeError):  # pragma: no cover
-    import contextlib
-    _stop_recording = contextlib.nullcontext
+GROUP = "overlap.loop"
+_LAYERS = ("OverlappedApply hooks the call of the layer that holds each variable, the "
+           "deepest one; Keras lists a layer's own variables and its nested layers only "
+           "privately")
+OWN_VARIABLES = PrivateAttribute(
+    "keras.Layer._trainable_variables", GROUP, keras_class("keras.Layer"),
+    "_trainable_variables", ("weights",), "keras.Layer",
+    changes="each variable is applied before the layer that holds it itself", why=_LAYERS,
+    when_missing="error", feature="OverlappedApply")
+hooks.probe("keras.Layer._flatten_layers", GROUP,
+            defined_by(keras_class("keras.Layer"), "_flatten_layers", "keras.Layer"),
+            changes="called to list a model's nested layers", why=_LAYERS,
+            when_missing="error", feature="OverlappedApply")
+
+
+def _stop_recording():
+    """Keeps the deferred updates out of the user's GradientTape (nothing,
+    with one warning, when this TensorFlow moved the way to)."""
+    if not tf_internals.EAGER_RECORD.available():
+        hooks.warn_fallback(GROUP, "OverlappedApply's deferred updates run inside the user's "
+                                   "GradientTape (they are not differentiated)")
+        import contextlib
+        return contextlib.nullcontext()
+    return tf_internals.EAGER_RECORD.stop_recording()
 
 
 def unsupported_reason(optimizer) -> Optional[str]:
@@ -80,7 +102,7 @@ def unsupported_reason(optimizer) -> Optional[str]:
 
 
 def _own_variables(layer) -> list:
-    return list(getattr(layer, "_trainable_variables", []) or [])
+    return list(OWN_VARIABLES.get(layer, [], feature="OverlappedApply") or [])
 
 
 class OverlappedApply(DeferredApply):
@@ -134,18 +156,20 @@ class OverlappedApply(DeferredApply):
         self.average = average
         if not optimizer.built:
             optimizer.build(self.variables)
+        overlap_guard.install_flushes()
+        hooks.require(overlap_guard.GROUP, "OverlappedApply", policy=None)
+        hooks.require_entries([OWN_VARIABLES.name, "keras.Layer._flatten_layers"],
+                              "OverlappedApply")
         self._install_hooks()
         # Reads between steps (an eager numpy(), a tf.function reading the
         # weights directly) apply the pending updates first.
         overlap_guard.watch(self.variables, overlap_guard.resource_handles(self.variables), self)
-        overlap_guard.install_flushes()
-        hooks.require(overlap_guard.GROUP, "OverlappedApply", policy=None)
 
     # ------------------------------------------------------------------
     def _install_hooks(self):
         owner: Dict[int, object] = {}
         layers = [self.model]
-        flatten = getattr(self.model, "_flatten_layers", None)
+        flatten = getattr(self.model, "_flatten_layers", None)   # a Keras layer's (an entry)
         if flatten is not None:
             layers += [l for l in flatten(include_self=False, recursive=True)]
         # Deepest owner wins: the layer whose own variables hold it.

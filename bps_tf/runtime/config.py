@@ -133,7 +133,8 @@ SETTINGS = (
             "keeps one partition in flight instead of the full credit, for at "
             "most this many milliseconds from the burst's start, so the "
             "priority queue orders the burst before its bytes are committed "
-            "to the link (docs/performance.md section 18). 0: the full "
+            "to the link (docs/performance-history.md, \"A train step's "
+            "push_pulls leave in priority order on every worker\"). 0: the full "
             "credit at once."),
     Setting("BYTEPS_SCHEDULING_BURST_GAP_MS", "burst_gap_ms", "1", _milliseconds,
             "An operation enqueued within this many milliseconds of the "
@@ -208,7 +209,9 @@ SETTINGS = (
     Setting("BYTEPS_RENDEZVOUS_TIMEOUT", "rendezvous_timeout_s", "120", float,
             "Seconds a node waits for the whole cluster to meet at start-up. "
             "While it waits it logs who is missing every 10 s: at INFO until half "
-            "of this has passed (nodes start seconds apart), then as warnings."),
+            "of this has passed (nodes start seconds apart), then as warnings. "
+            "The scheduler (also inside server 0) waits a fifth longer plus "
+            "2 s, then fails the job naming the nodes that never joined."),
     Setting("BYTEPS_OP_TIMEOUT", "op_timeout_s", "0", float,
             "Seconds one push_pull may wait for the other workers before it "
             "fails (0: the stall settings below decide; dead peers are caught "
@@ -292,7 +295,9 @@ SETTINGS = (
     Setting("BYTEPS_FINGERPRINT_STEPS", "", "100", _nonnegative_int,
             "Every this many steps, the workers compare an exact fingerprint of each "
             "variable they train (one small push_pull); a difference fails the step on "
-            "every worker, naming the variables and ranks (replicas drifted apart). 0: off."),
+            "every worker, naming the variables and ranks (replicas drifted apart). "
+            "Under model.fit the steps count across a model's fit calls and each fit "
+            "ends with a check. 0: off."),
     Setting("BYTEPS_PRIORITY_SCHEDULING", "", "1", _bool,
             "Rank gradient push_pulls by the forward pass's topological order "
             "(earliest layer first); 0 sends them first come, first served."),

@@ -28,7 +28,9 @@ import tensorflow as tf
 from bps_tf.comm import collectives, naming
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm import exchange
-from bps_tf.runtime import hooks
+from bps_tf.hooks import registry as hooks
+from bps_tf.hooks.entries import PrivateAttribute
+from bps_tf.hooks.roles import keras_class
 from bps_tf.strategy.identity import multi_worker, of_model
 
 log = logging.getLogger("bps_tf")
@@ -36,6 +38,14 @@ _warned: list = []
 
 _WHY = ("Keras 3 callbacks write on every worker; only TensorFlow's own multi-worker "
         "strategy is special-cased, and no callback option names a writer")
+_BACKUP = "BackupAndRestore under a multi-worker BytePSStrategy"
+# Keras' BackupAndRestore hands the epoch it restored to fit this way.
+INITIAL_EPOCH = PrivateAttribute(
+    "keras.Model._initial_epoch", "keras", keras_class("keras.Model"), "_initial_epoch",
+    ("__init__",), "keras.Model",
+    changes="read on rank 0 after its restore, then set on every worker to the epoch rank 0 "
+            "resumes from", why=_WHY + "; fit takes a restored epoch only from this attribute",
+    when_missing="error", feature=_BACKUP)
 
 
 class _PrivateDir:
@@ -128,6 +138,7 @@ def _restore_from_rank0(original):
         strategy = multi_worker(self.model)
         if strategy is None:
             return original(self, logs)
+        INITIAL_EPOCH.require(_BACKUP)     # on every worker, before anything collective
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         # Creating variables is collective (their initial values come from
@@ -143,7 +154,7 @@ def _restore_from_rank0(original):
                 state["restored"] = any(tf.io.gfile.exists(path)
                                         for path in _backup_files(self).values())
                 original(self, logs)
-                state["epoch"] = getattr(model, "_initial_epoch", None)
+                state["epoch"] = INITIAL_EPOCH.get(model, feature=_BACKUP)
             except Exception as exc:  # pylint: disable=broad-except
                 state["error"] = f"{type(exc).__name__}: {exc}"
         state = exchange.broadcast_object(state, root_rank=0,
@@ -152,8 +163,7 @@ def _restore_from_rank0(original):
             raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")
         if state["restored"]:
             broadcast_model_state(model)
-        # Keras' BackupAndRestore hands the resumed epoch to fit this way.
-        model._initial_epoch = state["epoch"]  # pylint: disable=protected-access
+        INITIAL_EPOCH.set(model, state["epoch"], feature=_BACKUP)
     return on_train_begin
 
 

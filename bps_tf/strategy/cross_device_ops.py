@@ -34,14 +34,11 @@ import weakref
 from typing import Dict
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cdo_lib
-from tensorflow.python.distribute import reduce_util
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.framework import indexed_slices
 
 from bps_tf.comm import async_training, collectives
 from bps_tf.comm import compression as compression_lib
 from bps_tf.comm import exchange, naming, reduction
+from bps_tf.hooks.tf_internals import CROSS_DEVICE_OPS as cdo_lib
 from bps_tf.runtime import elastic_core
 
 # Tensors smaller than this travel uncompressed: they gain nothing, and they
@@ -59,7 +56,7 @@ def allgather_rows(tensor, key: str):
 # --------------------------------------------------------------------------
 # CrossDeviceOps
 # --------------------------------------------------------------------------
-class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
+class PushPullCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """Reduces local replicas with add_n, then across workers with push_pull."""
 
     def __init__(self, num_workers: int, rank: int, compression=None):
@@ -127,20 +124,20 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
     # -- the work ------------------------------------------------------
     def _reduce_all(self, reduce_op, pairs, priority=None):
         names = self._namer.batch(len(pairs))
-        if reduce_op == reduce_util.ReduceOp.MEAN:
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
             op = reduction.Average
-        elif reduce_op == reduce_util.ReduceOp.SUM:
+        elif reduce_op == tf.distribute.ReduceOp.SUM:
             op = reduction.Sum
         else:
             raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
         results = []
         for (value, destinations), name in zip(pairs, names):
-            values = list(value.values) if isinstance(value, values_lib.DistributedValues) \
+            values = list(value.values) if isinstance(value, tf.distribute.DistributedValues) \
                 else [value]
             dests = _destinations_or_devices(destinations, value)
             request = self._request(name, op, len(values), priority)
             with tf.device(values[0].device):
-                if all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+                if all(isinstance(v, tf.IndexedSlices) for v in values):
                     reduced = self._reduce_sparse(request, values)
                 else:
                     # SyncOnRead variables arrive as their per-replica variables;
@@ -188,7 +185,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
         if request.op == reduction.Average:
             rows = collectives.divide(rows, request.replicas)
-        return indexed_slices.IndexedSlices(rows, tf.cast(indices, slices[0].indices.dtype),
+        return tf.IndexedSlices(rows, tf.cast(indices, slices[0].indices.dtype),
                                             slices[0].dense_shape)
 
     def _crosses_workers(self) -> bool:
@@ -226,7 +223,7 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
                 found += _trace_back(component, table)
         if not found:
             return
-        primary = var.values[0] if isinstance(var, values_lib.DistributedValues) else var
+        primary = var.values[0] if isinstance(var, tf.distribute.DistributedValues) else var
         entry = _Applied(primary, sorted(set(found)))
         self._applied.setdefault(graph, []).append(entry)
         label = getattr(var, "bps_label", None) or entry.label
@@ -280,13 +277,13 @@ def _destinations_or_devices(destinations, value):
 
 def _components(value) -> list:
     """The graph tensors a (possibly distributed, possibly sparse) value is made of."""
-    if isinstance(value, values_lib.DistributedValues):
+    if isinstance(value, tf.distribute.DistributedValues):
         parts = list(value.values)
     else:
         parts = [value]
     out = []
     for part in parts:
-        if isinstance(part, indexed_slices.IndexedSlices):
+        if isinstance(part, tf.IndexedSlices):
             part = part.values
         if isinstance(part, tf.Tensor) and not tf.executing_eagerly() and hasattr(part, "op"):
             out.append(part)

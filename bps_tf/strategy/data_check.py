@@ -6,7 +6,8 @@ a worker that ran out feeds an empty batch while the others finish, and the
 data ends when none has one. The step's body, forward pass included, used to
 wait for that sum; under cross-step overlap it queued behind the previous
 step's gradients on the links and at the servers, 35-52 ms of a 0.19 s step
-(docs/performance.md §20).
+(docs/performance-history.md, "What holds an overlapped step above
+max(compute, communication): the input's cross-worker check").
 
 Yet a worker that has a batch of its own needs no answer: the sum is at least
 its own count, so the step runs on its batch whatever the others say. Only a
@@ -31,7 +32,8 @@ import threading
 import tensorflow as tf
 
 from bps_tf.comm import collectives, naming
-from bps_tf.runtime import basics, hooks
+from bps_tf.hooks import registry as hooks
+from bps_tf.runtime import basics
 
 log = logging.getLogger("bps_tf")
 _lock = threading.Lock()

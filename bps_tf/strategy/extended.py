@@ -11,15 +11,11 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cdo_lib
-from tensorflow.python.distribute import (distribute_lib, distribute_utils, input_util,
-                                          mirrored_strategy, reduce_util)
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.trackable import base as trackable_base
 
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.comm.compression import Compression
 from bps_tf.comm import lifecycle
+from bps_tf.hooks import tf_internals
 from bps_tf.runtime import basics, cluster
 from bps_tf.strategy import keras_hooks
 from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps
@@ -27,7 +23,7 @@ from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps
 __all__ = ["BytePSExtended", "AsyncBytePSExtended"]
 
 
-class BytePSExtended(mirrored_strategy.MirroredExtended):
+class BytePSExtended(tf_internals.MIRRORED.MirroredExtended):
     """MirroredExtended for one worker of a between-graph BytePS job."""
 
     def __init__(self, container_strategy, devices=None, sync_state=True, compression=None,
@@ -90,15 +86,16 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         state = _is_state_variable(destinations)
 
         def reduce_one(v):
-            if distribute_utils.is_mirrored(v) and reduce_op == reduce_util.ReduceOp.MEAN:
+            if (tf_internals.DISTRIBUTE_UTILS.is_mirrored(v)
+                    and reduce_op == tf.distribute.ReduceOp.MEAN):
                 return v
             if state:
                 # A replica-context update of a non-trainable variable
                 # (moving statistics): sent after every gradient.
                 return self._push_pull_ops.reduce_state(reduce_op, v, destinations)
-            if not isinstance(v, values_lib.DistributedValues):
+            if not isinstance(v, tf.distribute.DistributedValues):
                 if self._num_workers == 1:
-                    return cdo_lib.reduce_non_distributed_value(
+                    return tf_internals.CROSS_DEVICE_OPS.reduce_non_distributed_value(
                         reduce_op, v, destinations, len(self._devices))
                 # One value for this worker (input_lib's end-of-data count):
                 # one contribution per worker.
@@ -112,7 +109,7 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
                                                    options=options)
 
     def _gather_to_implementation(self, value, destinations, axis, options):
-        if not isinstance(value, values_lib.DistributedValues) and self._num_workers == 1:
+        if self._num_workers == 1 and not isinstance(value, tf.distribute.DistributedValues):
             return value
         return self._cross_device_ops._gather(value, destinations=destinations,  # pylint: disable=protected-access
                                               axis=axis, options=options)
@@ -134,50 +131,54 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
 
     # -- input -------------------------------------------------------------
     def _input_context(self):
-        return distribute_lib.InputContext(num_input_pipelines=self._num_workers,
+        return tf.distribute.InputContext(num_input_pipelines=self._num_workers,
                                            input_pipeline_id=self._rank,
                                            num_replicas_in_sync=self._num_replicas_in_sync)
 
     def _experimental_distribute_dataset(self, dataset, options):
         if (options and options.experimental_replication_mode ==
-                distribute_lib.InputReplicationMode.PER_REPLICA):
+                tf.distribute.InputReplicationMode.PER_REPLICA):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA works with "
                                       "distribute_datasets_from_function only.")
         context = self._input_context()
-        return input_util.get_distributed_dataset(
+        return tf_internals.INPUT_UTIL.get_distributed_dataset(
             dataset, self._input_workers_with_options(options), self._container_strategy(),
             num_replicas_in_sync=context.num_replicas_in_sync, input_context=context,
             options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if (options and options.experimental_replication_mode ==
-                distribute_lib.InputReplicationMode.PER_REPLICA):
+                tf.distribute.InputReplicationMode.PER_REPLICA):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is not supported "
                                       "by BytePSStrategy.")
-        return input_util.get_distributed_datasets_from_function(
+        return tf_internals.INPUT_UTIL.get_distributed_datasets_from_function(
             dataset_fn, self._input_workers_with_options(options), [self._input_context()],
             self._container_strategy(), options=options)
 
     def _experimental_distribute_values_from_function(self, value_fn):
         per_replica = []
         for local_id in range(len(self._devices)):
-            context = distribute_lib.ValueContext(
+            context = tf.distribute.experimental.ValueContext(
                 self._get_replica_id_in_sync_group(local_id), self._num_replicas_in_sync)
             per_replica.append(value_fn(context))
-        return distribute_utils.regroup(per_replica, always_wrap=True)
+        return tf_internals.DISTRIBUTE_UTILS.regroup(per_replica, always_wrap=True)
 
     # -- variables -----------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
-        if (self._sync_state and self._num_replicas_in_sync > 1 and _unaggregated_state(kwargs)
-                and not _an_optimizer_is_building()):
+        per_replica = _unaggregated_state(kwargs) and not _an_optimizer_is_building()
+        if self._sync_state and self._num_replicas_in_sync > 1 and per_replica:
             # Keras 3 creates BatchNormalization's moving statistics (and any
             # add_weight(trainable=False)) with aggregation NONE: each replica
             # would keep its own. tf.keras declared them MEAN, which makes
             # their replica-context updates an average over all replicas.
             kwargs["aggregation"] = tf.VariableAggregation.MEAN
+            per_replica = False
         variable = super()._create_variable(next_creator, **kwargs)
         # What errors and the timeline call its push_pulls (never a key).
         variable.bps_label = naming.display_path(kwargs.get("name"))
+        # Each replica's own by the user's choice (sync_state=False): the
+        # replica fingerprint leaves it out (bps_tf.strategy.drift_check).
+        variable.bps_per_replica = per_replica
         return variable
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
@@ -202,7 +203,7 @@ class BytePSExtended(mirrored_strategy.MirroredExtended):
         def initial_value_fn():
             with tf.device(device):
                 value = initial_value() if callable(initial_value) else initial_value
-                if isinstance(value, trackable_base.CheckpointInitialValue):
+                if isinstance(value, tf_internals.TRACKABLE.CheckpointInitialValue):
                     value = value.wrapped_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if value.dtype in (tf.string, tf.resource, tf.variant):
@@ -238,9 +239,9 @@ def _an_optimizer_is_building() -> bool:
 def _is_state_variable(destinations, trainable_too: bool = False) -> bool:
     """True if ``destinations`` is a mirrored (ON_WRITE) variable being
     updated with an aggregation: the merge step of a replica-context assign."""
-    if not isinstance(destinations, values_lib.DistributedVariable):
+    if not isinstance(destinations, tf_internals.VALUES.DistributedVariable):
         return False
-    if isinstance(destinations, values_lib.SyncOnReadVariable):
+    if isinstance(destinations, tf_internals.VALUES.SyncOnReadVariable):
         return False
     return trainable_too or not destinations.trainable
 
@@ -287,7 +288,7 @@ class AsyncBytePSExtended(BytePSExtended):
                 f"{list(self._devices)}): start one worker per GPU (bpslaunch -np <GPUs>).")
 
     def _make_cross_device_ops(self, compression):
-        return cdo_lib.ReductionToOneDevice()
+        return tf.distribute.ReductionToOneDevice()
 
     @property
     def _num_replicas_in_sync(self):
@@ -302,7 +303,7 @@ class AsyncBytePSExtended(BytePSExtended):
     def _get_local_replica_id(self, replica_id_in_sync_group):
         return replica_id_in_sync_group
 
-    _MIRRORED = mirrored_strategy.MirroredExtended
+    _MIRRORED = tf_internals.MIRRORED.MirroredExtended
 
     def _get_cross_device_ops(self, value):
         return self._MIRRORED._get_cross_device_ops(self, value)  # pylint: disable=protected-access
@@ -337,7 +338,7 @@ class AsyncBytePSExtended(BytePSExtended):
 
     def _input_context(self):
         if self._unsharded:
-            return distribute_lib.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+            return tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                                num_replicas_in_sync=self._num_replicas_in_sync)
         return super()._input_context()
 

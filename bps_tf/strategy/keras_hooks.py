@@ -14,13 +14,14 @@ BytePSStrategy (bps_tf.strategy.identity) and calls the original otherwise:
 * in ``mode="async"``: ``fit`` starts from rank 0's weights and ends with a
   pull (bps_tf.comm.async_training); ``evaluate`` and ``predict`` run on this
   worker alone over all of ``x``, with the weights it last pulled;
-* only rank 0 draws the progress bar; variables' Keras paths label their
-  push_pulls in errors and the timeline;
+* the replica fingerprint between steps and at the end of ``fit``
+  (bps_tf.strategy.drift_check);
 * the checkpoint callbacks: bps_tf.strategy.checkpoint_hooks.
 
-Every target is a public Keras name except the epoch iterator (found by
-role: bps_tf.runtime.hooks.epoch_iterator_class) and the variable's
-``_initialize`` (the class of ``keras.Variable``'s MRO that defines it).
+Every target here is a public Keras name; the epoch iterator's (found by
+role) are in bps_tf.strategy.epoch_length, and what the Horovod Keras face
+shares (progress bar, ``compile``'s Keras 2 argument, variable labels) in
+bps_tf.hooks.keras_shared.
 """
 from __future__ import annotations
 
@@ -31,25 +32,28 @@ import warnings
 
 import tensorflow as tf
 
-from bps_tf.comm import async_training, fingerprint, naming
-from bps_tf.comm import optimizer_variables
+from bps_tf.comm import async_training, optimizer_variables
+from bps_tf.hooks import keras_shared
+from bps_tf.hooks import registry as hooks
+from bps_tf.hooks import tf_internals  # noqa: F401  (declares the strategy's TF internals)
 from bps_tf.overlap import fit as overlap_fit
-from bps_tf.runtime import basics, config, hooks
+from bps_tf.runtime import basics
 from bps_tf.strategy import checkpoint_hooks  # noqa: F401  (declares the callbacks' hooks)
-from bps_tf.strategy import epoch_length, loss_scale, phases, predictions
+from bps_tf.strategy import drift_check, epoch_length, loss_scale, phases, predictions
 from bps_tf.strategy.identity import async_mode, is_bps_strategy, multi_worker, of_model
 
 GROUP = "keras"
 _NO_CONTRACT = "tf.distribute has no say in this; Keras only special-cases its own strategies"
 _state = threading.local()
+CHECK_FINITE = "keras.optimizers.LossScaleOptimizer.check_finite"
 
 
 def _register(target, changes, why, when_missing="error", locate=None, private=False,
-              found_by=""):
+              found_by="", feature=""):
     owner, _, attr = target.rpartition(".")
     return hooks.register(target, GROUP, locate or hooks.attribute_of(owner, attr),
                           changes=changes, why=why, when_missing=when_missing, private=private,
-                          found_by=found_by)
+                          found_by=found_by, feature=feature)
 
 
 @_register("keras.Model.jit_compile",
@@ -66,20 +70,6 @@ def _jit_compile(original):
             return False
         return value
     return property(jit_compile, original.fset, original.fdel, original.__doc__)
-
-
-@_register("keras.Model.compile",
-           "drops experimental_run_tf_function= (Horovod's Keras examples pass it)",
-           "Keras 3 raises on the argument Keras 2 ignored", when_missing="cosmetic",
-           # Wrapped where it is defined: Keras compiles a loaded model only if
-           # type(model).compile is still its own base trainer's.
-           locate=hooks.attribute_of("keras.Model", "compile", defined_by_role=True))
-def _compile(original):
-    @functools.wraps(original)
-    def compile(self, *args, experimental_run_tf_function=None, **kwargs):  # noqa: A001
-        del experimental_run_tf_function
-        return original(self, *args, **kwargs)
-    return compile
 
 
 @_register("keras.Model.predict",
@@ -143,32 +133,6 @@ def _shard_rows(arguments, rank: int, size: int) -> None:
             arguments[name] = tf.nest.map_structure(lambda a: a[rank::size], value)
 
 
-class _DriftCheck:
-    """Added to ``fit`` under a multi-worker BytePSStrategy: every
-    BYTEPS_FINGERPRINT_STEPS batches of the call, between two steps, the
-    workers compare the fingerprints of the model's variables
-    (bps_tf.comm.fingerprint). Batches are counted here, not read from
-    ``optimizer.iterations``: every worker counts the same, and the count
-    never depends on another thread (the overlap swaps the optimizer's
-    iteration variable while it traces a deferred update)."""
-
-    def __init__(self, model):
-        self._model = model
-        self._batches = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        if self._batches % fingerprint.every():
-            return
-        overlap_fit.flush_model(self._model)
-        # Floating variables: weights, moving statistics, optimizer slots
-        # (random generators' states may differ by design).
-        variables = [v for v in naming.model_variables(self._model, skip_on_read=True)
-                     if tf.as_dtype(v.dtype).is_floating]
-        fingerprint.check_now(variables, naming.strategy_key("fit", "weights"),
-                              f"model.fit, batch {self._batches} of this fit")
-
-
 @_register("keras.Model.fit",
            "async: starts from rank 0's weights, ends with a pull, each worker on its rows",
            "an asynchronous worker trains alone; no tf.distribute call marks fit's start/end")
@@ -197,10 +161,8 @@ def _fit(original):
                 checks = phases.PhaseCallback(strategy, int(arguments.get("epochs") or 1))
                 checks.model = self
                 extra = [keras.callbacks.LambdaCallback(on_epoch_end=checks.on_epoch_end)]
-                if fingerprint.every() > 0:
-                    drift = _DriftCheck(self)
-                    extra.append(keras.callbacks.LambdaCallback(
-                        on_train_batch_end=drift.on_train_batch_end))
+                extra += _counts_checks(arguments)
+                extra += drift_check.callbacks(self)
                 arguments["callbacks"] = list(callbacks or []) + extra
             return original(*bound.args, **bound.kwargs)
         import keras
@@ -217,6 +179,32 @@ def _fit(original):
         with strategy.extended.local_input():
             return original(*bound.args, **bound.kwargs)
     return fit
+
+
+def _counts_checks(arguments) -> list:
+    """Without the epoch iterator's hooks (a Keras that moved them): the
+    workers' batch counts of fit's data and validation data compared before
+    the first step (bps_tf.strategy.epoch_length.check_counts)."""
+    if epoch_length.sized_by_hooks():
+        return []
+    import keras
+    checks = []
+    if arguments.get("steps_per_epoch") is None:
+        checks.append(lambda params: epoch_length.check_counts(params.get("steps"), "fit"))
+    validation = arguments.get("validation_data")
+    if arguments.get("validation_steps") is None and (validation is not None or
+                                                      arguments.get("validation_split")):
+        batch = arguments.get("validation_batch_size") or arguments.get("batch_size")
+        if validation is not None:
+            x = validation[0] if isinstance(validation, (tuple, list)) else validation
+            count = epoch_length.batches_of(x, batch)
+        else:
+            count = epoch_length.batches_of(arguments.get("x"), batch,
+                                            split=arguments["validation_split"], validation=True)
+        checks.append(lambda params: epoch_length.check_counts(count, "fit's validation data"))
+    holder = keras.callbacks.Callback()
+    holder.on_train_begin = lambda logs=None: [check(holder.params or {}) for check in checks]
+    return [holder] if checks else []
 
 
 def _elastic_fit(original, signature, model, strategy, args, kwargs):
@@ -241,10 +229,8 @@ def _elastic_fit(original, signature, model, strategy, args, kwargs):
         checks = phases.PhaseCallback(strategy, epochs)
         checks.model = model
         added = [keras.callbacks.LambdaCallback(on_epoch_end=checks.on_epoch_end)]
-        if fingerprint.every() > 0 and basics.size() > 1:
-            drift = _DriftCheck(model)
-            added.append(keras.callbacks.LambdaCallback(
-                on_train_batch_end=drift.on_train_batch_end))
+        if basics.size() > 1:
+            added += drift_check.callbacks(model)
         # The commit first: an epoch's commit is taken before any callback of
         # the next epoch runs (one that raises must not leave it uncommitted).
         arguments["callbacks"] = list(extra) + list(user_callbacks or []) + added
@@ -265,51 +251,26 @@ def _evaluate(original):
         overlap_fit.flush_model(self)
         strategy = multi_worker(self)
         if strategy is not None:
-            phases.boundary(strategy, phases.EVALUATE,
-                            signature.bind(self, *args, **kwargs).arguments.get("steps"))
+            bound = signature.bind(self, *args, **kwargs)
+            phases.boundary(strategy, phases.EVALUATE, bound.arguments.get("steps"))
+            callbacks = bound.arguments.get("callbacks")
+            if (strategy.mode != "async" and bound.arguments.get("steps") is None
+                    and (callbacks is None or isinstance(callbacks, (list, tuple)))
+                    and not epoch_length.sized_by_hooks()):
+                # A call of the user's (fit's validation passes its own
+                # CallbackList, and fit compared those counts).
+                import keras
+                check = keras.callbacks.Callback()
+                check.on_test_begin = lambda logs=None: epoch_length.check_counts(
+                    (check.params or {}).get("steps"), "evaluate")
+                bound.arguments["callbacks"] = list(callbacks or []) + [check]
+                args, kwargs = bound.args[1:], bound.kwargs
         strategy = async_mode(self)
         if strategy is None:
             return original(self, *args, **kwargs)
         with strategy.extended.local_input():
             return original(self, *args, **kwargs)
     return evaluate
-
-
-_ITERATOR_ROLE = ("role: the EpochIterator subclass of the module of the class in "
-                  "keras.Model's MRO that defines make_train_function (TFEpochIterator)")
-_ITERATOR_WHY = ("Keras sizes an epoch from this worker's data before tf.distribute sees it; "
-                 "workers with different counts would wait for each other forever")
-
-
-def _epoch_iterator_method(attr):
-    return lambda: (hooks.defining_class(hooks.epoch_iterator_class(), attr), attr)
-
-
-@_register("keras epoch iterator.__init__",
-           "an epoch whose batch counts differ across workers runs until all are out of data",
-           _ITERATOR_WHY, when_missing="fallback", locate=_epoch_iterator_method("__init__"),
-           private=True, found_by=_ITERATOR_ROLE)
-def _iterator_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self._bps_unsized = epoch_length.unsized(self, is_bps_strategy)
-        if self._bps_unsized:
-            self._num_batches = None
-    return __init__
-
-
-@_register("keras epoch iterator.reset",
-           "keeps such an epoch unsized when Keras reads the local count again",
-           _ITERATOR_WHY, when_missing="fallback", locate=_epoch_iterator_method("reset"),
-           private=True, found_by=_ITERATOR_ROLE)
-def _iterator_reset(original):
-    @functools.wraps(original)
-    def reset(self):
-        original(self)
-        if getattr(self, "_bps_unsized", False):
-            self._num_batches = None
-    return reset
 
 
 @_register("keras.optimizers.Optimizer.apply",
@@ -330,6 +291,11 @@ def _apply(original):
 def _add_variable(original):
     @functools.wraps(original)
     def add_variable(self, *args, **kwargs):
+        if hasattr(self, "inner_optimizer") and is_bps_strategy(tf.distribute.get_strategy()):
+            # A LossScaleOptimizer built under the strategy: only loss
+            # scaling needs the agreed inf/nan check.
+            hooks.require_entry(CHECK_FINITE, "Loss scaling (LossScaleOptimizer) under "
+                                              "BytePSStrategy")
         saved = getattr(_state, "optimizer", None)
         _state.optimizer = self
         try:
@@ -344,10 +310,11 @@ def optimizer_building():
     return getattr(_state, "optimizer", None)
 
 
-@_register("keras.optimizers.LossScaleOptimizer.check_finite",
+@_register(CHECK_FINITE,
            "the inf/nan check agreed across replicas and workers",
            "Keras checks each replica's gradients before they are summed and acts on that "
-           "alone; a worker skipping a step alone would desynchronise the job")
+           "alone; a worker skipping a step alone would desynchronise the job",
+           feature="loss scaling (LossScaleOptimizer) under BytePSStrategy")
 def _check_finite(original):
     @functools.wraps(original)
     def check_finite(self, grads):
@@ -355,56 +322,20 @@ def _check_finite(original):
     return check_finite
 
 
-@_register("keras.Variable._initialize",
-           "the Keras path labels a variable's push_pulls in errors and the timeline",
-           "Keras may create the TensorFlow variable after the layer's name scope is gone",
-           when_missing="cosmetic", private=True,
-           found_by="role: the class of keras.Variable's MRO that defines _initialize",
-           locate=lambda: (hooks.defining_class(hooks.public("keras.Variable"), "_initialize"),
-                           "_initialize"))
-def _initialize(original):
-    @functools.wraps(original)
-    def _initialize(self, value):
-        with naming.creating_variable(getattr(self, "path", None)):
-            return original(self, value)
-    return _initialize
-
-
-@_register("keras.callbacks.ProgbarLogger.set_params",
-           "only rank 0 draws the progress bar (BYTEPS_PROGRESS_ALL_RANKS=1: all)",
-           "Keras draws one bar per process; N identical bars interleave",
-           when_missing="cosmetic")
-def _set_params(original):
-    @functools.wraps(original)
-    def set_params(self, params):
-        original(self, params)
-        if (basics.is_initialized() and basics.size() > 1 and basics.rank() != 0
-                and not config.value("BYTEPS_PROGRESS_ALL_RANKS")):
-            self.verbose = 0
-    return set_params
-
-
-def give_tf_keras_a_version() -> None:
-    """Under ``TF_USE_LEGACY_KERAS=1``, TensorFlow 2.16+'s ``tf.keras`` (a lazy
-    loader for tf_keras) has no ``__version__``, which Keras-2-era scripts
-    read to choose their optimizer API (Horovod's Keras tests do, e.g.
-    ``version.parse(tf.keras.__version__) < "2.11"``). It gets tf_keras'
-    version; nothing else of TensorFlow's namespace changes."""
-    if not config.tf_keras_enabled():
-        return
-    if getattr(tf.keras, "__version__", None) is None:
-        import tf_keras
-        tf.keras.__version__ = tf_keras.__version__
-
-
 def install() -> None:
-    """Installs the Keras hooks (once per process; bps_tf.keras and
-    BytePSStrategy call it). A missing hook whose policy is "error" raises
-    bps_tf.runtime.hooks.HookError here, naming it and the Keras version."""
+    """Installs the Keras hooks of BytePSStrategy (once per process; the
+    strategy calls it). A missing entry whose policy is "error" raises
+    bps_tf.hooks.registry.HookError here, naming it and the Keras version;
+    one that refuses a feature of its own raises when that feature is used."""
     import keras  # noqa: F401  (the hooks' targets)
-    hooks.check_keras_version()
+    keras_shared.install()
     hooks.install(GROUP)
     hooks.install(optimizer_variables.GROUP)
+    hooks.install("strategy.tf")
     hooks.require(GROUP, "BytePSStrategy")
-    hooks.warn_fallback(GROUP, "each epoch's step counts are checked to be equal on every "
-                               "worker instead of being agreed (different counts raise)")
+    hooks.require("strategy.tf", "BytePSStrategy")
+    if not epoch_length.sized_by_hooks():
+        hooks.warn_fallback(epoch_length.GROUP,
+                            "each epoch's step counts are checked to be equal on every worker "
+                            "before its first step instead of being agreed (different counts "
+                            "raise)")

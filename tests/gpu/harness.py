@@ -1,4 +1,4 @@
-"""Checks and times the CUDA reduce kernels (bps_tf/kernels/gpu_reduce.cu), no TensorFlow.
+"""Checks and times the CUDA reduce kernels (bps_tf/core/gpu/gpu_reduce.cu), no TensorFlow.
 
     python tests/gpu/harness.py --build      # build libbps_gpu_reduce.so, check, time
     python tests/gpu/harness.py --emulate    # same checks on the CPU (no GPU needed)

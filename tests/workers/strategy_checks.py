@@ -369,6 +369,34 @@ def drift_checks(rank):
         out["fit_perturbed"] = None
     except ReplicasDriftedError as exc:
         out["fit_perturbed"] = str(exc)
+    # Fits shorter than the interval (3 batches, BYTEPS_FINGERPRINT_STEPS=4):
+    # the batches count across fits, and each fit ends with a check.
+    with new_strategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x[:48], y[:48], batch_size=16, epochs=1, verbose=0)
+        model.fit(x[:48], y[:48], batch_size=16, epochs=1, verbose=0, callbacks=[Perturb()])
+        out["short_fits"] = None
+    except ReplicasDriftedError as exc:
+        out["short_fits"] = str(exc)
+    # sync_state=False: each replica keeps its own BatchNormalization
+    # statistics (different data, different statistics): not a drift. The
+    # weights are still compared.
+    with new_strategy(sync_state=False).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x + rank, y, batch_size=16, epochs=2, verbose=0)
+        out["sync_state_off"] = None
+    except ReplicasDriftedError as exc:
+        out["sync_state_off"] = str(exc)
+    try:
+        model.fit(x + rank, y, batch_size=16, epochs=1, verbose=0, callbacks=[Perturb()])
+        out["sync_state_off_perturbed"] = None
+    except ReplicasDriftedError as exc:
+        out["sync_state_off_perturbed"] = str(exc)
     for case in ("tape_skipped", "optimizer_skipped"):
         keras.utils.set_random_seed(4)
         dense = keras.layers.Dense(2)

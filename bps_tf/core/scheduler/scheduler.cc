@@ -51,6 +51,7 @@ Scheduler::Scheduler(const Config& cfg)
       stall_shutdown_s_(cfg.GetDouble("stall_shutdown_s", 600)),
       server_load_(static_cast<size_t>(std::max(num_servers_, 1)), 0),
       report_every_s_(std::min(10.0, std::max(1.0, cfg.GetDouble("rendezvous_timeout_s", 120) / 3))),
+      rendezvous_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
       elastic_(cfg.GetInt("elastic", 0) != 0),
       min_workers_(static_cast<int>(cfg.GetInt("elastic_min_workers", 1))),
       max_workers_(static_cast<int>(cfg.GetInt("elastic_max_workers", 0))),
@@ -346,9 +347,7 @@ Scheduler::HostLayout Scheduler::LayOutHosts() {
   return hosts;
 }
 
-void Scheduler::ReportMissing() {
-  if (SecondsSince(last_report_) < report_every_s_) return;
-  last_report_ = Clock::now();
+std::string Scheduler::Missing() const {
   std::set<int> workers;
   int servers = 0;
   for (const auto& n : nodes_) {
@@ -363,17 +362,35 @@ void Scheduler::ReportMissing() {
     missing += (missing.empty() ? "" : "; ") + std::to_string(num_servers_ - servers) + " of " +
                std::to_string(num_servers_) + " servers";
   }
+  return missing + " (" + std::to_string(nodes_.size()) + " of " +
+         std::to_string(num_workers_ + num_servers_) + " nodes joined)";
+}
+
+void Scheduler::ReportMissing() {
+  if (SecondsSince(last_report_) < report_every_s_) return;
+  last_report_ = Clock::now();
   std::ostringstream line;
   line << "waiting for the cluster to meet, for " << static_cast<int>(SecondsSince(started_))
-       << " s: not joined yet: " << missing << " (" << nodes_.size() << " of "
-       << num_workers_ + num_servers_ << " nodes joined)";
+       << " s: not joined yet: " << Missing();
   // Nodes start seconds apart: news only once half of the timeout has passed.
-  double warn_after = cfg_.GetDouble("rendezvous_timeout_s", 120) * Membership::kWarnAfter;
-  if (SecondsSince(started_) >= warn_after) {
+  if (SecondsSince(started_) >= rendezvous_s_ * Membership::kWarnAfter) {
     BPS_LOG(kWarning, line.str());
   } else {
     BPS_LOG(kInfo, line.str());
   }
+}
+
+bool Scheduler::RendezvousExpired(std::vector<Outgoing>* out) {
+  // Each node gives up after BYTEPS_RENDEZVOUS_TIMEOUT on its own clock and
+  // names its own cause; the scheduler waits a fifth longer (and 2 s), so it
+  // speaks only when no node is left to: a scheduler nobody reaches would
+  // otherwise wait forever.
+  if (rendezvous_s_ <= 0 || SecondsSince(started_) < rendezvous_s_ * 1.2 + 2) return false;
+  Fail("the cluster did not meet within " + std::to_string(static_cast<int>(rendezvous_s_)) +
+           " s (BYTEPS_RENDEZVOUS_TIMEOUT): not joined yet: " + Missing() +
+           "; check that every worker and server was started with this scheduler's address",
+       out);
+  return true;
 }
 
 Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
@@ -410,7 +427,10 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
 }
 
 void Scheduler::Tick(std::vector<Outgoing>* out) {
-  if (fatal_.empty() && !welcomed_) ReportMissing();
+  if (fatal_.empty() && !welcomed_) {
+    ReportMissing();
+    if (RendezvousExpired(out)) return;
+  }
   if (!fatal_.empty() || !welcomed_ || finished_) return;
   if (elastic_) {
     TickElastic(out);  // lost workers start a new epoch there

@@ -144,6 +144,11 @@ class Scheduler {
   // Until every node joined: who is missing, logged every 10 s (a third
   // of a shorter BYTEPS_RENDEZVOUS_TIMEOUT), as the nodes log their waiting.
   void ReportMissing();
+  // "worker(s) 1; 1 of 2 servers (2 of 4 nodes joined)".
+  std::string Missing() const;
+  // Fails the job once the cluster has not met for longer than every node
+  // waits (BYTEPS_RENDEZVOUS_TIMEOUT, plus a margin); true if it did.
+  bool RendezvousExpired(std::vector<Outgoing>* out);
   // Answers the declarations of `name` by `ranks` (all made with one process set).
   void Complete(const std::string& name, const std::vector<int>& ranks,
                 std::vector<Outgoing>* out);
@@ -192,6 +197,7 @@ class Scheduler {
   std::set<int> host_roots_;  // the lowest rank of each host: who declares a host sum
   std::vector<uint64_t> server_load_;
   double report_every_s_;  // ReportMissing's period
+  double rendezvous_s_;    // BYTEPS_RENDEZVOUS_TIMEOUT (<= 0: no limit of its own)
   Clock::time_point started_ = Clock::now();
   Clock::time_point last_report_ = Clock::now();
   bool finished_ = false;

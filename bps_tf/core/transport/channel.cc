@@ -310,6 +310,12 @@ class ZmqChannel : public Channel {
       SendRecord(from, std::move(answer));
       return;
     } else {
+      // Told, so that it stops at once rather than at its rendezvous
+      // timeout (the gate before the handshake admits any node: security.cc).
+      if (FirstWordTo(link, from)) {
+        SendRecord(from, RefusalRecord(SecurityOf(l.endpoint).Describe() +
+                                       ", and refused this node's handshake: " + why));
+      }
       why = "a peer's handshake failed: " + why;
     }
     RefusedPeer(l, why);

@@ -20,7 +20,10 @@ constexpr size_t kMagicBytes = 4;
 // would read a sliced message as forged; the version makes both ends refuse
 // at the handshake instead, naming another release as the cause.
 // 3: payloads encrypted once for several links (the counter's top bit).
-constexpr uint8_t kHandshakeVersion = 3;
+// 4: the link key comes from a slow derivation of the token (scrypt), and
+// the PLAIN gate in front of the handshake presents a public label instead
+// of a credential derived from the token (security.cc kSealedGate).
+constexpr uint8_t kHandshakeVersion = 4;
 // Set in a message's stored counter when its payload is a SharedSeal's.
 constexpr uint64_t kSharedPayload = uint64_t{1} << 63;
 constexpr uint8_t kHelloRole = 1, kAnswerRole = 2;
@@ -77,14 +80,16 @@ std::string CheckRecord(const Msg& m, uint8_t role, const std::string& key, cons
   const char* d = m.data();
   if (static_cast<uint8_t>(d[4]) != kHandshakeVersion) {
     return "handshake version " + std::to_string(static_cast<uint8_t>(d[4])) + " (this node speaks " +
-           std::to_string(kHandshakeVersion) + "): not a bps_tf of this release";
+           std::to_string(kHandshakeVersion) + "): a bps_tf of another release; run one release "
+           "on every node";
   }
   if (static_cast<uint8_t>(d[5]) != role) return "an unexpected handshake record";
   *signed_part = std::string(d, kSignedBytes);
   unsigned char mac[kMacBytes];
   KeyedHash(key, label, *signed_part + also_covered, mac);
   if (Lib().api.verify_32(mac, reinterpret_cast<const unsigned char*>(d + kSignedBytes)) != 0) {
-    return "its MAC does not verify: another BYTEPS_JOB_TOKEN, or not a process of this job";
+    return "its MAC does not verify: it holds another BYTEPS_JOB_TOKEN, or is not a process of "
+           "this job";
   }
   return "";
 }

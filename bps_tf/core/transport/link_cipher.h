@@ -1,8 +1,9 @@
 // The encryption of BYTEPS_ENCRYPTION=1 on one TCP link, built from
 // libsodium's primitives only (docs/reliability.md#security has the threat
-// model). ZeroMQ carries the bytes (authenticated with the token's PLAIN
-// credential, a gate, not the protection); everything that protects them
-// is here:
+// model). ZeroMQ carries the bytes (behind a PLAIN gate that presents a
+// public label: nothing derived from the token alone is ever sent, since a
+// recording of it would let anyone test guesses of the token offline);
+// everything that protects them is here:
 //   handshake  one message each way, before any other. Each end sends a
 //              fresh X25519 public key (crypto_kx) and the AEADs it runs,
 //              under a MAC keyed with the job's link key (keyed BLAKE2b);

@@ -15,6 +15,14 @@ constexpr char kZapEndpoint[] = "inproc://zeromq.zap.01";  // fixed by RFC 27
 constexpr char kZapDomain[] = "bps_tf";
 constexpr char kLocalZapDomain[] = "bps_tf-local";
 constexpr char kPlainUser[] = "bps_tf";
+// What a sealed link's connecting end presents to the PLAIN gate: a public
+// label, not a secret (bps_tf/runtime/security.py SEALED_GATE), and the
+// gate admits any PLAIN hello: the link's handshake behind it is what
+// admits a node (link_cipher.h). A credential derived from the token alone,
+// sent in clear, would let whoever records it test guesses of the token
+// offline; past the gate, a node of another release or token is refused by
+// the handshake, which names the cause to both ends.
+constexpr char kSealedGate[] = "bps_tf sealed links v4";
 constexpr size_t kZ85KeyLen = 40;
 
 int HexDigit(char c) {
@@ -97,7 +105,8 @@ LinkSecurity LinkSecurity::FromConfig(const Config& cfg) {
   }
   if (mode == "plain" || mode == "aead") {
     s.mode = mode == "plain" ? Mode::kPlain : Mode::kAead;
-    s.credential = HexSetting(cfg, "plain_credential");
+    s.credential = s.mode == Mode::kAead ? std::string(kSealedGate)
+                                         : HexSetting(cfg, "plain_credential");
     if (s.mode == Mode::kAead) {
       s.link_key = RawKey(HexSetting(cfg, "link_key"));
       if (!SodiumMissing().empty()) throw Error(SodiumMissing());
@@ -167,8 +176,9 @@ bool LinkSecurity::Admits(const std::string& mechanism, const std::string* crede
     case Mode::kNone:
       return true;
     case Mode::kPlain:
-    case Mode::kAead:
       return mechanism == "PLAIN" && count == 2 && SameBytes(credentials[1], credential);
+    case Mode::kAead:  // the handshake admits (kSealedGate)
+      return mechanism == "PLAIN" && count == 2;
     case Mode::kCurve:
       return mechanism == "CURVE" && count == 1 && credentials[0].size() == 32 &&
              SameBytes(Z85(reinterpret_cast<const unsigned char*>(credentials[0].data())),
@@ -236,10 +246,20 @@ std::string ExplainHandshakeFailure(const HandshakeEvent& e, const LinkSecurity&
   const std::string mine = "this node uses " + security.Describe();
   if (e.event == zmqc::kEventHandshakeFailedAuth) {
     std::string code = std::to_string(e.value);
-    return outgoing ? "the other end refused this node's credentials (status " + code +
-                          "): it holds another BYTEPS_JOB_TOKEN; " + kFixSettings
-                    : "refused a peer's credentials (status " + code +
-                          "): another BYTEPS_JOB_TOKEN, or not a process of this job";
+    if (!outgoing) {
+      return "refused a peer's credentials (status " + code +
+             "): another BYTEPS_JOB_TOKEN, or not a process of this job";
+    }
+    // A sealed link's gate admits any PLAIN hello (kSealedGate), so a gate
+    // that refuses this node's label checks a token credential instead.
+    const std::string cause =
+        security.sealed()
+            ? "it does not run sealed links (v4): it uses BYTEPS_ENCRYPTION=0 and checks a "
+              "token credential this node never sends, or it is a bps_tf release before the "
+              "v4 handshake"
+            : "it holds another BYTEPS_JOB_TOKEN";
+    return "the other end refused this node's credentials (status " + code + "): " + cause +
+           "; " + mine + "; " + kFixSettings;
   }
   if (e.event == zmqc::kEventHandshakeFailedProtocol) {
     if (e.value == static_cast<uint32_t>(zmqc::kProtocolErrorMechanismMismatch)) {

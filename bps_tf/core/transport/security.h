@@ -5,7 +5,8 @@
 // Four modes, chosen by bps_tf/runtime/security.py from BYTEPS_JOB_TOKEN and
 // BYTEPS_ENCRYPTION, which derives every secret below from the token:
 //   aead   (BYTEPS_ENCRYPTION=1, the default) libzmq checks the PLAIN
-//          credential, a gate in clear; every message is then sealed by
+//          gate, a public label that names the handshake (no secret: an
+//          older release is refused by name); every message is then sealed by
 //          link_cipher.h (a handshake keyed by the token, an AEAD from
 //          libsodium per message): encrypted, authenticated both ways, and
 //          neither replayable nor reorderable (its cost against CURVE's:
@@ -24,7 +25,8 @@
 // (local_credential, PLAIN), authenticated but not encrypted. No network
 // carries their bytes, and a process able to read them (root on that
 // machine) could as well read the memory of the processes at either end;
-// CURVE would only cost time (3x at 64 MiB, docs/performance.md section 17).
+// CURVE would only cost time (3x at 64 MiB: docs/performance-history.md,
+// "Unix sockets on one machine").
 // The listening side is not authenticated by PLAIN: channel.cc never
 // reconnects a local link, so a process that takes a dead server's name
 // gets no credential.
@@ -45,7 +47,7 @@ struct LinkSecurity {
   Mode mode = Mode::kNone;
   std::string server_public, server_secret;  // z85, 40 characters (curve)
   std::string client_public, client_secret;  // z85 (curve)
-  std::string credential;                    // the PLAIN password (plain, aead)
+  std::string credential;                    // the PLAIN password (plain; aead: the label)
   std::string link_key;                      // 32 raw bytes: link_cipher.h's key (aead)
   std::string local_credential;              // the PLAIN password of local links
   bool local = false;                        // for ipc:// links (own ZAP domain)

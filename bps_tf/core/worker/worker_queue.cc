@@ -165,7 +165,8 @@ bool WorkerEngine::TakeSendable(std::vector<PartRef>* to_send, std::vector<Task*
   // Without the burst's limit a full credit plus the kernel's buffers would
   // leave in arrival order: 20-30 MB per worker on namespace hosts, whose
   // sums then wait for the worker that sends them last (burst.h,
-  // docs/performance.md section 18).
+  // docs/performance-history.md, "A train step's push_pulls leave in priority
+  // order on every worker").
   const uint64_t credit =
       BurstLeftLocked() > 0 ? std::min(credit_bytes_, partition_bytes_) : credit_bytes_;
   while (!ready_.empty()) {

@@ -8,7 +8,7 @@
 // vectors (every pointer 16-byte aligned there) and a scalar tail. The
 // per-thread code is __host__ __device__ so that tests can run it on the CPU
 // (BPS_GPU_HOST_EMULATION) when no GPU is at hand.
-#include "gpu_reduce.h"
+#include "gpu/gpu_reduce.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,7 +29,7 @@ constexpr int kThreads = 256;
 constexpr int kMaxSrcs = 16;   // sources per launch: keeps kernel parameters small
 constexpr int kVecBytes = 16;  // one uint4 load or store
 
-#include "gpu_reduce_ops.cuh"
+#include "gpu/gpu_reduce_ops.cuh"
 
 // ---- errors ----
 

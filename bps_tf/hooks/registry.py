@@ -4,61 +4,61 @@ Keras 3 knows nothing of multi-worker jobs outside TensorFlow's own
 MultiWorkerMirroredStrategy, so a few of its behaviours must change under
 ``BytePSStrategy`` (rank-0 checkpoints, every row from ``predict``, the
 overlap's flushes...). What the ``tf.distribute`` contract can express is
-done by the strategy itself; the rest is a *hook*: a method or property of a
-Keras or TensorFlow class replaced by a wrapper that calls the original.
+done by the strategy itself; the rest touches names that Keras or
+TensorFlow do not promise to keep, and every such name is an *entry* here:
 
-Every hook is declared here, in one form (:func:`register`), with
+* a **hook** (:func:`register`): a method or property of a class replaced by
+  a wrapper that calls the original;
+* a **use** (:func:`probe`): a private method called, or overridden by a
+  subclass of bps_tf, without replacing it;
+* a **private attribute** read or written on instances, a **per-instance
+  patch** and a **TensorFlow internal** (bps_tf.hooks.entries): each with
+  a handle that is the only way bps_tf touches it.
+
+Every entry is declared in one form, with
 
 * ``locate``: how its target is found -- by *role* where the name is private
   (the class in ``keras.Model``'s MRO that defines ``make_train_function``,
-  the epoch-iterator class of that class's module), by public name
-  otherwise -- raising :class:`HookMissing` with what it looked for;
+  the class whose own code sets an attribute), by public name otherwise --
+  raising :class:`HookMissing` with what it looked for;
 * what it changes, why no public API can do it, and the versions it was
   verified on (``docs/dependencies.md`` prints this table);
-* ``when_missing``: what bps_tf does when a future release moves the target
+* ``when_missing``: what bps_tf does when a release moves the target
   (:data:`POLICIES`): fall back to a documented safe path with one warning
-  naming the Keras version and the hook, refuse with a clear error, or go
-  on without a cosmetic change. Never an ``AttributeError`` from inside
+  naming the versions and the entry, refuse with a clear error, or go on
+  without a cosmetic change; ``feature``: what is refused (by default the
+  whole group's feature, checked when the group is installed; otherwise that
+  feature alone, when it is used). Never an ``AttributeError`` from inside
   bps_tf, never a silently different result.
 
-:func:`install` installs a group's hooks once per process under one lock;
-each replacement carries the hook's name, so nothing is wrapped twice.
-No TensorFlow or Keras is imported by this module itself.
+:func:`install` installs a group's entries once per process under one lock;
+each replacement carries the entry's name, so nothing is wrapped twice.
+This module imports no TensorFlow or Keras itself (bps_tf.hooks.versions
+reads their versions).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import logging
-import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from bps_tf.hooks.errors import HookError, HookMissing
+from bps_tf.hooks.versions import (VERIFIED_KERAS, VERIFIED_TF, keras_version,  # noqa: F401
+                                   tensorflow_version)
+
 log = logging.getLogger("bps_tf")
 
-# The oldest Keras 3 every hook was verified on (docs/dependencies.md).
-# 3.8 and 3.9 keep metric variables synchronized on write, not on read, and
-# evaluate()'s global metrics came out wrong with them (docs/dependencies.md).
-MIN_KERAS = (3, 10)
-VERIFIED_KERAS = "3.10.0-3.15.1, 3.16.0.dev2026102704"
-VERIFIED_TF = "2.16.2-2.21.0, 2.22.0rc0"
-
-# What bps_tf does when a hook's target cannot be found.
+# What bps_tf does when an entry's target cannot be found.
 POLICIES = {
     "fallback": "falls back to the documented safe path, with one warning",
     "error": "refuses, with an error naming the hook and the Keras version",
     "cosmetic": "goes on without it (what it changes is not a result)",
 }
+KINDS = ("wraps", "uses", "reads", "patches", "imports")
 
 _MARK = "__bps_tf_hook__"
-
-
-class HookMissing(LookupError):
-    """A hook's target was not found where its role says it is."""
-
-
-class HookError(RuntimeError):
-    """A feature needs a hook whose target this Keras/TensorFlow moved."""
 
 
 @dataclasses.dataclass
@@ -66,17 +66,20 @@ class Hook:
     name: str                                  # the target, as docs and errors show it
     group: str                                 # installed together (install(group))
     locate: Callable[[], Tuple[Any, str]]      # -> (owner, attribute)
-    wrap: Optional[Callable[[Any], Any]]       # original -> replacement; None: a probe
+    wrap: Optional[Callable[[Any], Any]]       # original -> replacement; None: no wrapper
     changes: str
     why: str
     when_missing: str
     private: bool                              # the target's own name is private
     verified: str = ""
     found_by: str = ""                         # how locate finds it, for the docs
+    kind: str = "wraps"                        # one of KINDS
+    feature: str = ""                          # refused alone when missing ("": the group's)
+    keras_name: str = ""                       # the name a Keras release could rename
 
 
 _hooks: Dict[str, Hook] = {}
-_missing: Dict[str, str] = {}     # hook name -> why its target was not found
+_missing: Dict[str, str] = {}     # entry name -> why its target was not found
 _installed: set = set()
 _lock = threading.RLock()
 _warned: set = set()
@@ -84,12 +87,16 @@ _warned: set = set()
 
 def register(name: str, group: str, locate, *, changes: str, why: str,
              when_missing: str, private: bool = False, verified: str = "",
-             found_by: str = ""):
-    """Declares a hook; used as a decorator over its ``wrap(original)``.
-    A name declared twice is a bug (two wrappers of one target)."""
+             found_by: str = "", kind: str = "wraps", feature: str = "",
+             keras_name: str = ""):
+    """Declares an entry; used as a decorator over its ``wrap(original)``
+    (None for an entry that replaces nothing). A name declared twice is a
+    bug (two wrappers of one target)."""
     if when_missing not in POLICIES:
         raise ValueError(f"hook {name}: when_missing={when_missing!r} is not one of "
                          f"{sorted(POLICIES)}")
+    if kind not in KINDS:
+        raise ValueError(f"hook {name}: kind={kind!r} is not one of {KINDS}")
 
     def decorate(wrap):
         with _lock:
@@ -97,36 +104,79 @@ def register(name: str, group: str, locate, *, changes: str, why: str,
                 raise ValueError(f"hook {name} is declared twice")
             _hooks[name] = Hook(name, group, locate, wrap, changes, why, when_missing, private,
                                 verified or f"Keras {VERIFIED_KERAS}; TensorFlow {VERIFIED_TF}",
-                                found_by or getattr(locate, "found_by", ""))
+                                found_by or getattr(locate, "found_by", ""), kind, feature,
+                                keras_name or _keras_name(name, locate))
         return wrap
     return decorate
 
 
+def _keras_name(name: str, locate) -> str:
+    """The identifier a Keras release would rename (tests/test_hook_renames.py)."""
+    explicit = getattr(locate, "keras_name", None)
+    if explicit is not None:
+        return explicit
+    if not name.startswith("keras"):
+        return ""
+    return name.rsplit(".", 1)[-1].split(" ")[0]
+
+
 def probe(name: str, group: str, locate, *, changes: str, why: str, when_missing: str,
-          private: bool = True, found_by: str = "") -> None:
+          private: bool = True, found_by: str = "", kind: str = "uses",
+          feature: str = "") -> None:
     """Declares a target that bps_tf uses without replacing it (e.g. an
     optimizer method the overlap calls per instance): checked like a hook."""
     register(name, group, locate, changes=changes, why=why, when_missing=when_missing,
-             private=private, found_by=found_by)(None)
+             private=private, found_by=found_by, kind=kind, feature=feature)(None)
 
 
 def install(group: str) -> Dict[str, str]:
-    """Installs the hooks of ``group`` not installed yet (once per process);
-    returns {hook name: why its target is missing} for the group."""
+    """Installs the entries of ``group`` not installed yet (once per
+    process); returns {entry name: why its target is missing} for the group."""
     with _lock:
         for hook in [h for h in _hooks.values() if h.group == group]:
-            if hook.name in _installed or hook.name in _missing:
-                continue
-            try:
-                owner, attr = hook.locate()
-                if hook.wrap is not None:
-                    _replace(hook, owner, attr)
-                _installed.add(hook.name)
-            except HookMissing as exc:
-                _missing[hook.name] = str(exc)
-                if hook.when_missing == "cosmetic":
-                    log.debug("bps_tf: hook %s not installed (%s)", hook.name, exc)
+            locate_entry(hook.name)
         return missing(group)
+
+
+def locate_entry(name: str) -> bool:
+    """Finds (and, for a hook, wraps) the target of entry ``name`` once;
+    whether it is there."""
+    with _lock:
+        hook = _hooks[name]
+        if hook.name in _installed:
+            return True
+        if hook.name in _missing:
+            return False
+        try:
+            owner, attr = hook.locate()
+            if hook.wrap is not None:
+                _replace(hook, owner, attr)
+            _installed.add(hook.name)
+            return True
+        except HookMissing as exc:
+            _missing[hook.name] = str(exc)
+            if hook.when_missing == "cosmetic":
+                log.debug("bps_tf: hook %s not installed (%s)", hook.name, exc)
+            return False
+
+
+def check(name: str) -> str:
+    """Looks for entry ``name``'s target afresh (nothing cached, nothing
+    wrapped): "" when it is there, else why not. For tests that move a
+    target the way a release would."""
+    try:
+        _hooks[name].locate()
+        return ""
+    except HookMissing as exc:
+        return str(exc) or "missing"
+
+
+def mark_missing(name: str, why: str) -> None:
+    """An entry found at install whose target an instance lacks at run time
+    (a private attribute that moved): missing from now on."""
+    with _lock:
+        _installed.discard(name)
+        _missing.setdefault(name, why)
 
 
 def _replace(hook: Hook, owner, attr: str) -> None:
@@ -148,7 +198,7 @@ def _unwrapped(value):
 
 
 def missing(group: Optional[str] = None, policy: Optional[str] = None) -> Dict[str, str]:
-    """{hook name: reason} of the hooks whose target was not found (of
+    """{entry name: reason} of the entries whose target was not found (of
     ``group``, with the ``when_missing`` ``policy``, when given)."""
     with _lock:
         return {name: why for name, why in _missing.items()
@@ -166,9 +216,14 @@ def hooks(group: Optional[str] = None) -> List[Hook]:
         return [h for h in _hooks.values() if group is None or h.group == group]
 
 
+def entry(name: str) -> Hook:
+    with _lock:
+        return _hooks[name]
+
+
 def warn_fallback(groups, what: str) -> None:
     """One warning for ``groups`` (a group or a tuple of groups): ``what``
-    bps_tf does instead, naming the missing hooks and the Keras version."""
+    bps_tf does instead, naming the missing entries and the versions."""
     groups = (groups,) if isinstance(groups, str) else tuple(groups)
     gone = {}
     for group in groups:
@@ -182,47 +237,43 @@ def warn_fallback(groups, what: str) -> None:
                 VERIFIED_KERAS)
 
 
+def _refusal(names, feature: str) -> HookError:
+    reasons = [_missing[n] for n in sorted(names)]
+    return HookError(
+        f"{feature} needs bps_tf's hook(s) {', '.join(sorted(names))}, which this Keras "
+        f"({keras_version()}) / TensorFlow ({tensorflow_version()}) no longer has "
+        f"({'; '.join(reasons)}). Last verified: Keras {VERIFIED_KERAS}, "
+        f"TensorFlow {VERIFIED_TF}. Install a verified Keras (pip install 'keras==3.15.1') "
+        f"or report it.")
+
+
 def require(group: str, feature: str, policy: Optional[str] = "error") -> None:
-    """Raises :class:`HookError` if a hook of ``group`` (whose policy is
-    ``policy``; None: any) is missing: ``feature`` cannot run without it."""
-    gone = missing(group, policy)
+    """Raises :class:`HookError` if an entry of ``group`` (whose policy is
+    ``policy``; None: any) is missing: ``feature`` cannot run without it.
+    Entries that refuse a feature of their own (``feature=``) are left to
+    :func:`require_entry`, called when that feature is used."""
+    gone = [n for n in missing(group, policy) if not _hooks[n].feature]
     if gone:
-        raise HookError(
-            f"{feature} needs bps_tf's hook(s) {', '.join(sorted(gone))}, which this Keras "
-            f"({keras_version()}) / TensorFlow ({tensorflow_version()}) no longer has "
-            f"({'; '.join(sorted(gone.values()))}). Last verified: Keras {VERIFIED_KERAS}, "
-            f"TensorFlow {VERIFIED_TF}. Install a verified Keras (pip install 'keras==3.15.1') "
-            f"or report it.")
+        raise _refusal(gone, feature)
 
 
-def keras_version() -> str:
-    module = sys.modules.get("keras")
-    return getattr(module, "__version__", "not loaded") if module else "not loaded"
+def require_entry(name: str, feature: str = "") -> None:
+    """Raises :class:`HookError` if entry ``name`` is missing: its feature
+    (``feature``, else the one it was declared with) cannot run."""
+    require_entries([name], feature)
 
 
-def tensorflow_version() -> str:
-    module = sys.modules.get("tensorflow")
-    return getattr(module, "__version__", "not loaded") if module else "not loaded"
-
-
-def check_keras_version() -> None:
-    """Raises if the loaded Keras 3 is older than every verified one."""
-    version = keras_version()
-    try:
-        parts = tuple(int(p) for p in version.split(".")[:2])
-    except ValueError:
-        return     # a development build without a plain number: the hooks decide
-    if parts[0] == 3 and parts < MIN_KERAS:
-        raise HookError(
-            f"BytePSStrategy needs Keras >= {'.'.join(map(str, MIN_KERAS))} (found {version}): "
-            f"older Keras 3 releases lack what bps_tf relies on (before 3.10 metric variables "
-            f"are synchronized on write, and evaluate()'s global metrics would be wrong; "
-            f"before 3.8 the epoch iterator cannot be reset). pip install "
-            f"'keras>={'.'.join(map(str, MIN_KERAS))}'.")
+def require_entries(names, feature: str = "") -> None:
+    """Raises one :class:`HookError` naming every one of ``names`` that is
+    missing (``feature``: what cannot run; else the first one's)."""
+    gone = [name for name in names if not locate_entry(name)]
+    if gone:
+        first = _hooks[gone[0]]
+        raise _refusal(gone, feature or first.feature or first.group)
 
 
 # --------------------------------------------------------------------------
-# Lookups by role
+# Locators
 # --------------------------------------------------------------------------
 def defining_class(root, attr: str):
     """The class in ``root``'s MRO that defines ``attr`` itself."""
@@ -274,45 +325,17 @@ def module_attribute(module_path: str, attr: str):
             raise HookMissing(f"{module_path} has no {attr}")
         return module, attr
     locate.found_by = f"module attribute {module_path}.{attr}"
+    locate.keras_name = ""
     return locate
 
 
 def markdown_table() -> str:
     """The registry as a markdown table (docs/dependencies.md)."""
-    rows = ["| hook | found by | changes | why not through a public API | if missing |",
+    rows = ["| entry | found by | changes | why not through a public API | if missing |",
             "|---|---|---|---|---|"]
     for hook in sorted(_hooks.values(), key=lambda h: (h.group, h.name)):
-        kind = "uses" if hook.wrap is None else "wraps"
-        rows.append(f"| `{hook.name}` ({hook.group}; {kind}) | {hook.found_by} | {hook.changes} "
-                    f"| {hook.why} | {hook.when_missing}: {POLICIES[hook.when_missing]} |")
+        refused = f" ({hook.feature} only)" if hook.feature else ""
+        rows.append(f"| `{hook.name}` ({hook.group}; {hook.kind}) | {hook.found_by} | "
+                    f"{hook.changes} | {hook.why} | {hook.when_missing}: "
+                    f"{POLICIES[hook.when_missing]}{refused} |")
     return "\n".join(rows)
-
-
-def backend_trainer():
-    """The Keras backend trainer class: the class of ``keras.Model``'s MRO
-    that defines ``make_train_function`` (TensorFlowTrainer up to Keras 3.15,
-    Trainer in 3.16)."""
-    return defining_class(public("keras.Model"), "make_train_function")
-
-
-def epoch_iterator_class():
-    """The TensorFlow epoch iterator Keras' backend trainer makes for fit,
-    evaluate and predict: the class of the backend trainer's module that
-    derives from an ``EpochIterator`` (TFEpochIterator in Keras 3.8-3.16)."""
-    module = sys.modules[backend_trainer().__module__]
-    found = [value for value in vars(module).values()
-             if isinstance(value, type) and value.__module__ == module.__name__
-             and any(base.__name__ == "EpochIterator" for base in value.__mro__[1:])]
-    if len(found) != 1:
-        raise HookMissing(f"{module.__name__} defines {len(found)} EpochIterator classes, not 1")
-    return found[0]
-
-
-def dataset_adapter_class():
-    """The Keras data adapter class that serves a ``tf.data.Dataset`` as given."""
-    import tensorflow as tf
-    try:
-        from keras.src.trainers.data_adapters import get_data_adapter  # role: Keras' own choice
-    except ImportError as exc:
-        raise HookMissing(f"keras' get_data_adapter cannot be imported ({exc})") from None
-    return type(get_data_adapter(tf.data.Dataset.range(1)))

@@ -18,8 +18,9 @@ with the same TensorFlow reuses the cached build. At import,
    build it once; the others wait and then load it.
 
 A stale build is never reused: a TensorFlow upgrade changes the key, which
-selects (or builds) another library. setup.py imports this file by path
-(without importing bps_tf) to build at install time with the same commands.
+selects (or builds) another library. setup.py and ``python -m
+bps_tf.op_build`` load this file by its path (without importing bps_tf.ops,
+which loads the library) to build with the same commands.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import threading
 import time
 from typing import Dict, List, Sequence
 
-# This file is bps_tf/runtime/op_build.py; sources are named from bps_tf/.
+# This file is bps_tf/ops/op_build.py; sources are named from bps_tf/.
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The op library's sources, relative to the package directory. They ship
 # with the package so the library can be compiled where it is used.
