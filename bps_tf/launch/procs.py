@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -26,6 +27,20 @@ POLL_INTERVAL_S = 0.05
 EXIT_TIMEOUT = 124                 # what timeout(1) uses
 EXIT_CANNOT_START = 127            # what a shell uses for "command not found"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def ensure_open_files(needed: int, what: str, error=ValueError) -> None:
+    """Let this process hold ``needed`` open files: raise the soft limit up to
+    the hard one when it is lower (children inherit it); ``error`` with both
+    numbers and the way out when even the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise error(f"{what} needs about {needed} open files, but this process may open "
+                         f"at most {hard} (hard RLIMIT_NOFILE): raise it (ulimit -Hn {needed} "
+                         f"as root) or start fewer processes")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Stop(Exception):

@@ -53,6 +53,7 @@ struct Link {
   bool sealed = false;                    // its messages go through SealedLinks
   std::string endpoint;
   int failures_in_a_row = 0;
+  bool connected = false;  // a connection was made (kEventConnected)
 };
 
 // Marks an alert: an ERROR a listening end seals to a peer whose message it
@@ -106,6 +107,10 @@ class ZmqChannel : public Channel {
     Link l;
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
     l.routed = true;
+    // libzmq's default (100) made the 101st of many peers connecting at once
+    // wait for a retry over TCP, and lose a Unix-socket link outright (it is
+    // never retried, see Connect): every worker connects to every server.
+    l.socket->SetBacklog(KernelListenBacklog());
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
@@ -217,7 +222,19 @@ class ZmqChannel : public Channel {
       HandshakeEvent e;
       while (l.watch && l.watch->Next(&e)) {
         if (e.connection()) {
+          l.connected = true;
           if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+        } else if (e.closed()) {
+          // A TCP attempt is retried; a Unix-socket link that never connected
+          // is not (Connect), and what it queues would wait forever.
+          if (!l.routed && !l.connected && IsIpcEndpoint(l.endpoint) && refusal_.empty()) {
+            refusal_ = "could not connect to the Unix socket " + l.endpoint +
+                       ": its queue of connections waiting to be accepted was full (the "
+                       "kernel's net.core.somaxconn is " +
+                       std::to_string(KernelListenBacklog()) +
+                       ") or the server is gone; raise net.core.somaxconn above the number of "
+                       "workers, or set BYTEPS_ENABLE_IPC=0 to reach servers over TCP";
+          }
         } else if (!e.failed()) {
           l.failures_in_a_row = 0;
         } else if (l.routed) {

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -87,6 +89,17 @@ void Socket::SetReconnectInterval(int ms) {
 
 void Socket::SetMaxMsgSize(int64_t bytes) {
   zmq_setsockopt(sock_, zmqc::kMaxMsgSize, &bytes, sizeof(bytes));
+}
+
+void Socket::SetBacklog(int connections) {
+  zmq_setsockopt(sock_, zmqc::kBacklog, &connections, sizeof(connections));
+}
+
+int KernelListenBacklog() {
+  std::ifstream in("/proc/sys/net/core/somaxconn");
+  long cap = 0;
+  if (!(in >> cap) || cap <= 0) return 4096;
+  return static_cast<int>(std::min<long>(cap, 1 << 20));
 }
 
 void Socket::Connect(const std::string& endpoint) {

@@ -72,6 +72,7 @@ constexpr int kSndBuf = 11;
 constexpr int kRcvBuf = 12;
 constexpr int kLinger = 17;
 constexpr int kReconnectIvl = 18;
+constexpr int kBacklog = 19;
 constexpr int kMaxMsgSize = 22;
 constexpr int kSndHwm = 23;
 constexpr int kRcvHwm = 24;
@@ -88,6 +89,8 @@ constexpr int kZapDomain = 55;
 // Socket monitor events of a new TCP connection; the value is its fd.
 constexpr int kEventConnected = 1;
 constexpr int kEventAccepted = 32;
+// A connecting socket closed its file descriptor (an attempt failed).
+constexpr int kEventClosed = 128;
 // Socket monitor events about the security handshake (libzmq >= 4.3).
 constexpr int kEventHandshakeFailedNoDetail = 2048;
 constexpr int kEventHandshakeSucceeded = 4096;
