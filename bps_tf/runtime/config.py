@@ -196,7 +196,7 @@ SETTINGS = (
             "Elastic: the fewest workers the job goes on with (bpslaunch --min-np); "
             "below it the scheduler waits BYTEPS_ELASTIC_TIMEOUT for newcomers, then fails the job."),
     Setting("BYTEPS_ELASTIC_MAX_WORKERS", "elastic_max_workers", "0", _int,
-            "Elastic: the most workers the job admits (bpslaunch --max-np; at most 64); "
+            "Elastic: the most workers the job admits (bpslaunch --max-np); "
             "0: the starting worker count."),
     Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
             "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "

@@ -15,6 +15,7 @@
 
 #include "common/common.h"
 #include "common/stats.h"
+#include "transport/local_links.h"
 #include "transport/sealed_links.h"
 #include "transport/security.h"
 
@@ -107,9 +108,8 @@ class ZmqChannel : public Channel {
     Link l;
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
     l.routed = true;
-    // libzmq's default (100) made the 101st of many peers connecting at once
-    // wait for a retry over TCP, and lose a Unix-socket link outright (it is
-    // never retried, see Connect): every worker connects to every server.
+    // Every worker connects to every server at once: past libzmq's default
+    // queue (100), TCP waits for a SYN retry and a Unix-socket link is lost.
     l.socket->SetBacklog(KernelListenBacklog());
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
@@ -228,12 +228,7 @@ class ZmqChannel : public Channel {
           // A TCP attempt is retried; a Unix-socket link that never connected
           // is not (Connect), and what it queues would wait forever.
           if (!l.routed && !l.connected && IsIpcEndpoint(l.endpoint) && refusal_.empty()) {
-            refusal_ = "could not connect to the Unix socket " + l.endpoint +
-                       ": its queue of connections waiting to be accepted was full (the "
-                       "kernel's net.core.somaxconn is " +
-                       std::to_string(KernelListenBacklog()) +
-                       ") or the server is gone; raise net.core.somaxconn above the number of "
-                       "workers, or set BYTEPS_ENABLE_IPC=0 to reach servers over TCP";
+            refusal_ = UnixLinkGaveUp(l.endpoint);
           }
         } else if (!e.failed()) {
           l.failures_in_a_row = 0;

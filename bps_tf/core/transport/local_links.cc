@@ -46,6 +46,14 @@ bool AbstractEndpointListed(const std::string& endpoint) {
   return false;
 }
 
+std::string UnixLinkGaveUp(const std::string& endpoint) {
+  return "could not connect to the Unix socket " + endpoint +
+         ": its queue of connections waiting to be accepted was full (the kernel's "
+         "net.core.somaxconn is " + std::to_string(KernelListenBacklog()) +
+         ") or the server is gone; raise net.core.somaxconn above the number of workers, or "
+         "set BYTEPS_ENABLE_IPC=0 to reach servers over TCP";
+}
+
 std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
                            bool* local) {
   const std::string key = "server." + std::to_string(s);

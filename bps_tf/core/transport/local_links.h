@@ -30,6 +30,11 @@ std::string NewServerSocketEndpoint();
 // a name that only looked local.
 bool AbstractEndpointListed(const std::string& endpoint);
 
+// Why a Unix-socket link this node opened was lost before it ever
+// connected (libzmq never retries one, channel.cc): the listener's queue
+// was full or the server is gone; names net.core.somaxconn and the way out.
+std::string UnixLinkGaveUp(const std::string& endpoint);
+
 // Where a worker reaches server s, from the scheduler's WELCOME: the
 // server's Unix socket when it has this machine's id (`machine`:
 // MachineNetnsId(), "" for TCP only) and is listed here, else its TCP
