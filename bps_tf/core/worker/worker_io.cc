@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "common/labels.h"
 #include "common/stats.h"
@@ -194,9 +195,11 @@ void WorkerEngine::OnWelcome(const Config& w) {
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid()) +
                    (epoch_ ? "-e" + std::to_string(epoch_) : "");
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
+  const std::set<std::string> listed = machine.empty() ? std::set<std::string>()
+                                                       : ListedServerSockets();
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
-    std::string endpoint = ServerEndpoint(w, s, machine, &local);
+    std::string endpoint = ServerEndpoint(w, s, machine, &local, &listed);
     if (local) Stats::Get().links_local++;
     servers_.push_back(channel_->Connect(endpoint, id));
   }
