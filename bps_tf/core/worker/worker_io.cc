@@ -71,6 +71,7 @@ void WorkerEngine::FlushControl() {
 }
 
 void WorkerEngine::HandleData(const Message& m) {
+  last_data_ = Clock::now();
   if (m.header.type == static_cast<uint16_t>(MsgType::kJoin)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (joining_) ++join_acks_;
@@ -280,7 +281,8 @@ void WorkerEngine::CheckTimers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     state = state_;
-    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS) {
+    if (!peer_left_.empty() &&
+        SecondsSince(std::max(peer_left_at_, last_data_)) > kPeerLeftGraceS) {
       // Asynchronous keys need no partner (protocol.h): only the others fail.
       for (const std::string& name : names_in_flight_) {
         if (!IsAsyncName(name)) {
