@@ -348,10 +348,13 @@ int ServerNode::Run(std::string* error) {
   std::vector<Outgoing> out;
   while (!done_) {
     if (!channel_->Wait(100)) break;
-    // A long stream of small pushes still reaches the lanes in batches.
+    // A long stream of small pushes still reaches the lanes in batches, and
+    // one that never runs dry still lets the replies, heartbeats and checks run.
+    const auto batch = Clock::now();
     for (int handled = 1; channel_->Receive(&m); ++handled) {
       Handle(m);
       if (engine_ && handled % 64 == 0) engine_->Flush();
+      if (handled % 64 == 0 && SecondsSince(batch) > 0.05) break;
     }
     if (engine_) engine_->Flush();
     SendReplies();

@@ -172,13 +172,15 @@ class ZmqChannel : public Channel {
   }
 
   bool Receive(Message* m) override {
-    for (; next_ < links_.size(); ++next_) {
-      Socket* s = links_[next_].socket.get();
+    // Links take turns: a data link that never runs dry must not starve the scheduler's.
+    for (size_t tried = 0; tried < links_.size(); ++tried) {
+      const size_t i = next_;
+      next_ = (next_ + 1) % links_.size();
+      Socket* s = links_[i].socket.get();
       while (s && s->RecvFrames(&frames_)) {
-        if (Unpack(static_cast<int>(next_), m)) return true;
+        if (Unpack(static_cast<int>(i), m)) return true;
       }
     }
-    next_ = 0;
     return false;
   }
 
@@ -484,7 +486,7 @@ class ZmqChannel : public Channel {
   std::string refusal_;
   std::set<std::string> foreign_peers_;  // link/route of peers already told
   std::set<std::string> told_;           // link/route of peers refused a record
-  size_t next_ = 0;  // the link Receive drains now
+  size_t next_ = 0;  // the link Receive reads next
 };
 
 }  // namespace

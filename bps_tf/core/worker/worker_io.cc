@@ -39,12 +39,16 @@ void WorkerEngine::IoLoop() {
       break;
     }
     try {
-      while (channel_->Receive(&m)) {
+      // Bounded, so a stream of sums that never runs dry still lets the
+      // sends, heartbeats and timers run.
+      const auto batch = Clock::now();
+      for (int handled = 1; channel_->Receive(&m); ++handled) {
         if (membership_->FromScheduler(m)) {
           HandleControl(m);
         } else {
           HandleData(m);
         }
+        if (handled % 64 == 0 && SecondsSince(batch) > 0.05) break;
       }
       FlushControl();
       if (!servers_.empty()) SendReadyParts();
