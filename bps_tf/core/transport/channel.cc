@@ -9,10 +9,6 @@
 #include <set>
 #include <vector>
 
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-
 #include "common/common.h"
 #include "common/stats.h"
 #include "transport/local_links.h"
@@ -28,25 +24,6 @@ namespace {
 // means the two ends cannot agree.
 constexpr int kFailuresBeforeRefusal = 3;
 
-#ifndef TCP_NOTSENT_LOWAT
-#define TCP_NOTSENT_LOWAT 25
-#endif
-
-// Caps the bytes a connection keeps in the kernel not yet sent. Without a
-// cap the kernel takes megabytes from libzmq (autotuned send buffers), and
-// an urgent partition queued behind them waits for all of them to leave:
-// the priority queue can only reorder what the kernel has not taken. An fd
-// closed (and even reused) since libzmq reported it only makes the call
-// fail or touch another TCP socket of this process, both harmless.
-void CapUnsentBytes(int fd, int bytes) {
-  if (bytes <= 0) return;
-  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
-    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
-  } else {
-    Stats::Get().connections_capped++;
-  }
-}
-
 struct Link {
   std::unique_ptr<Socket> socket;         // null once closed
   std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
@@ -55,6 +32,9 @@ struct Link {
   std::string endpoint;
   int failures_in_a_row = 0;
   bool connected = false;  // a connection was made (kEventConnected)
+  // What the last Wait found readable: only those are read, so a node with
+  // hundreds of links does not try each one at every wake-up.
+  bool readable = true, watch_readable = true;
 };
 
 // Marks an alert: an ERROR a listening end seals to a peer whose message it
@@ -167,6 +147,12 @@ class ZmqChannel : public Channel {
       return zmq_errno() == EINTR;
     }
     if (items_[0].revents) wake_->Drain();
+    size_t k = zap_ ? 2 : 1;
+    for (auto& l : links_) {
+      if (!l.socket) continue;
+      l.readable = items_[k++].revents != 0;
+      l.watch_readable = items_[k++].revents != 0;
+    }
     CheckHandshakes();
     return true;
   }
@@ -176,10 +162,11 @@ class ZmqChannel : public Channel {
     for (size_t tried = 0; tried < links_.size(); ++tried) {
       const size_t i = next_;
       next_ = (next_ + 1) % links_.size();
-      Socket* s = links_[i].socket.get();
+      Socket* s = links_[i].readable ? links_[i].socket.get() : nullptr;
       while (s && s->RecvFrames(&frames_)) {
         if (Unpack(static_cast<int>(i), m)) return true;
       }
+      links_[i].readable = false;  // drained: until Wait finds it readable again
     }
     return false;
   }
@@ -222,7 +209,7 @@ class ZmqChannel : public Channel {
     if (zap_) zap_->Serve();
     for (Link& l : links_) {
       HandshakeEvent e;
-      while (l.watch && l.watch->Next(&e)) {
+      while (l.watch && l.watch_readable && l.watch->Next(&e)) {
         if (e.connection()) {
           l.connected = true;
           if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);

@@ -1,6 +1,9 @@
 #include "transport/transport.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -13,6 +16,7 @@
 #include <thread>
 
 #include "common/common.h"
+#include "common/stats.h"
 
 namespace bps {
 
@@ -100,6 +104,25 @@ int KernelListenBacklog() {
   long cap = 0;
   if (!(in >> cap) || cap <= 0) return 4096;
   return static_cast<int>(std::min<long>(cap, 1 << 20));
+}
+
+#ifndef TCP_NOTSENT_LOWAT
+#define TCP_NOTSENT_LOWAT 25
+#endif
+
+// Without a cap the kernel takes megabytes from libzmq (autotuned send
+// buffers), and an urgent partition queued behind them waits for all of
+// them to leave: the priority queue can only reorder what the kernel has
+// not taken. An fd closed (and even reused) since libzmq reported it only
+// makes the call fail or touch another TCP socket of this process, both
+// harmless.
+void CapUnsentBytes(int fd, int bytes) {
+  if (bytes <= 0) return;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
+    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
+  } else {
+    Stats::Get().connections_capped++;
+  }
 }
 
 void Socket::Connect(const std::string& endpoint) {

@@ -55,6 +55,10 @@ inline bool IsIpcEndpoint(const std::string& endpoint) {
 // request to; 4096 when it cannot be read.
 int KernelListenBacklog();
 
+// Caps the bytes a TCP connection keeps in the kernel not yet sent (0: the
+// kernel's default); counted in Stats::connections_capped.
+void CapUnsentBytes(int fd, int bytes);
+
 class Context {
  public:
   explicit Context(int io_threads);
