@@ -99,6 +99,12 @@ def main():
         if stopping:
             break
         time.sleep(max(0.0, interval - (time.time() - t0)))
+    # A last small sum before leaving: when it completes, every worker has had
+    # every earlier sum, so none is left waiting on a hot server's queue of
+    # 1 MiB replies when the first one shuts down (which fails what others
+    # still wait for, docs/scaling.md).
+    done, total = np.ones(1, np.float32), np.empty(1, np.float32)
+    core.push_pull_async("goodbye", done, total, 0, "").wait(wait_s)
     result = {"rank": first_rank, "size": basics.size(), "start": T_START, "imported": t_import,
               "init_start": t_import, "init_end": t_init, "rounds": rounds, "changes": changes,
               "cpu_import": cpu_import, "cpu_init": cpu_init, "cpu_first": cpu_first}
