@@ -3,7 +3,8 @@
 Usage: scale_worker.py SPEC.json. Records (time.time(), comparable across the
 processes of one machine) when the process started, when its imports were
 done, when bps_tf.init() began and returned, and the start and end of every
-round: 16 tensors of 1 KiB and one of 1 MiB, every sum checked. After its
+round: 16 tensors of 1 KiB and one of 1 MiB (the spec's "small" and
+"big_elems" change them), every sum checked. After its
 first round it touches DIR/first.<rank>; it then goes on with a round every
 `interval_s` until DIR/stop exists. Elastic (BYTEPS_ELASTIC=1): a round that
 fails because the workers changed restarts the membership and goes on; the
@@ -28,15 +29,15 @@ from bps_tf.runtime import basics, elastic_core  # noqa: E402
 SMALL, SMALL_ELEMS, BIG_ELEMS = 16, 256, 262144   # 16 x 1 KiB + 1 MiB of float32
 
 
-def one_round(core, wait_s, stop_vote):
+def one_round(core, wait_s, stop_vote, small=SMALL, big_elems=BIG_ELEMS):
     """One round; True when some worker saw the stop file (every worker gets
     the same sum, so all of them stop after the same round)."""
     rank, size = basics.rank(), basics.size()
     value = float(rank + 1)
-    ins = [np.full(SMALL_ELEMS, value, np.float32) for _ in range(SMALL)]
-    ins.append(np.full(BIG_ELEMS, value, np.float32))
+    ins = [np.full(SMALL_ELEMS, value, np.float32) for _ in range(small)]
+    ins.append(np.full(big_elems, value, np.float32))
     outs = [np.empty_like(a) for a in ins]
-    names = [f"small{i}" for i in range(SMALL)] + ["big"]
+    names = [f"small{i}" for i in range(small)] + ["big"]
     vote, votes = np.array([1.0 if stop_vote else 0.0], np.float32), np.empty(1, np.float32)
     handles = [core.push_pull_async(n, a, o, 0, "") for n, a, o in zip(names, ins, outs)]
     handles.append(core.push_pull_async("stop_vote", vote, votes, 0, ""))
@@ -76,7 +77,8 @@ def main():
     while True:
         t0 = time.time()
         try:
-            stopping = one_round(core, wait_s, os.path.exists(stop))
+            stopping = one_round(core, wait_s, os.path.exists(stop), spec.get("small", SMALL),
+                                 spec.get("big_elems", BIG_ELEMS))
         except Exception as exc:   # noqa: BLE001 - a membership change, or a real failure
             if not (elastic_core.enabled() and elastic_core.changed()):
                 raise
