@@ -53,7 +53,7 @@ def gradient_case(n: int, total_bytes: int, warmup: int, reps: int) -> dict:
 
 def runners(net, n: int, case: dict, args, horovod: bool):
     workers, servers = net.hosts[:n], net.hosts[n:2 * n]
-    env = {"BYTEPS_ENCRYPTION": "0"}
+    env = dict({"BYTEPS_ENCRYPTION": "0"}, **args.bps_env)
 
     def echo():
         echo_case = {k: case[k] for k in ("label", "warmup", "reps", "bytes")}
@@ -96,6 +96,10 @@ def measure(n: int, args, horovod: bool, failures: dict) -> dict:
     row = {"n": n, "rate": args.rate, "gradient_bytes": m, "tensors": len(case["tensors"]),
            "load_before": load(), "seconds": {}, "all_rounds": {}}
     with NetnsHosts(2 * n, rate=args.rate, host_nic=args.host_nic) as net:
+        if args.no_idle_restart:
+            for name in net.names:
+                common.subprocess.run(["ip", "netns", "exec", name, "sysctl", "-qw",
+                                       "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
         print(f"\nn = {n}: {net.describe()}; {m / 1e6:.1f} MB in {len(case['tensors'])} "
               f"tensors (load {row['load_before']})", flush=True)
         plan = runners(net, n, case, args, horovod)
@@ -147,12 +151,17 @@ def main() -> int:
     ap.add_argument("--host-nic", default="paced", choices=("tbf", "paced"),
                     help="a host's egress: paced (TCP held in its socket as by a NIC, the "
                          "default) or tbf (a short drop-tail queue)")
+    ap.add_argument("--no-idle-restart", action="store_true",
+                    help="net.ipv4.tcp_slow_start_after_idle=0 on every host")
     ap.add_argument("--no-horovod", action="store_true")
     ap.add_argument("--no-tf", action="store_true")
+    ap.add_argument("--bps-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting for the bps_tf jobs (repeatable)")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--out-dir")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
+    args.bps_env = dict(item.split("=", 1) for item in args.bps_env)
     notes = []
     horovod = False
     if args.no_horovod:
