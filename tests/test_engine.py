@@ -162,6 +162,7 @@ def test_zmq_constants_match_pyzmq():
              "MaxMsgSize": zmq.MAXMSGSIZE, "SndHwm": zmq.SNDHWM,
              "RcvHwm": zmq.RCVHWM, "LastEndpoint": zmq.LAST_ENDPOINT,
              "RouterMandatory": zmq.ROUTER_MANDATORY, "IoThreads": zmq.IO_THREADS,
+             "MaxSockets": zmq.MAX_SOCKETS, "SocketLimit": zmq.SOCKET_LIMIT,
              "PlainServer": zmq.PLAIN_SERVER, "PlainUsername": zmq.PLAIN_USERNAME,
              "PlainPassword": zmq.PLAIN_PASSWORD, "CurveServer": zmq.CURVE_SERVER,
              "CurvePublicKey": zmq.CURVE_PUBLICKEY, "CurveSecretKey": zmq.CURVE_SECRETKEY,

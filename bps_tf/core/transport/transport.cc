@@ -63,6 +63,11 @@ std::string ZmqError(const std::string& what) {
 Context::Context(int io_threads) : ctx_(zmq_ctx_new()) {
   if (!ctx_) throw Error(ZmqError("creating a ZeroMQ context"));
   zmq_ctx_set(ctx_, zmqc::kIoThreads, io_threads < 1 ? 1 : io_threads);
+  // A link is three libzmq sockets (its own, its handshake watch and the
+  // monitor's): the default of 1023 per context stopped a worker at about
+  // 340 servers. The largest this libzmq allows instead.
+  const int limit = zmq_ctx_get(ctx_, zmqc::kSocketLimit);
+  if (limit > 1023) zmq_ctx_set(ctx_, zmqc::kMaxSockets, std::min(limit, 65535));
 }
 
 Context::~Context() { zmq_ctx_term(ctx_); }

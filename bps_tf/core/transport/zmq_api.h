@@ -24,6 +24,7 @@ struct zmq_pollitem_t {
 void* zmq_ctx_new(void);
 int zmq_ctx_term(void* context);
 int zmq_ctx_set(void* context, int option, int value);
+int zmq_ctx_get(void* context, int option);
 void* zmq_socket(void* context, int type);
 int zmq_close(void* socket);
 int zmq_setsockopt(void* socket, int option, const void* value, size_t len);
@@ -101,6 +102,8 @@ constexpr int kProtocolErrorCryptographic = 285212673;     // 0x11000001
 constexpr int kProtocolErrorMechanismMismatch = 285212674;  // 0x11000002
 // Context options.
 constexpr int kIoThreads = 1;
+constexpr int kMaxSockets = 2;
+constexpr int kSocketLimit = 3;
 // Error numbers beyond errno.h.
 constexpr int kHausnumero = 156384712;
 constexpr int kETerm = kHausnumero + 53;
