@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_TF = (2, 16)
 # Paths under bps_tf/core, which is also the include root (`#include "worker/trace.h"`).
 CORE_SOURCES = ["api.cc",
-                "common/common.cc", "common/labels.cc", "common/stats.cc",
+                "common/common.cc", "common/labels.cc", "common/limits.cc", "common/stats.cc",
                 "math/compressor.cc", "math/reduce.cc",
                 "scheduler/membership.cc", "scheduler/scheduler.cc", "scheduler/scheduler_declare.cc",
                 "scheduler/scheduler_elastic.cc",

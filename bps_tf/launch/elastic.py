@@ -28,7 +28,6 @@ from bps_tf.launch.procs import LOG, POLL_INTERVAL_S, Job, Stop
 DEFAULT_DISCOVERY_INTERVAL_S = 1.0
 DEFAULT_BLACKLIST_AFTER = 3
 DISCOVERY_TIMEOUT_S = 10.0
-MAX_WORKERS = 64   # bps_tf.runtime.config.ELASTIC_MAX_WORKERS
 
 
 def local_names() -> set:
@@ -197,8 +196,6 @@ def check_options(num_proc: Optional[int], min_np: Optional[int], max_np: Option
     if not 1 <= low <= start <= high:
         raise ValueError(f"elastic: need 1 <= --min-np ({low}) <= -np ({start}) <= --max-np "
                          f"({high})")
-    if high > MAX_WORKERS:
-        raise ValueError(f"elastic: --max-np {high}: at most {MAX_WORKERS} workers")
     return start, low, high
 
 

@@ -36,7 +36,8 @@ from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health
                                   hides_tf_startup, plural, say, token_source)
 from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
-                                 catch_stop_signals, exit_code_of, signal_name)
+                                 catch_stop_signals, ensure_open_files, exit_code_of,
+                                 signal_name)
 from bps_tf.runtime import basics, cluster, config, origins
 
 LOCALHOST = "127.0.0.1"
@@ -232,6 +233,8 @@ def _check_local_sizes(num_workers: int, num_servers: int, command: Sequence[str
     if not command:
         raise UsageError("no command to run; put it after the options, e.g. "
                          "bpslaunch -np 2 python train.py")
+    ensure_open_files(2 * (num_workers + num_servers) + 64,   # each child's stdout and stderr
+                      f"bpslaunch of {num_workers + num_servers} processes", UsageError)
 
 
 def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Sequence[str],

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -32,6 +33,20 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 VERDICT_DRAIN_S = 1.0
 # How bps_tf's messages name a process: "worker 1 (host h, pid 123)".
 _NAMED_PROCESS = re.compile(r"\(host [^,()]*, pid (\d+)\)")
+
+
+def ensure_open_files(needed: int, what: str, error=ValueError) -> None:
+    """Let this process hold ``needed`` open files: raise the soft limit up to
+    the hard one when it is lower (children inherit it); ``error`` with both
+    numbers and the way out when even the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise error(f"{what} needs about {needed} open files, but this process may open "
+                         f"at most {hard} (hard RLIMIT_NOFILE): raise it (ulimit -Hn {needed} "
+                         f"as root) or start fewer processes")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Stop(Exception):

@@ -197,7 +197,7 @@ SETTINGS = (
             "Elastic: the fewest workers the job goes on with (bpslaunch --min-np); "
             "below it the scheduler waits BYTEPS_ELASTIC_TIMEOUT for newcomers, then fails the job."),
     Setting("BYTEPS_ELASTIC_MAX_WORKERS", "elastic_max_workers", "0", _int,
-            "Elastic: the most workers the job admits (bpslaunch --max-np; at most 64); "
+            "Elastic: the most workers the job admits (bpslaunch --max-np); "
             "0: the starting worker count."),
     Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
             "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "
@@ -353,9 +353,6 @@ def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, obje
     return values
 
 
-ELASTIC_MAX_WORKERS = 64   # a push's member mask names ranks 0..63 (protocol.h kMaxMaskRank)
-
-
 def elastic_newcomer(environ=None) -> bool:
     """A worker started while the job runs (bpslaunch sets BYTEPS_ELASTIC_NEWCOMER=1):
     it has no rank yet and joins at the next membership epoch."""
@@ -375,9 +372,6 @@ def check_elastic(values) -> None:
         raise ValueError(
             "elastic training (BYTEPS_ELASTIC=1) with BYTEPS_LOCAL_REDUCE=1 is not supported: "
             "a host's workers sum through shared memory in fixed groups. Leave it at auto or 0.")
-    top = int(values.get("elastic_max_workers") or 0)
-    if top > ELASTIC_MAX_WORKERS:
-        raise ValueError(f"BYTEPS_ELASTIC_MAX_WORKERS={top}: at most {ELASTIC_MAX_WORKERS} workers.")
 
 
 def to_core_text(values: Mapping[str, object]) -> str:

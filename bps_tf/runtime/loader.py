@@ -33,17 +33,25 @@ def _pyzmq_libzmq() -> list[str]:
     return _pyzmq_libs("libzmq")
 
 
+def _then_system(first: list[str], name: str, last: list[str]):
+    """`first`, then the system's library `name`, then `last`: the system's is
+    looked up only when none of `first` loads, since ctypes.util.find_library
+    runs ldconfig (and gcc when that fails) in subprocesses, which cost each
+    of a few hundred processes of a job a tenth of a second of CPU."""
+    yield from first
+    system = ctypes.util.find_library(name)
+    if system:
+        yield system
+    yield from last
+
+
 def preload_libzmq() -> str:
     """Makes libzmq's symbols global; returns the path used."""
     global _zmq_handle
     if _zmq_handle is not None:
         return _zmq_handle._name
-    candidates = _pyzmq_libzmq()
-    system = ctypes.util.find_library("zmq")
-    candidates += [system] if system else []
-    candidates.append("libzmq.so.5")
     errors = []
-    for path in candidates:
+    for path in _then_system(_pyzmq_libzmq(), "zmq", ["libzmq.so.5"]):
         try:
             _zmq_handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return path
@@ -71,10 +79,8 @@ def preload_libsodium() -> str:
     global _sodium_handle
     if _sodium_handle is not None:
         return _sodium_handle._name
-    candidates = _pyzmq_libs("libsodium") + _mapped_libsodium()
-    system = ctypes.util.find_library("sodium")
-    candidates += ([system] if system else []) + ["libsodium.so.26", "libsodium.so.23"]
-    for path in candidates:
+    for path in _then_system(_pyzmq_libs("libsodium") + _mapped_libsodium(), "sodium",
+                             ["libsodium.so.26", "libsodium.so.23"]):
         try:
             _sodium_handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return path

@@ -162,13 +162,17 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
     failure_ += (failure_.empty() ? "" : "; ") + who + " " + reason;
   }
   // Workers still running can no longer complete a push_pull: tell them,
-  // so they fail instead of waiting for a partner that is gone.
+  // so they fail instead of waiting for a partner that is gone. Once each:
+  // a worker keeps the first notice, and telling every one of N workers of
+  // each of N departures sent N^2 messages when a large job ended, queued
+  // ahead of the heartbeats' answers.
   Config left;
   left.Set("who", who);
   left.Set("reason", reason);
-  for (const auto& n : nodes_) {
-    if (n.second.role == Role::kWorker && !n.second.departed) {
+  for (auto& n : nodes_) {
+    if (n.second.role == Role::kWorker && !n.second.departed && !n.second.told_left) {
       out->push_back(Reply(n.first, MsgType::kPeerLeft, left.Serialize()));
+      n.second.told_left = true;
     }
   }
   int gone = 0;

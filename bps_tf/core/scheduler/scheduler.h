@@ -70,6 +70,7 @@ class Scheduler {
     Clock::time_point last_seen;
     bool departed = false;
     int arrival = 0;  // elastic: newcomers take ranks in the order they arrived
+    bool told_left = false;  // has had its kPeerLeft (a worker keeps the first only)
   };
   struct Pending {
     int expected;  // declarations that complete it: every worker, or one per host

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "common/limits.h"
 #include "common/stats.h"
 #include "scheduler/membership.h"
 #include "scheduler/scheduler.h"
@@ -347,10 +348,13 @@ int ServerNode::Run(std::string* error) {
   std::vector<Outgoing> out;
   while (!done_) {
     if (!channel_->Wait(100)) break;
-    // A long stream of small pushes still reaches the lanes in batches.
+    // A long stream of small pushes still reaches the lanes in batches, and
+    // one that never runs dry still lets the replies, heartbeats and checks run.
+    const auto batch = Clock::now();
     for (int handled = 1; channel_->Receive(&m); ++handled) {
       Handle(m);
       if (engine_ && handled % 64 == 0) engine_->Flush();
+      if (handled % 64 == 0 && SecondsSince(batch) > 0.05) break;
     }
     if (engine_) engine_->Flush();
     SendReplies();
@@ -364,6 +368,12 @@ int ServerNode::Run(std::string* error) {
 }
 
 Peer ServerNode::Start(std::string* scheduler_at) {
+  // A server holds a link from every worker, the scheduler one from every node.
+  const long workers = std::max<long>(
+      num_workers_, cfg_.GetInt("elastic", 0) != 0 ? cfg_.GetInt("elastic_max_workers", 0) : 0);
+  EnsureOpenFiles(kBaseOpenFiles + (is_server_ ? workers : 0) +
+                      (hosts_scheduler_ ? workers + cfg_.GetInt("num_servers", 1) : 0),
+                  Who() + " of " + std::to_string(workers) + " workers");
   std::string bind_host = cfg_.Get("bind_host", "0.0.0.0");
   int64_t port = cfg_.GetInt("port", 0);
   if (cfg_.Get("role") == "scheduler") port = cfg_.GetInt("scheduler_port", 0);
@@ -394,7 +404,13 @@ Peer ServerNode::Start(std::string* scheduler_at) {
     // 1.4-1.9x as fast as through loopback TCP. An abstract name vanishes
     // with the process.
     std::string machine = MachineNetnsId();
-    if (!machine.empty() && cfg_.GetInt("enable_ipc", 1) != 0) {
+    // A Unix-socket link is never retried (channel.cc): one the kernel's
+    // backlog refuses would be lost, so such a server is reached over TCP.
+    if (!machine.empty() && cfg_.GetInt("enable_ipc", 1) != 0 && KernelListenBacklog() < workers) {
+      BPS_LOG(kWarning, "net.core.somaxconn (" << KernelListenBacklog() << ") is below the "
+                            << workers << " workers: they reach this server over TCP, not its "
+                            "Unix socket (raise net.core.somaxconn to use it)");
+    } else if (!machine.empty() && cfg_.GetInt("enable_ipc", 1) != 0) {
       try {
         std::string local;
         channel_->Listen(NewServerSocketEndpoint(), max_message_bytes, &local);

@@ -9,12 +9,9 @@
 #include <set>
 #include <vector>
 
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-
 #include "common/common.h"
 #include "common/stats.h"
+#include "transport/local_links.h"
 #include "transport/sealed_links.h"
 #include "transport/security.h"
 
@@ -27,25 +24,6 @@ namespace {
 // means the two ends cannot agree.
 constexpr int kFailuresBeforeRefusal = 3;
 
-#ifndef TCP_NOTSENT_LOWAT
-#define TCP_NOTSENT_LOWAT 25
-#endif
-
-// Caps the bytes a connection keeps in the kernel not yet sent. Without a
-// cap the kernel takes megabytes from libzmq (autotuned send buffers), and
-// an urgent partition queued behind them waits for all of them to leave:
-// the priority queue can only reorder what the kernel has not taken. An fd
-// closed (and even reused) since libzmq reported it only makes the call
-// fail or touch another TCP socket of this process, both harmless.
-void CapUnsentBytes(int fd, int bytes) {
-  if (bytes <= 0) return;
-  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
-    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
-  } else {
-    Stats::Get().connections_capped++;
-  }
-}
-
 struct Link {
   std::unique_ptr<Socket> socket;         // null once closed
   std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
@@ -53,6 +31,10 @@ struct Link {
   bool sealed = false;                    // its messages go through SealedLinks
   std::string endpoint;
   int failures_in_a_row = 0;
+  bool connected = false;  // a connection was made (kEventConnected)
+  // What the last Wait found readable: only those are read, so a node with
+  // hundreds of links does not try each one at every wake-up.
+  bool readable = true, watch_readable = true;
 };
 
 // Marks an alert: an ERROR a listening end seals to a peer whose message it
@@ -106,6 +88,9 @@ class ZmqChannel : public Channel {
     Link l;
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
     l.routed = true;
+    // Every worker connects to every server at once: past libzmq's default
+    // queue (100), TCP waits for a SYN retry and a Unix-socket link is lost.
+    l.socket->SetBacklog(KernelListenBacklog());
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
@@ -162,18 +147,27 @@ class ZmqChannel : public Channel {
       return zmq_errno() == EINTR;
     }
     if (items_[0].revents) wake_->Drain();
+    size_t k = zap_ ? 2 : 1;
+    for (auto& l : links_) {
+      if (!l.socket) continue;
+      l.readable = items_[k++].revents != 0;
+      l.watch_readable = items_[k++].revents != 0;
+    }
     CheckHandshakes();
     return true;
   }
 
   bool Receive(Message* m) override {
-    for (; next_ < links_.size(); ++next_) {
-      Socket* s = links_[next_].socket.get();
+    // Links take turns: a data link that never runs dry must not starve the scheduler's.
+    for (size_t tried = 0; tried < links_.size(); ++tried) {
+      const size_t i = next_;
+      next_ = (next_ + 1) % links_.size();
+      Socket* s = links_[i].readable ? links_[i].socket.get() : nullptr;
       while (s && s->RecvFrames(&frames_)) {
-        if (Unpack(static_cast<int>(next_), m)) return true;
+        if (Unpack(static_cast<int>(i), m)) return true;
       }
+      links_[i].readable = false;  // drained: until Wait finds it readable again
     }
-    next_ = 0;
     return false;
   }
 
@@ -215,9 +209,16 @@ class ZmqChannel : public Channel {
     if (zap_) zap_->Serve();
     for (Link& l : links_) {
       HandshakeEvent e;
-      while (l.watch && l.watch->Next(&e)) {
+      while (l.watch && l.watch_readable && l.watch->Next(&e)) {
         if (e.connection()) {
+          l.connected = true;
           if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
+        } else if (e.closed()) {
+          // A TCP attempt is retried; a Unix-socket link that never connected
+          // is not (Connect), and what it queues would wait forever.
+          if (!l.routed && !l.connected && IsIpcEndpoint(l.endpoint) && refusal_.empty()) {
+            refusal_ = UnixLinkGaveUp(l.endpoint);
+          }
         } else if (!e.failed()) {
           l.failures_in_a_row = 0;
         } else if (l.routed) {
@@ -478,7 +479,7 @@ class ZmqChannel : public Channel {
   std::string refusal_;
   std::set<std::string> foreign_peers_;  // link/route of peers already told
   std::set<std::string> told_;           // link/route of peers refused a record
-  size_t next_ = 0;  // the link Receive drains now
+  size_t next_ = 0;  // the link Receive reads next
 };
 
 }  // namespace

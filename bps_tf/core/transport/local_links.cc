@@ -24,34 +24,59 @@ std::string MachineNetnsId() {
   return netns.empty() ? "" : boot + " " + netns;
 }
 
+namespace {
+constexpr char kServerSocketPrefix[] = "@bps_tf-server-";
+
+// The names /proc/net/unix lists that start with `prefix` ("@..." for
+// abstract ones), or the one equal to `only` when it is not empty.
+std::set<std::string> ListedNames(const std::string& prefix, const std::string& only) {
+  std::set<std::string> names;
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t space = line.find_last_of(' ');
+    if (space == std::string::npos) continue;
+    if (only.empty() ? line.compare(space + 1, prefix.size(), prefix) == 0
+                     : line.compare(space + 1, std::string::npos, only) == 0) {
+      names.insert(line.substr(space + 1));
+      if (!only.empty()) break;
+    }
+  }
+  return names;
+}
+}  // namespace
+
 std::string NewServerSocketEndpoint() {
   std::random_device rd;
   char name[96];
-  std::snprintf(name, sizeof(name), "ipc://@bps_tf-server-%d-%08x%08x",
+  std::snprintf(name, sizeof(name), "ipc://%s%d-%08x%08x", kServerSocketPrefix,
                 static_cast<int>(getpid()), rd(), rd());
   return name;
 }
 
 bool AbstractEndpointListed(const std::string& endpoint) {
   if (!IsIpcEndpoint(endpoint) || endpoint.compare(6, 1, "@") != 0) return false;
-  const std::string name = endpoint.substr(6);  // "@...", as /proc/net/unix lists it
-  std::ifstream in("/proc/net/unix");
-  std::string line;
-  while (std::getline(in, line)) {
-    size_t space = line.find_last_of(' ');
-    if (space != std::string::npos && line.compare(space + 1, std::string::npos, name) == 0) {
-      return true;
-    }
-  }
-  return false;
+  return !ListedNames("", endpoint.substr(6)).empty();  // "@...", as /proc/net/unix lists it
+}
+
+std::set<std::string> ListedServerSockets() { return ListedNames(kServerSocketPrefix, ""); }
+
+std::string UnixLinkGaveUp(const std::string& endpoint) {
+  return "could not connect to the Unix socket " + endpoint +
+         ": its queue of connections waiting to be accepted was full (the kernel's "
+         "net.core.somaxconn is " + std::to_string(KernelListenBacklog()) +
+         ") or the server is gone; raise net.core.somaxconn above the number of workers, or "
+         "set BYTEPS_ENABLE_IPC=0 to reach servers over TCP";
 }
 
 std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
-                           bool* local) {
+                           bool* local, const std::set<std::string>* listed) {
   const std::string key = "server." + std::to_string(s);
   const std::string ipc = welcome.Get(key + ".local");
   *local = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
-  if (*local && !AbstractEndpointListed(ipc)) {
+  const bool found = listed ? IsIpcEndpoint(ipc) && listed->count(ipc.substr(6)) != 0
+                            : AbstractEndpointListed(ipc);
+  if (*local && !found) {
     BPS_LOG(kWarning, "server " << s << "'s Unix socket " << ipc
                                  << " is not visible here; reaching it over TCP");
     *local = false;

@@ -5,6 +5,7 @@
 #ifndef BPS_TF_CORE_TRANSPORT_LOCAL_LINKS_H_
 #define BPS_TF_CORE_TRANSPORT_LOCAL_LINKS_H_
 
+#include <set>
 #include <string>
 
 #include "common/common.h"
@@ -30,11 +31,23 @@ std::string NewServerSocketEndpoint();
 // a name that only looked local.
 bool AbstractEndpointListed(const std::string& endpoint);
 
+// Every servers' Unix socket listed in /proc/net/unix now ("@bps_tf-server-..."),
+// read once: the file lists every Unix socket of the namespace, so reading
+// it per server cost each of N workers S reads of O(N x S) lines.
+std::set<std::string> ListedServerSockets();
+
+// Why a Unix-socket link this node opened was lost before it ever
+// connected (libzmq never retries one, channel.cc): the listener's queue
+// was full or the server is gone; names net.core.somaxconn and the way out.
+std::string UnixLinkGaveUp(const std::string& endpoint);
+
 // Where a worker reaches server s, from the scheduler's WELCOME: the
 // server's Unix socket when it has this machine's id (`machine`:
 // MachineNetnsId(), "" for TCP only) and is listed here, else its TCP
-// endpoint. *local says which.
-std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine, bool* local);
+// endpoint. *local says which. `listed`: ListedServerSockets(), else the
+// listing is read for this server alone.
+std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine, bool* local,
+                           const std::set<std::string>* listed = nullptr);
 
 }  // namespace bps
 

@@ -231,8 +231,10 @@ bool HandshakeEvent::connection() const {
   return event == zmqc::kEventConnected || event == zmqc::kEventAccepted;
 }
 
+bool HandshakeEvent::closed() const { return event == zmqc::kEventClosed; }
+
 bool HandshakeEvent::failed() const {
-  return !connection() && event != zmqc::kEventHandshakeSucceeded;
+  return !connection() && !closed() && event != zmqc::kEventHandshakeSucceeded;
 }
 
 bool HandshakeEvent::definitive() const {
@@ -295,7 +297,7 @@ HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched)
   std::string name = "inproc://bps-handshake-" + std::to_string(next++);
   int events = zmqc::kEventHandshakeFailedNoDetail | zmqc::kEventHandshakeSucceeded |
                zmqc::kEventHandshakeFailedProtocol | zmqc::kEventHandshakeFailedAuth |
-               zmqc::kEventConnected | zmqc::kEventAccepted;
+               zmqc::kEventConnected | zmqc::kEventAccepted | zmqc::kEventClosed;
   if (zmq_socket_monitor(watched_->get(), name.c_str(), events) != 0) {
     throw Error(ZmqError("watching a socket's handshakes"));
   }

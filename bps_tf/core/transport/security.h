@@ -72,10 +72,12 @@ struct LinkSecurity {
 
 // One handshake outcome on a socket, as its monitor reports it.
 struct HandshakeEvent {
-  int event = 0;       // zmqc::kEventHandshake*, kEventConnected, kEventAccepted
+  int event = 0;       // zmqc::kEventHandshake*, kEventConnected, kEventAccepted, kEventClosed
   uint32_t value = 0;  // errno, protocol error, ZAP status code or the new connection's fd
   // A new TCP connection (before its handshake), not a handshake outcome.
   bool connection() const;
+  // An attempt to connect gave up its socket (not a handshake outcome).
+  bool closed() const;
   bool failed() const;
   // A failure retrying cannot cure: a mechanism mismatch or a refusal.
   bool definitive() const;

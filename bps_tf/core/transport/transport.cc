@@ -1,16 +1,22 @@
 #include "transport/transport.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <thread>
 
 #include "common/common.h"
+#include "common/stats.h"
 
 namespace bps {
 
@@ -57,6 +63,11 @@ std::string ZmqError(const std::string& what) {
 Context::Context(int io_threads) : ctx_(zmq_ctx_new()) {
   if (!ctx_) throw Error(ZmqError("creating a ZeroMQ context"));
   zmq_ctx_set(ctx_, zmqc::kIoThreads, io_threads < 1 ? 1 : io_threads);
+  // A link is three libzmq sockets (its own, its handshake watch and the
+  // monitor's): the default of 1023 per context stopped a worker at about
+  // 340 servers. The largest this libzmq allows instead.
+  const int limit = zmq_ctx_get(ctx_, zmqc::kSocketLimit);
+  if (limit > 1023) zmq_ctx_set(ctx_, zmqc::kMaxSockets, std::min(limit, 65535));
 }
 
 Context::~Context() { zmq_ctx_term(ctx_); }
@@ -87,6 +98,36 @@ void Socket::SetReconnectInterval(int ms) {
 
 void Socket::SetMaxMsgSize(int64_t bytes) {
   zmq_setsockopt(sock_, zmqc::kMaxMsgSize, &bytes, sizeof(bytes));
+}
+
+void Socket::SetBacklog(int connections) {
+  zmq_setsockopt(sock_, zmqc::kBacklog, &connections, sizeof(connections));
+}
+
+int KernelListenBacklog() {
+  std::ifstream in("/proc/sys/net/core/somaxconn");
+  long cap = 0;
+  if (!(in >> cap) || cap <= 0) return 4096;
+  return static_cast<int>(std::min<long>(cap, 1 << 20));
+}
+
+#ifndef TCP_NOTSENT_LOWAT
+#define TCP_NOTSENT_LOWAT 25
+#endif
+
+// Without a cap the kernel takes megabytes from libzmq (autotuned send
+// buffers), and an urgent partition queued behind them waits for all of
+// them to leave: the priority queue can only reorder what the kernel has
+// not taken. An fd closed (and even reused) since libzmq reported it only
+// makes the call fail or touch another TCP socket of this process, both
+// harmless.
+void CapUnsentBytes(int fd, int bytes) {
+  if (bytes <= 0) return;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes)) != 0) {
+    BPS_LOG(kDebug, "TCP_NOTSENT_LOWAT on fd " << fd << ": " << std::strerror(errno));
+  } else {
+    Stats::Get().connections_capped++;
+  }
 }
 
 void Socket::Connect(const std::string& endpoint) {

@@ -50,6 +50,15 @@ inline bool IsIpcEndpoint(const std::string& endpoint) {
   return endpoint.compare(0, 6, "ipc://") == 0;
 }
 
+// How many connections a listening socket may have waiting to be accepted:
+// the kernel's cap (net.core.somaxconn), which listen() clamps any larger
+// request to; 4096 when it cannot be read.
+int KernelListenBacklog();
+
+// Caps the bytes a TCP connection keeps in the kernel not yet sent (0: the
+// kernel's default); counted in Stats::connections_capped.
+void CapUnsentBytes(int fd, int bytes);
+
 class Context {
  public:
   explicit Context(int io_threads);
@@ -70,6 +79,7 @@ class Socket {
   void SetLinger(int ms);
   void SetReconnectInterval(int ms);  // -1: never reconnect once the connection is lost
   void SetMaxMsgSize(int64_t bytes);
+  void SetBacklog(int connections);   // of a socket that binds; before Bind
   void Connect(const std::string& endpoint);
   // Binds and returns the endpoint actually bound (port 0 picks one).
   std::string Bind(const std::string& endpoint);

@@ -24,6 +24,7 @@ struct zmq_pollitem_t {
 void* zmq_ctx_new(void);
 int zmq_ctx_term(void* context);
 int zmq_ctx_set(void* context, int option, int value);
+int zmq_ctx_get(void* context, int option);
 void* zmq_socket(void* context, int type);
 int zmq_close(void* socket);
 int zmq_setsockopt(void* socket, int option, const void* value, size_t len);
@@ -72,6 +73,7 @@ constexpr int kSndBuf = 11;
 constexpr int kRcvBuf = 12;
 constexpr int kLinger = 17;
 constexpr int kReconnectIvl = 18;
+constexpr int kBacklog = 19;
 constexpr int kMaxMsgSize = 22;
 constexpr int kSndHwm = 23;
 constexpr int kRcvHwm = 24;
@@ -88,6 +90,8 @@ constexpr int kZapDomain = 55;
 // Socket monitor events of a new TCP connection; the value is its fd.
 constexpr int kEventConnected = 1;
 constexpr int kEventAccepted = 32;
+// A connecting socket closed its file descriptor (an attempt failed).
+constexpr int kEventClosed = 128;
 // Socket monitor events about the security handshake (libzmq >= 4.3).
 constexpr int kEventHandshakeFailedNoDetail = 2048;
 constexpr int kEventHandshakeSucceeded = 4096;
@@ -98,6 +102,8 @@ constexpr int kProtocolErrorCryptographic = 285212673;     // 0x11000001
 constexpr int kProtocolErrorMechanismMismatch = 285212674;  // 0x11000002
 // Context options.
 constexpr int kIoThreads = 1;
+constexpr int kMaxSockets = 2;
+constexpr int kSocketLimit = 3;
 // Error numbers beyond errno.h.
 constexpr int kHausnumero = 156384712;
 constexpr int kETerm = kHausnumero + 53;

@@ -185,8 +185,9 @@ int ListenLocal(const std::string& name) {
   struct sockaddr_un addr;
   socklen_t len = AbstractAddress(name, &addr);
   int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  // Every other worker of the host connects at once (the kernel caps it).
   if (fd < 0 || bind(fd, reinterpret_cast<struct sockaddr*>(&addr), len) != 0 ||
-      listen(fd, 64) != 0) {
+      listen(fd, SOMAXCONN) != 0) {
     std::string why = std::strerror(errno);
     if (fd >= 0) close(fd);
     throw Error("local reduce: cannot listen for this host's workers: " + why);

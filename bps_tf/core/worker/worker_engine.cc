@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "common/limits.h"
 #include "common/stats.h"
 #include "transport/cipher_pool.h"
 #include "transport/local_links.h"
@@ -133,6 +134,10 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   scheduler_endpoint_ =
       Endpoint(cfg.Get("scheduler_host", "127.0.0.1"), cfg.GetInt("scheduler_port", 0));
   SetCipherThreads(static_cast<int>(cfg.GetInt("cipher_threads", 0)));
+  // A link to every server and one to the scheduler.
+  EnsureOpenFiles(kBaseOpenFiles + num_servers_ + 1,
+                  "worker " + std::to_string(rank_) + " of " + std::to_string(num_servers_) +
+                      " servers");
   channel_ = MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)), &wake_,
                             LinkSecurity::FromConfig(cfg),
                             static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)));

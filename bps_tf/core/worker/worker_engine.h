@@ -198,6 +198,11 @@ class WorkerEngine {
   int fatal_status_ = BPS_OK;
   std::string peer_left_;  // set when another worker shut down: who, and why
   Clock::time_point peer_left_at_;
+  // The I/O thread's last data message from a server: pending push_pulls
+  // fail once a peer left and no sum came for the grace, so a slow server
+  // still answering (a round summed before the peer left, its replies queued
+  // behind hundreds of workers') is not taken for a round that never completes.
+  Clock::time_point last_data_;
   static constexpr double kPeerLeftGraceS = 3.0;
   std::set<std::string> names_in_flight_;
   std::map<std::string, std::shared_ptr<TensorInfo>> tensors_;  // name|sig

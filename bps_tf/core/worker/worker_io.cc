@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "common/labels.h"
 #include "common/stats.h"
@@ -19,7 +20,17 @@ namespace bps {
 void WorkerEngine::IoLoop() {
   Message m;
   while (!stop_requested_) {
+    // With nothing pending the heartbeat is the only timer: waking twice per
+    // beat instead of ten times a second spares an idle worker with many
+    // servers most of its polling.
     long wait_ms = static_cast<long>(std::max(1.0, std::min(100.0, heartbeat_s_ * 1000)));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ == State::kReady && names_in_flight_.empty() && ready_.empty() &&
+          in_flight_.empty()) {
+        wait_ms = static_cast<long>(std::max(1.0, std::min(500.0, heartbeat_s_ * 500)));
+      }
+    }
     // Wake up when a hold on sending ends (a fusion cycle, a burst's limit
     // on the credit), to send what it held.
     if (cycle_s_ > 0 || burst_.Enabled()) {
@@ -38,12 +49,16 @@ void WorkerEngine::IoLoop() {
       break;
     }
     try {
-      while (channel_->Receive(&m)) {
+      // Bounded, so a stream of sums that never runs dry still lets the
+      // sends, heartbeats and timers run.
+      const auto batch = Clock::now();
+      for (int handled = 1; channel_->Receive(&m); ++handled) {
         if (membership_->FromScheduler(m)) {
           HandleControl(m);
         } else {
           HandleData(m);
         }
+        if (handled % 64 == 0 && SecondsSince(batch) > 0.05) break;
       }
       FlushControl();
       if (!servers_.empty()) SendReadyParts();
@@ -70,6 +85,7 @@ void WorkerEngine::FlushControl() {
 }
 
 void WorkerEngine::HandleData(const Message& m) {
+  last_data_ = Clock::now();
   if (m.header.type == static_cast<uint16_t>(MsgType::kJoin)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (joining_) ++join_acks_;
@@ -194,9 +210,11 @@ void WorkerEngine::OnWelcome(const Config& w) {
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid()) +
                    (epoch_ ? "-e" + std::to_string(epoch_) : "");
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
+  const std::set<std::string> listed = machine.empty() ? std::set<std::string>()
+                                                       : ListedServerSockets();
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
-    std::string endpoint = ServerEndpoint(w, s, machine, &local);
+    std::string endpoint = ServerEndpoint(w, s, machine, &local, &listed);
     if (local) Stats::Get().links_local++;
     servers_.push_back(channel_->Connect(endpoint, id));
   }
@@ -277,7 +295,8 @@ void WorkerEngine::CheckTimers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     state = state_;
-    if (!peer_left_.empty() && SecondsSince(peer_left_at_) > kPeerLeftGraceS) {
+    if (!peer_left_.empty() &&
+        SecondsSince(std::max(peer_left_at_, last_data_)) > kPeerLeftGraceS) {
       // Asynchronous keys need no partner (protocol.h): only the others fail.
       for (const std::string& name : names_in_flight_) {
         if (!IsAsyncName(name)) {
