@@ -80,6 +80,12 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       return;
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;
+      if (epoch_ > 0 && it->second.role == Role::kServer) {
+        // A server that joined a running elastic job: the workers meet
+        // without it (it started its epoch already, scheduler_servers.cc).
+        out->push_back(Reply(from, MsgType::kBarrierDone, ""));
+        return;
+      }
       barrier_.insert(from);
       // After the first epoch only the workers meet again.
       if (barrier_.size() == static_cast<size_t>(num_workers_ + (epoch_ == 0 ? num_servers_ : 0))) {
@@ -94,6 +100,9 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnDeclare(from, h, kv, out);
       return;
+    case MsgType::kPeerLeft:  // elastic: a worker cannot reach a server
+      if (it != nodes_.end() && it->second.role == Role::kWorker) OnServerGone(it->second, kv, out);
+      return;
     case MsgType::kJoinNotice:
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnJoin(it->second.id, std::strtoull(kv.Get("seen").c_str(), nullptr, 10), out);
@@ -102,6 +111,10 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       if (waiting_.count(from)) {
         waiting_[from].last_seen = Clock::now();
+        out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+      }
+      if (joining_servers_.count(from)) {
+        joining_servers_[from].last_seen = Clock::now();
         out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       }
       return;
@@ -159,6 +172,8 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
       n.second.departed = true;
     }
   }
+  for (const auto& s : joining_servers_) out->push_back(Reply(s.first, MsgType::kShutdown, ""));
+  joining_servers_.clear();
   finished_ = true;
 }
 
@@ -178,6 +193,15 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.local_size = KvInt(kv, "local_size", -1);
   n.last_seen = Clock::now();
   if (n.role != Role::kWorker && n.role != Role::kServer) return;
+  if (kv.Get("recover") == "1") {
+    // A node that lost the scheduler says what it was doing.
+    OnRecoverHello(from, n, kv, out);
+    return;
+  }
+  if (elastic_ && n.role == Role::kServer && welcomed_) {
+    OnServerHello(from, n, kv, out);
+    return;
+  }
   if (elastic_ && n.role == Role::kWorker && (welcomed_ || n.id < 0)) {
     OnElasticHello(from, n, kv, out);
     return;
@@ -369,6 +393,7 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
     const Node* s = servers_by_id[i];
     std::string key = "server." + std::to_string(i);
     w.Set(key, s ? s->data_addr : "");
+    if (s) w.Set(key + ".id", std::to_string(s->id));  // sparse in elastic jobs
     if (s && !s->local_addr.empty()) {
       w.Set(key + ".local", s->local_addr);
       w.Set(key + ".machine", s->machine);
@@ -384,9 +409,11 @@ void Scheduler::Tick(std::vector<Outgoing>* out) {
     TickElastic(out);  // lost workers start a new epoch there
     if (!fatal_.empty()) return;
   }
+  if (elastic_) TickServers(out);  // a lost server starts a new epoch there
+  if (!fatal_.empty()) return;
   for (const auto& kv : nodes_) {
     const Node& n = kv.second;
-    if (n.departed || (elastic_ && n.role == Role::kWorker)) continue;
+    if (n.departed || elastic_) continue;
     double quiet = SecondsSince(n.last_seen);
     if (quiet > timeout_s_) {
       Fail("lost " + Describe(n) + ": no heartbeat for " + std::to_string(static_cast<int>(quiet)) +

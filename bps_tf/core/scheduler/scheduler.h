@@ -10,7 +10,10 @@
 // scheduler_declare.cc the tensor declarations, join and the stall check,
 // scheduler_elastic.cc the membership epochs of elastic training
 // (docs/elastic.md): a lost worker starts a new epoch instead of failing
-// the job, and workers that wait to join are admitted at the next one.
+// the job, and workers that wait to join are admitted at the next one;
+// scheduler_servers.cc does the same for servers (lost, leaving, joining),
+// and scheduler_recover.cc rebuilds a restarted scheduler's membership
+// from what the nodes report.
 #ifndef BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 #define BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 
@@ -88,7 +91,9 @@ class Scheduler {
   };
   struct Assignment {
     uint64_t key;
-    std::vector<int> servers;
+    std::vector<int> servers;  // each partition's server: its place in ServersInOrder()
+    int dtype = 0;
+    uint64_t bytes = 0;
   };
   // The workers' hosts, as each worker's WELCOME describes them.
   struct HostLayout {
@@ -169,6 +174,40 @@ class Scheduler {
   void TickElastic(std::vector<Outgoing>* out);
   int WorkerCount() const;
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
+  // Each partition of a tensor of `bytes` to the server with the fewest
+  // bytes so far (server_load_).
+  std::vector<int> Place(int dtype, uint64_t bytes);
+
+  // Elastic servers (scheduler_servers.cc). A server that is lost, leaves
+  // or joins changes the membership as a worker does: the epoch that
+  // follows places every key again on its servers, balanced by bytes.
+  // Servers keep their ids (sparse once one is gone); a worker reaches
+  // them by their place in ServersInOrder().
+  void OnServerHello(const Peer& from, const Node& n, const Config& kv,
+                     std::vector<Outgoing>* out);
+  void LoseServer(const Peer& peer, const std::string& why, std::vector<Outgoing>* out);
+  void OnServerLeave(const Node& server, std::vector<Outgoing>* out);
+  // A worker's notice that its link to a server broke ("server=", "epoch=").
+  void OnServerGone(const Node& worker, const Config& kv, std::vector<Outgoing>* out);
+  void TickServers(std::vector<Outgoing>* out);
+  // Whether the next epoch can form now: a restarted scheduler has heard
+  // enough, and there is a server to place keys on (the job fails when
+  // none came within --elastic-timeout).
+  bool ReadyToForm(std::vector<Outgoing>* out);
+  // At the forming: leaving servers go, joining ones are welcomed, keys
+  // are placed again when the servers changed.
+  void SettleServers(std::vector<Outgoing>* out);
+  void AnnounceServers(std::vector<Outgoing>* out);  // HostsUpdatedInterrupt at the next commit
+  std::vector<const Node*> ServersInOrder() const;
+  int ServerCount() const;
+  void PlaceAgain();
+  // A restarted scheduler (scheduler_recover.cc): a node's HELLO with
+  // "recover=1" says what it was doing when it lost the scheduler.
+  void OnRecoverHello(const Peer& from, const Node& n, const Config& kv,
+                      std::vector<Outgoing>* out);
+  void BeginRecovery();
+  // The same HELLO at a scheduler that never went away: the node's link broke.
+  void Relinked(const Peer& from, const Node& n, const Config& kv, std::vector<Outgoing>* out);
 
   Config cfg_;
   int num_workers_;
@@ -212,6 +251,16 @@ class Scheduler {
   std::map<Peer, Node> waiting_;      // newcomers, admitted at the next epoch
   std::vector<Peer> waiting_order_;
   int next_arrival_ = 0;
+
+  // Elastic servers and a restarted scheduler (scheduler_servers.cc,
+  // scheduler_recover.cc).
+  std::map<Peer, Node> joining_servers_;  // admitted at the next epoch
+  std::set<int> leaving_servers_;         // ids that leave at the next epoch
+  bool placement_stale_ = false;          // the servers changed since keys were placed
+  bool recovering_ = false;               // a restarted scheduler, until its first epoch
+  int recover_servers_ = 0;               // servers the workers' last epoch had
+  std::set<int> recover_ranks_;           // ranks a restarted scheduler heard of
+  Clock::time_point no_server_since_{};   // when the last server was lost
 };
 
 }  // namespace bps

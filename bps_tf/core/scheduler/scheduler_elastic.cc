@@ -141,6 +141,7 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
 
 void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   if (!changing_ || servers_starting_ || !fatal_.empty()) return;
+  if (!ReadyToForm(out)) return;  // scheduler_servers.cc
   int back = WorkerCount();
   bool overdue = SecondsSince(change_since_) > timeout_s_;
   if (!expected_.empty() && !overdue) return;
@@ -194,6 +195,7 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     workers[i]->local_size = -1;
   }
   num_workers_ = static_cast<int>(workers.size());
+  SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
   servers_starting_ = true;
   servers_started_.clear();
   Config start;
@@ -213,18 +215,13 @@ void Scheduler::OnEpochStarted(const Node& server, const Config& kv, std::vector
 }
 
 void Scheduler::WelcomeWorkers(std::vector<Outgoing>* out) {
-  std::vector<const Node*> servers_by_id(static_cast<size_t>(num_servers_), nullptr);
-  for (const auto& kv : nodes_) {
-    if (kv.second.role == Role::kServer && kv.second.id >= 0 && kv.second.id < num_servers_) {
-      servers_by_id[static_cast<size_t>(kv.second.id)] = &kv.second;
-    }
-  }
+  const std::vector<const Node*> servers = ServersInOrder();
   const HostLayout hosts = LayOutHosts();
   for (auto& kv : nodes_) {
     if (kv.second.role != Role::kWorker) continue;
     kv.second.last_seen = Clock::now();
     out->push_back(Reply(kv.first, MsgType::kWelcome,
-                         WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
+                         WelcomeOf(kv.second, hosts, servers).Serialize()));
   }
   changing_ = false;
   servers_starting_ = false;

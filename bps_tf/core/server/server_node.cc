@@ -41,6 +41,8 @@ class ServerNode {
             std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
+        elastic_(cfg.GetInt("elastic", 0) != 0),
+        recovery_s_(cfg.GetDouble("scheduler_recovery_s", 120)),
         // Elastic: ranks up to the largest worker count the job may reach.
         schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
                                                                    ? cfg.GetInt("elastic_max_workers", 0)
@@ -66,11 +68,15 @@ class ServerNode {
   Peer Start(std::string* scheduler_at);
   void TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since);
   void WatchScheduler(const std::string& scheduler_at, Clock::time_point started);
+  // Elastic: re-registers with a scheduler that was lost (restarted at the
+  // same address; scheduler_recover.cc); true when it did or gave up.
+  bool RelinkIfLost(const std::string& scheduler_at);
+  double JoinTimeout() const;
   int Finish(const Peer& listener, std::string* error);
   void Handle(Message& m);
   void HandlePush(Message& m);
   void HandleControl(const Message& m);
-  void OnWelcome();
+  void OnWelcome(const Config& layout);
   // Elastic: a new membership epoch (scheduler_elastic.cc): every round of
   // the old one is dropped, unanswered, and the worker count changes.
   void StartEpoch(const Config& kv);
@@ -94,6 +100,8 @@ class ServerNode {
   uint64_t fusion_bytes_;  // largest fused reply; 0: none
   double timeout_s_;
   double rendezvous_timeout_s_;
+  bool elastic_;
+  double recovery_s_;  // BYTEPS_SCHEDULER_RECOVERY_TIMEOUT
   ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
   // Before channel_ too: libzmq hands the replies' credit back to it until
   // the channel is gone.
@@ -282,10 +290,12 @@ void ServerNode::SubmitFused(Message& m) {
   }
 }
 
-void ServerNode::OnWelcome() {
+void ServerNode::OnWelcome(const Config& layout) {
   SetLogIdentity(Who());
   Stats::Get().node_state = 1;  // the cluster met (read by the health service)
   if (!is_server_) return;
+  // A server that joins a running elastic job serves its current workers.
+  num_workers_ = static_cast<int>(layout.GetInt("num_workers", num_workers_));
   engine_.reset(new SumEngine(membership_.id(), num_workers_,
                               static_cast<int>(cfg_.GetInt("engine_threads", 4)),
                               [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
@@ -311,7 +321,7 @@ void ServerNode::StartEpoch(const Config& kv) {
 }
 
 void ServerNode::HandleControl(const Message& m) {
-  if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
+  if (membership_.Handle(m, [this](const Config& layout) { OnWelcome(layout); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kEpoch:
       StartEpoch(Config::Parse(m.payload.str()));
@@ -426,6 +436,7 @@ void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fa
 
 void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_point started) {
   membership_.Tick();
+  if (elastic_ && is_server_ && !hosts_scheduler_ && RelinkIfLost(scheduler_at)) return;
   if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
     Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
          std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
@@ -434,9 +445,43 @@ void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_poi
   if (!refusal.empty()) {
     Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
   } else if (!membership_.welcomed() && !hosts_scheduler_ &&
-             SecondsSince(started) > rendezvous_timeout_s_) {
-    Stop(Who() + " " + membership_.RendezvousFailure(rendezvous_timeout_s_));
+             SecondsSince(started) > JoinTimeout()) {
+    Stop(Who() + " " + membership_.RendezvousFailure(JoinTimeout()));
   }
+}
+
+double ServerNode::JoinTimeout() const {
+  // A server joining a running elastic job waits for the workers' next
+  // commit, as a newcomer worker does.
+  return elastic_ ? std::max(rendezvous_timeout_s_, cfg_.GetDouble("elastic_timeout_s", 600))
+                  : rendezvous_timeout_s_;
+}
+
+bool ServerNode::RelinkIfLost(const std::string& scheduler_at) {
+  if (!membership_.joined()) return false;
+  bool lost = membership_.Dropped() ||
+              ((membership_.welcomed() || membership_.relinking()) &&
+               membership_.Silent(timeout_s_));
+  if (!lost) return false;
+  if (membership_.relinking() && SecondsSince(membership_.relink_started()) > recovery_s_) {
+    Stop(Who() + " lost contact with the scheduler at " + scheduler_at +
+         ", and it did not come back within " + std::to_string(static_cast<int>(recovery_s_)) +
+         " s (BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+    return true;
+  }
+  // This server keeps summing the rounds of its epoch meanwhile; a
+  // restarted scheduler takes it in as it is (scheduler_recover.cc).
+  Config report;
+  report.Set("recover", "1");
+  report.Set("epoch", std::to_string(epoch_));
+  report.Set("welcomed", membership_.welcomed() ? "1" : "0");
+  BPS_LOG(kWarning, (membership_.relinking() ? "still no answer from" : "lost")
+                        << " the scheduler at " << scheduler_at
+                        << "; re-registering (it may be restarting; up to "
+                        << static_cast<int>(recovery_s_)
+                        << " s, BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+  membership_.Relink(report);
+  return true;
 }
 
 int ServerNode::Finish(const Peer& listener, std::string* error) {

@@ -36,7 +36,8 @@ enum class MsgType : uint16_t {
   kBye = 11,           // worker -> scheduler: leaving normally
   kShutdown = 12,      // scheduler -> server: every worker has left
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
-  kPeerLeft = 14,      // scheduler -> worker: another worker shut down
+  kPeerLeft = 14,      // scheduler -> worker: another worker shut down;
+                       // worker -> scheduler (elastic): it cannot reach a server ("server=")
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum

@@ -221,8 +221,10 @@ bool HandshakeEvent::connection() const {
   return event == zmqc::kEventConnected || event == zmqc::kEventAccepted;
 }
 
+bool HandshakeEvent::dropped() const { return event == zmqc::kEventDisconnected; }
+
 bool HandshakeEvent::failed() const {
-  return !connection() && event != zmqc::kEventHandshakeSucceeded;
+  return !connection() && !dropped() && event != zmqc::kEventHandshakeSucceeded;
 }
 
 bool HandshakeEvent::definitive() const {
@@ -269,13 +271,14 @@ std::string ExplainHandshakeFailure(const HandshakeEvent& e, const LinkSecurity&
          "; " + mine + "; " + kFixSettings;
 }
 
-HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched)
+HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched, bool drops)
     : watched_(watched), pair_(ctx, zmqc::kPair) {
   static std::atomic<uint64_t> next{0};
   std::string name = "inproc://bps-handshake-" + std::to_string(next++);
   int events = zmqc::kEventHandshakeFailedNoDetail | zmqc::kEventHandshakeSucceeded |
                zmqc::kEventHandshakeFailedProtocol | zmqc::kEventHandshakeFailedAuth |
-               zmqc::kEventConnected | zmqc::kEventAccepted;
+               zmqc::kEventConnected | zmqc::kEventAccepted |
+               (drops ? zmqc::kEventDisconnected : 0);
   if (zmq_socket_monitor(watched_->get(), name.c_str(), events) != 0) {
     throw Error(ZmqError("watching a socket's handshakes"));
   }

@@ -88,6 +88,9 @@ constexpr int kZapDomain = 55;
 // Socket monitor events of a new TCP connection; the value is its fd.
 constexpr int kEventConnected = 1;
 constexpr int kEventAccepted = 32;
+// A connection this socket opened broke (the peer's process ended, or the
+// network dropped it); libzmq reconnects on its own.
+constexpr int kEventDisconnected = 512;
 // Socket monitor events about the security handshake (libzmq >= 4.3).
 constexpr int kEventHandshakeFailedNoDetail = 2048;
 constexpr int kEventHandshakeSucceeded = 4096;

@@ -126,6 +126,8 @@ void WorkerEngine::ReadSettings(const Config& cfg) {
   stall_check_s_ = cfg.GetDouble("stall_check_s", 60);
   stall_shutdown_s_ = cfg.GetDouble("stall_shutdown_s", 600);
   fatal_exit_s_ = cfg.GetDouble("fatal_exit_s", 15);
+  elastic_ = cfg.GetInt("elastic", 0) != 0;
+  recovery_s_ = cfg.GetDouble("scheduler_recovery_s", 120);
 }
 
 void WorkerEngine::JoinCluster(const Config& cfg) {

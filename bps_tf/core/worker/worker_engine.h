@@ -143,6 +143,12 @@ class WorkerEngine {
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
   void CheckTimers();
+  // Elastic: re-registers with a scheduler that was lost (docs/elastic.md);
+  // true when it did or gave up (the job then failed).
+  bool RelinkIfLost(State state);
+  // Elastic: a server (its place in servers_) this worker cannot reach any
+  // more ends the membership epoch; false when the job is not elastic.
+  bool ServerGone(int server, const std::string& why);
   static std::string PeerLeftText(const Config& left);
   void CheckStalledPushes();
   void Leave(const std::string& reason);
@@ -174,6 +180,8 @@ class WorkerEngine {
   uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
   double cycle_s_ = 0;         // how long small partitions may wait for company
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
+  bool elastic_ = false;
+  double recovery_s_ = 120;  // BYTEPS_SCHEDULER_RECOVERY_TIMEOUT
   // A sent push whose round the other workers do not complete (a later call
   // of a name that some worker skipped): warned about, then failed.
   double stall_check_s_ = 60, stall_shutdown_s_ = 600;
@@ -186,6 +194,7 @@ class WorkerEngine {
   std::unique_ptr<Channel> channel_;
   std::unique_ptr<Membership> membership_;
   std::vector<Peer> servers_;  // empty until WELCOME and after a failure
+  std::vector<int> server_ids_;  // each one's server id (elastic: ids are sparse)
   std::thread io_thread_;
   std::atomic<bool> stop_requested_{false};
   std::string leave_reason_;  // set by Shutdown before the I/O thread stops

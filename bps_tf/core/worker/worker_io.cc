@@ -167,6 +167,8 @@ void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t si
 
 void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
+  // Elastic: the servers of this epoch (one may have been lost or joined).
+  num_servers_ = static_cast<int>(w.GetInt("num_servers", num_servers_));
   // Elastic: the rank the scheduler gave (dense, in the order of the old
   // ranks); otherwise the same as the one this worker said it has.
   rank_ = static_cast<int>(w.GetInt("id", rank_));
@@ -194,12 +196,35 @@ void WorkerEngine::OnWelcome(const Config& w) {
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid()) +
                    (epoch_ ? "-e" + std::to_string(epoch_) : "");
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
+  server_ids_.clear();
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
     std::string endpoint = ServerEndpoint(w, s, machine, &local);
     if (local) Stats::Get().links_local++;
     servers_.push_back(channel_->Connect(endpoint, id));
+    server_ids_.push_back(static_cast<int>(w.GetInt("server." + std::to_string(s) + ".id", s)));
   }
+}
+
+bool WorkerEngine::ServerGone(int server, const std::string& why) {
+  if (!elastic_) return false;
+  // Elastic: a lost server is a membership change (scheduler_servers.cc).
+  // This worker saw it first (its link to the server broke): it tells the
+  // scheduler, which starts the next epoch without waiting for
+  // BYTEPS_TIMEOUT, and returns to its commit at once.
+  int id = server >= 0 && server < static_cast<int>(server_ids_.size()) ? server_ids_[server]
+                                                                       : server;
+  Config notice;
+  notice.Set("server", std::to_string(id));
+  notice.Set("epoch", std::to_string(epoch_));
+  notice.Set("why", why);
+  membership_->Send(MsgType::kPeerLeft, notice.Serialize());
+  Stats::Get().elastic_announced = epoch_ + 1u;
+  Fatal("bps_tf: the workers changed (server " + std::to_string(id) + " is gone: " + why +
+            "); this operation was dropped: catch it with bps_tf.elastic.run "
+            "(WorkersChangedError) and restore the last commit",
+        BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
+  return true;
 }
 
 void WorkerEngine::HandleControl(const Message& m) {
@@ -299,6 +324,9 @@ void WorkerEngine::CheckTimers() {
     Fatal("push_pull cannot complete: " + left, BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
     return;
   }
+  if (elastic_ && (state == State::kReady || state == State::kJoining) && RelinkIfLost(state)) {
+    return;
+  }
   if (state == State::kReady && membership_->Silent(timeout_s_)) {
     Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
               scheduler_endpoint_ + ": nothing heard for " +
@@ -311,6 +339,38 @@ void WorkerEngine::CheckTimers() {
     stall_scanned_ = Clock::now();
     CheckStalledPushes();
   }
+}
+
+bool WorkerEngine::RelinkIfLost(State state) {
+  bool lost = membership_->Dropped() ||
+              ((state == State::kReady || membership_->relinking()) &&
+               membership_->Silent(timeout_s_));
+  if (!lost) return false;
+  if (membership_->relinking() &&
+      SecondsSince(membership_->relink_started()) > recovery_s_) {
+    Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
+              scheduler_endpoint_ + ", and it did not come back within " +
+              std::to_string(static_cast<int>(recovery_s_)) +
+              " s (BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)",
+          BPS_ERR_UNAVAILABLE);
+    return true;
+  }
+  // What a restarted scheduler rebuilds the membership from
+  // (scheduler_recover.cc); this engine goes on meanwhile: the servers
+  // still sum the rounds of this epoch.
+  Config report;
+  report.Set("recover", "1");
+  report.Set("epoch", std::to_string(epoch_));
+  report.Set("welcomed", membership_->welcomed() ? "1" : "0");
+  report.Set("size", std::to_string(membership_->welcomed() ? size_ : 0));
+  report.Set("servers", std::to_string(membership_->welcomed() ? num_servers_ : 0));
+  BPS_LOG(kWarning, (membership_->relinking() ? "still no answer from" : "lost")
+                        << " the scheduler at " << scheduler_endpoint_
+                        << "; re-registering (it may be restarting; up to "
+                        << static_cast<int>(recovery_s_)
+                        << " s, BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+  membership_->Relink(report);
+  return true;
 }
 
 // A name's first push_pull waits at the scheduler, whose stall check names
