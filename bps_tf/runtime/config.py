@@ -201,6 +201,10 @@ SETTINGS = (
     Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
             "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "
             "membership change before it fails the job (bpslaunch --elastic-timeout)."),
+    Setting("BYTEPS_ELASTIC_RESET_LIMIT", "elastic_reset_limit", "-1", _int,
+            "Elastic: the scheduler fails the job once its workers would change (a "
+            "reset: a loss, a failure, workers added or removed) more than this many "
+            "times (bpslaunch --reset-limit). -1: no limit. Read by the scheduler."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "

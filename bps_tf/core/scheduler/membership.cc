@@ -84,6 +84,11 @@ std::string Membership::WaitingLine(double waited_s) const {
            ": no answer yet; is that process started, and can this machine reach that "
            "address?" + limit;
   }
+  if (role_ == Role::kWorker && id_ < 0) {
+    // An elastic newcomer: nobody else has to come, the members must commit.
+    return "the scheduler at " + endpoint_ + " answered; waiting to be admitted to the "
+           "running elastic job (at the workers' next commit), for " + waited + limit;
+  }
   return "the scheduler at " + endpoint_ + " answered; waiting for the other workers and "
          "servers of " + members_origin_ + " to join, for " + waited + limit;
 }
