@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_runner import launch  # noqa: E402
+from cluster_runner import TIMEOUT_SCALE, launch  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_faces.py")
 PHASES = ("a_", "b_")
@@ -54,9 +54,10 @@ def run(tmp_path_factory):
     env.pop("TF_CONFIG", None)
     # The default launch: bpslaunch replaces a lost worker, and tells the
     # scheduler of the loss at once (no BYTEPS_TIMEOUT to wait).
+    limit = int(120 * TIMEOUT_SCALE)
     cmd = [sys.executable, "-m", "bps_tf.launch", "-np", "3", "--servers", "2",
-           "--min-np", "2", "--max-np", "3", "--timeout", "240", sys.executable, SCRIPT, out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=270,
+           "--min-np", "2", "--max-np", "3", "--timeout", str(limit), sys.executable, SCRIPT, out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit + 30,
                           cwd=tempfile.gettempdir())
     ref, ref_out = None, os.path.join(out, "reference")
     if proc.returncode == 0:

@@ -1,6 +1,7 @@
 """Runs Horovod's elastic integration scenarios with bpslaunch instead of horovodrun.
 
     python tools/horovod_elastic.py HOROVOD [--only NAME ...] [--retrace-on-reset]
+                                    [--tf-keras DIR]
 
 HOROVOD is a Horovod checkout (or a git directory of one: its HEAD is read).
 Each scenario of Horovod's test/integration/elastic_common.py runs Horovod's
@@ -31,6 +32,12 @@ What the tool adapts, and why:
 ``--retrace-on-reset`` runs a copy of the script whose reset callback makes
 its ``tf.function`` again (for a bps_tf whose graphs do not yet outlive a
 membership); without it, the script runs as Horovod ships it.
+
+``keras_mnist_example`` and ``mnist_example`` run Horovod's
+examples/elastic/tensorflow2 scripts, unchanged, on tf_keras (``--tf-keras``)
+with ``bpslaunch -np 2 --min-np 1 --max-np 2``, SIGKILL worker 1 once
+training runs, and expect the job to finish (exit 0). MNIST comes from a
+generated stand-in (see STAND_IN): the machine may have no network.
 """
 from __future__ import annotations
 
@@ -54,12 +61,12 @@ ALIAS = {  # module -> what it holds
 }
 
 
-def read_script(horovod: str) -> str:
-    path = os.path.join(horovod, SCRIPT)
+def read_script(horovod: str, name: str = SCRIPT) -> str:
+    path = os.path.join(horovod, name)
     if os.path.exists(path):
         with open(path) as f:
             return f.read()
-    return subprocess.run(["git", "-C", horovod, "show", f"HEAD:{SCRIPT}"], check=True,
+    return subprocess.run(["git", "-C", horovod, "show", f"HEAD:{name}"], check=True,
                           capture_output=True, text=True).stdout
 
 
@@ -231,9 +238,102 @@ def resurrecting_blacklisted_hosts(ctx):
                          (4, {"start_rank": 0, "size": 2, "rendezvous": 2})])
 
 
+# Horovod's elastic examples, on tf_keras (TF_USE_LEGACY_KERAS=1), launched
+# the default way (-np 2 --min-np 1 --max-np 2: a lost worker is replaced);
+# worker 1 is SIGKILLed once training runs. No network here: MNIST's loader
+# is served generated arrays (8x8 images of 10 classes) by a sitecustomize
+# this tool writes, so the unchanged scripts train without a download.
+EXAMPLES = {"keras_mnist_example": "examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py",
+            "mnist_example": "examples/elastic/tensorflow2/tensorflow2_mnist_elastic.py"}
+STAND_IN = """
+import importlib.abc, importlib.machinery, sys
+import numpy as np
+
+def load_data(path="mnist.npz"):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 6000).astype("uint8")
+    images = (rng.integers(0, 64, (6000, 8, 8)) + 19 * labels[:, None, None]).astype("uint8")
+    return (images[:5000], labels[:5000]), (images[5000:], labels[5000:])
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if not name.endswith("datasets.mnist"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.load_data = load_data
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Finder())
+"""
+
+
+def example_killed(ctx, name):
+    if not ctx.tf_keras:
+        raise Failed("needs --tf-keras DIR (a folder holding tf_keras for this TensorFlow)")
+    work = tempfile.mkdtemp(prefix=name + "_", dir=ctx.tmp)
+    script = os.path.join(work, os.path.basename(EXAMPLES[name]))
+    with open(script, "w") as f:
+        f.write(read_script(ctx.horovod, EXAMPLES[name]))
+    site = os.path.join(work, "site")
+    os.makedirs(site)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(STAND_IN)
+    env = dict(ctx.env, TF_USE_LEGACY_KERAS="1")
+    env["PYTHONPATH"] = os.pathsep.join([site, ctx.tf_keras, env["PYTHONPATH"]])
+    cmd = [sys.executable, "-m", "bps_tf.launch", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--servers", "1", "--timeout", str(ctx.timeout), sys.executable, script]
+    log_path = os.path.join(work, "bpslaunch.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work)
+        killed = kill_worker_once_training(proc, log_path, ctx.timeout)
+        code = proc.wait(timeout=ctx.timeout + 60)
+    with open(log_path) as f:
+        out = f.read()
+    print(f"    bpslaunch exit {code}; worker 1 killed: {killed}; log: {log_path}", flush=True)
+    equal(killed, True, "worker 1 was SIGKILLed while training")
+    equal(code, 0, "bpslaunch exit code")
+    if "was killed by signal SIGKILL; elastic: the job goes on" not in out:
+        raise Failed("bpslaunch did not report the killed worker")
+
+
+def kill_worker_once_training(proc, log_path, timeout):
+    """SIGKILLs the worker labelled [worker 1] after both workers trained a while."""
+    import signal
+    import psutil
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        with open(log_path) as f:
+            text = f.read()
+        # Keras' epoch lines or the custom loop's step lines, after the first membership.
+        if text.count("[worker 0] Epoch 2/") or text.count("Step #20"):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if child.environ().get("BYTEPS_LAUNCH_ID") == "1":
+                        os.kill(child.pid, signal.SIGKILL)
+                        return True
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+        time.sleep(0.5)
+    return False
+
+
+def keras_mnist_example(ctx):
+    example_killed(ctx, "keras_mnist_example")
+
+
+def mnist_example(ctx):
+    example_killed(ctx, "mnist_example")
+
+
 SCENARIOS = [hosts_added_and_removed, single_rank_failure, fault_tolerance_without_scaling,
              all_ranks_failure, all_hosts_blacklisted, min_hosts_timeout, reset_limit,
-             resurrecting_blacklisted_hosts]
+             resurrecting_blacklisted_hosts, keras_mnist_example, mnist_example]
 
 
 def main() -> int:
@@ -244,6 +344,9 @@ def main() -> int:
     parser.add_argument("--discovery-interval", dest="interval", type=float, default=0.1)
     parser.add_argument("--timeout", type=int, default=900, help="per bpslaunch run")
     parser.add_argument("--keep", default=None, help="folder for the runs' files")
+    parser.add_argument("--tf-keras", default=None,
+                        help="a folder holding tf_keras (pip install --target DIR "
+                             "tf_keras==<TensorFlow's x.y>.*), for the Keras examples")
     args = parser.parse_args()
     args.tmp = args.keep or tempfile.mkdtemp(prefix="hvd_elastic_runs_")
     os.makedirs(args.tmp, exist_ok=True)

@@ -37,6 +37,7 @@ from bps_tf.launch.hosts import (DEFAULT_HOST, HostPool, Slot, check_cooldown, l
                                  parse_hosts, plan)
 from bps_tf.launch.output import plural, say
 from bps_tf.launch.procs import LOG, POLL_INTERVAL_S, Child, Job, Stop
+from bps_tf.runtime import config
 
 DEFAULT_DISCOVERY_INTERVAL_S = 1.0
 DEFAULT_BLACKLIST_AFTER = 3
@@ -112,7 +113,8 @@ class ElasticLaunch:
 
     def start_workers(self, port: int, slots: List[Slot]) -> None:
         self.port = port
-        self.link = SchedulerLink(port, self.shared)
+        if config.value("BYTEPS_LAUNCHER_REPORTS", self.shared):
+            self.link = SchedulerLink(port, self.shared)
         for slot in slots:
             self._start(slot, newcomer=False)
 

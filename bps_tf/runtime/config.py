@@ -300,6 +300,11 @@ SETTINGS = (
             "(earliest layer first); 0 sends them first come, first served."),
     Setting("BYTEPS_PROGRESS_ALL_RANKS", "", "0", _bool,
             "Draw Keras' progress bar on every worker, not only on rank 0."),
+    Setting("BYTEPS_LAUNCHER_REPORTS", "", "1", _bool,
+            "Elastic, bpslaunch -np: the launcher reports to the scheduler at once each "
+            "worker it sees end, the workers it removes and the newcomers it starts "
+            "(docs/elastic.md). 0: it does not; a lost worker is then noticed after "
+            "BYTEPS_TIMEOUT, as without a launcher (for comparisons)."),
     Setting("BYTEPS_HEALTH_PORT", "", "0", _int,
             "Port on which a server or scheduler serves the gRPC health service "
             "(grpc.health.v1, for Kubernetes `grpc` probes): NOT_SERVING until "

@@ -180,7 +180,11 @@ void Scheduler::OnControl(const Peer& from, const Config& kv, std::vector<Outgoi
   }
   bool announced = false;
   for (const std::string& id : SplitIds(kv.Get("announce"))) {
-    if (removed_.count(id)) continue;
+    // A quick newcomer may have said HELLO before its announcement came.
+    bool here = removed_.count(id) != 0;
+    for (const auto& w : waiting_) here = here || KeyOf(w.second) == id;
+    for (const auto& n : nodes_) here = here || KeyOf(n.second) == id;
+    if (here) continue;
     announced_[id] = Clock::now();
     announced = true;
   }
