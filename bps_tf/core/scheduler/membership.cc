@@ -30,6 +30,7 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
   // A node that hosts the scheduler meets itself: the scheduler reports who
   // is missing instead.
   report_waiting_ = cfg.GetInt("host_scheduler", 0) == 0;
+  rejoining_ = cfg.GetInt("elastic_rejoin", 0) != 0;
   Config hello = extra;
   for (const SharedSetting& s : kSharedSettings) hello.Set(s.key, cfg.Get(s.key));
   hello.Set("hostname", cfg.Get("hostname"));
@@ -111,6 +112,16 @@ std::string Membership::WaitingLine(double waited_s) const {
     return "waiting for the scheduler at " + endpoint_ + " (from " + origin_ + ") for " + waited +
            ": no answer yet; is that process started, and can this machine reach that "
            "address?" + limit;
+  }
+  if (rejoining_) {
+    return "the scheduler at " + endpoint_ + " answered; waiting for the next membership to "
+           "form (the other members to come back, the newcomers announced to start), for " +
+           waited + limit;
+  }
+  if (role_ == Role::kWorker && id_ < 0) {
+    // An elastic newcomer: nobody else has to come, the members must commit.
+    return "the scheduler at " + endpoint_ + " answered; waiting to be admitted to the "
+           "running elastic job (at the workers' next commit), for " + waited + limit;
   }
   return "the scheduler at " + endpoint_ + " answered; waiting for the other workers and "
          "servers of " + members_origin_ + " to join, for " + waited + limit;

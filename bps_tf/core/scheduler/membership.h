@@ -85,6 +85,7 @@ class Membership {
   Clock::time_point last_report_ = Clock::now();
   std::atomic<bool> heard_{false};  // anything came from the scheduler
   bool report_waiting_ = true;
+  bool rejoining_ = false;  // elastic: a member joining the next membership epoch
   bool welcomed_ = false;
   bool ready_ = false;
   Clock::time_point last_heard_ = Clock::now();

@@ -30,7 +30,9 @@ Scheduler::Scheduler(const Config& cfg)
       elastic_(cfg.GetInt("elastic", 0) != 0),
       min_workers_(static_cast<int>(cfg.GetInt("elastic_min_workers", 1))),
       max_workers_(static_cast<int>(cfg.GetInt("elastic_max_workers", 0))),
-      elastic_timeout_s_(cfg.GetDouble("elastic_timeout_s", 600)) {
+      elastic_timeout_s_(cfg.GetDouble("elastic_timeout_s", 600)),
+      reset_limit_(static_cast<int>(cfg.GetInt("elastic_reset_limit", -1))),
+      newcomer_wait_s_(cfg.GetDouble("rendezvous_timeout_s", 120)) {
   if (max_workers_ <= 0) max_workers_ = std::max(num_workers_, 1);
   min_workers_ = std::max(1, std::min(min_workers_, max_workers_));
 }
@@ -55,6 +57,9 @@ void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
   if (!fatal_.empty()) return;
   fatal_ = message;
   BPS_LOG(kError, message);
+  Config failed;
+  failed.Set("failed", message);
+  TellLauncher(failed, out);
   for (const auto& kv : nodes_) {
     if (!kv.second.departed) out->push_back(Reply(kv.first, MsgType::kError, message));
   }
@@ -77,6 +82,12 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
   switch (type) {
     case MsgType::kHello:
       OnHello(from, h, kv, out);
+      return;
+    case MsgType::kControl:
+      if (h.sender_role == static_cast<uint16_t>(Role::kLauncher)) OnControl(from, kv, out);
+      return;
+    case MsgType::kLeave:
+      if (it != nodes_.end() && it->second.role == Role::kWorker) OnLeaveRequest(&it->second, out);
       return;
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;
@@ -133,11 +144,34 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
   if (node->departed) return;
   // Elastic: a worker that failed, or that restarts its membership (its
   // program caught a membership change), starts a new epoch; the job goes on.
+  if (elastic_ && node->role == Role::kWorker && reason == kElasticLeave) {
+    // A worker that was asked to leave goes, at the commit where the others
+    // restart: no rollback (it is no longer expected back).
+    std::string key = KeyOf(*node);
+    removed_.insert(key);
+    Config left;
+    left.Set("left", key);
+    TellLauncher(left, out);
+    BPS_LOG(kInfo, Describe(*node) << " left the job");
+    Peer peer = node->peer;
+    if (changing_) {
+      nodes_.erase(peer);
+      Reform(out);
+    } else {
+      StartEpoch(Describe(*node) + " left the job", &peer, out, /*agreed=*/true);
+    }
+    return;
+  }
   if (elastic_ && node->role == Role::kWorker && !reason.empty()) {
     bool restarts = reason == kElasticRestart;
     std::string why = Describe(*node) + " " + (restarts ? "restarts its membership" : reason);
     Peer peer = node->peer;
-    StartEpoch(why, restarts && !changing_ ? nullptr : &peer, out);
+    // A launcher reports the process's end soon, with the workers it
+    // removes because of it (the rest of a blacklisted host): wait for that.
+    if (!restarts && launcher_.valid() && !node->launch_id.empty()) {
+      verdicts_[KeyOf(*node)] = Clock::now();
+    }
+    StartEpoch(why, restarts && !changing_ ? nullptr : &peer, out, /*agreed=*/restarts);
     return;
   }
   node->departed = true;
@@ -164,6 +198,17 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
     if (n.second.role == Role::kWorker && n.second.departed) ++gone;
   }
   if (gone < num_workers_) return;
+  // Newcomers still waiting to join have nothing left to join: they go.
+  for (const auto& w : waiting_) {
+    out->push_back(Reply(w.first, MsgType::kLeave, "why=the job finished"));
+  }
+  waiting_.clear();
+  waiting_order_.clear();
+  if (elastic_) {
+    Config done;
+    done.Set("finished", failure_.empty() ? "1" : "0");
+    TellLauncher(done, out);
+  }
   // The servers exit non-zero with the reasons when a worker did not finish.
   std::string ending = failure_.empty() ? "" : "the job failed: " + failure_;
   for (auto& n : nodes_) {
@@ -191,6 +236,8 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.machine = kv.Get("machine");
   n.local_rank = KvInt(kv, "local_rank", -1);
   n.local_size = KvInt(kv, "local_size", -1);
+  n.launch_id = kv.Get("launch_id");
+  n.start_rank = KvInt(kv, "start_rank", -1);
   n.last_seen = Clock::now();
   if (n.role != Role::kWorker && n.role != Role::kServer) return;
   if (kv.Get("recover") == "1") {
@@ -268,6 +315,12 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
                          WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
   }
   BPS_LOG(kInfo, "all " << num_workers_ << " workers and " << num_servers_ << " servers met");
+  if (elastic_) {
+    Config formed;
+    formed.Set("epoch", std::to_string(epoch_));
+    formed.Set("members", Members());
+    TellLauncher(formed, out);
+  }
 }
 
 bool Scheduler::NumberServers(std::vector<const Node*>* servers_by_id,

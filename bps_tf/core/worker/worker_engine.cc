@@ -75,6 +75,7 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   Stats::Get().elastic_epoch = 0;
   Stats::Get().elastic_announced = 0;
   Stats::Get().elastic_waiting = 0;
+  Stats::Get().ClearElastic();
   size_ = static_cast<int>(cfg.GetInt("num_workers", 1));
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
@@ -84,7 +85,8 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   homogeneous_ = true;
   host_group_ = HostGroup();
   host_group_.ranks = {rank_};
-  SetLogIdentity("worker " + std::to_string(rank_));
+  // An elastic newcomer has no rank until it is admitted.
+  SetLogIdentity(rank_ < 0 ? std::string("worker (newcomer)") : "worker " + std::to_string(rank_));
   // A new cluster after shutdown(): nothing learned from the old one holds.
   tensors_.clear();
   declaring_.clear();
@@ -146,6 +148,10 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   // Elastic: a member coming back after a membership change (its rank is the
   // old one); any other HELLO once the job runs is a newcomer's.
   extra.Set("rejoin", cfg.Get("elastic_rejoin", "0"));
+  // Elastic: the launcher's name for this process (it reports the process's
+  // end under it), and the rank it planned for a newcomer.
+  extra.Set("launch_id", cfg.Get("launch_id"));
+  extra.Set("start_rank", cfg.Get("start_rank", "-1"));
   // Which workers can sum through shared memory (local_reduce.h): one
   // machine, one advertised address and one network namespace (the local
   // reduce socket lives in it; namespaced "hosts" of one machine stay apart).

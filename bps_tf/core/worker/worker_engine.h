@@ -68,6 +68,9 @@ class WorkerEngine {
 
   // Holds partitions in the queue (for tests and diagnostics of the order).
   void PauseSends(bool paused);
+  // Elastic: asks the scheduler to let this worker leave at the next commit
+  // (SIGTERM; docs/elastic.md). False when it is not a member now.
+  bool RequestLeave();
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
@@ -213,6 +216,7 @@ class WorkerEngine {
   std::map<std::string, std::vector<Task*>> declaring_;           // name|sig
   std::map<uint64_t, std::string> request_sig_;
   std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
+  bool leave_requested_ = false;  // elastic: a kLeave to send (RequestLeave)
   std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_{Order{this}};
   uint64_t ready_bytes_ = 0;  // in ready_
   Clock::time_point hold_since_{};  // small partitions wait for company since

@@ -58,15 +58,28 @@ void WorkerEngine::IoLoop() {
 
 void WorkerEngine::FlushControl() {
   std::vector<std::pair<uint64_t, std::string>> outbox;
+  bool leave = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     outbox.swap(control_outbox_);
+    std::swap(leave, leave_requested_);
   }
   for (auto& item : outbox) {
     Config kv = Config::Parse(item.second);
     membership_->Send(MsgType::kDeclare, item.second, item.first,
                       static_cast<uint16_t>(kv.GetInt("dtype", 0)));
   }
+  if (leave) membership_->Send(MsgType::kLeave, "");
+}
+
+bool WorkerEngine::RequestLeave() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_ || local_mode_ || state_ != State::kReady) return false;
+    leave_requested_ = true;
+  }
+  wake_.Notify();
+  return true;
 }
 
 void WorkerEngine::HandleData(const Message& m) {
@@ -254,10 +267,27 @@ void WorkerEngine::HandleControl(const Message& m) {
             BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
       break;
     }
-    case MsgType::kHostsUpdated:
-      Stats::Get().elastic_waiting =
-          static_cast<uint64_t>(Config::Parse(m.payload.str()).GetInt("waiting", 1));
+    case MsgType::kHostsUpdated: {
+      // Elastic: workers were added or will leave; hvd.elastic's states read
+      // these updates and raise HostsUpdatedInterrupt at the next commit.
+      Config kv = Config::Parse(m.payload.str());
+      Stats::Get().elastic_waiting = static_cast<uint64_t>(kv.GetInt("waiting", 1));
+      Stats::Get().AddHostUpdate(static_cast<uint64_t>(kv.GetInt("seq", 0)),
+                                 kv.GetInt("time_ms", 0), static_cast<int>(kv.GetInt("flags", 2)));
       break;
+    }
+    case MsgType::kLeave: {
+      // Elastic: this worker is removed (its host left the job, or it asked
+      // to leave). A member leaves at the next commit, when every worker
+      // restarts (hvd.elastic.run); a worker that is not one yet goes now.
+      std::string why = Config::Parse(m.payload.str()).Get("why", "removed from the job");
+      Stats::Get().SetElasticLeave(why);
+      if (!membership_->welcomed()) {
+        Fatal("bps_tf: this worker leaves the elastic job: " + why, BPS_ERR_UNAVAILABLE,
+              /*peer_failure=*/false);
+      }
+      break;
+    }
     case MsgType::kJoinNotice: {
       std::lock_guard<std::mutex> lock(mu_);
       if (joining_) join_last_ = static_cast<int>(Config::Parse(m.payload.str()).GetInt("last", 0));
