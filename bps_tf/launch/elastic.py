@@ -88,6 +88,7 @@ class ElasticLaunch:
         self.ended: Optional[float] = None   # the scheduler ended the job (or server 0 left)
         self.members: set = set()
         self.failed = ""
+        self.keeper = None   # keeper.Keeper: the scheduler and servers, kept running
 
     # ---------------------------------------------------------------- start
 
@@ -118,6 +119,12 @@ class ElasticLaunch:
         for slot in slots:
             self._start(slot, newcomer=False)
 
+    def reconnect(self) -> None:
+        """A new link to a restarted scheduler (the old one's keys were its)."""
+        if self.link is not None:
+            self.link.close()
+        self.link = SchedulerLink(self.port, self.shared)
+
     def _start(self, slot: Slot, newcomer: bool) -> Worker:
         launch_id = str(self.started)
         self.started += 1
@@ -139,6 +146,11 @@ class ElasticLaunch:
             self._hear()
             now = time.monotonic()
             for child in self.job.newly_exited(exited):
+                if self.keeper is not None and self.keeper.owns(child):
+                    self.keeper.on_exit(child, self)   # keeper.py: restarted or replaced
+                    if self.ended is not None:
+                        server_left = server_left or now
+                    continue
                 if child.kind == "server":
                     if child.returncode != 0:
                         say(f"{child.label()} {child.exit_text()}; an elastic job cannot go on "

@@ -31,12 +31,14 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from bps_tf.launch import elastic as elastic_launch
 from bps_tf.launch import hosts as launch_hosts
+from bps_tf.launch.keeper import Keeper
 from bps_tf.launch.args import build_parser, elastic_options, parse_args  # noqa: F401 (the CLI's API)
 from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health_ports,
                                   hides_tf_startup, plural, say, token_source)
 from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
-                                 catch_stop_signals, exit_code_of, signal_name, supervise_fixed)
+                                 catch_stop_signals, exit_code_of, run_to_end, signal_name,
+                                 supervise_fixed)
 from bps_tf.runtime import cluster, config
 
 LOCALHOST = "127.0.0.1"
@@ -188,7 +190,7 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
         num_servers = 1 if num_workers > 1 or elastic else 0
     _check_local_sizes(num_workers, num_servers, command)
     if elastic and num_servers == 0:
-        raise UsageError("an elastic job needs a server (the scheduler runs in server 0); "
+        raise UsageError("an elastic job needs a server to sum the gradients; "
                          "leave --servers out or give 1 or more")
     fixed = None if elastic else _fixed_slots(num_workers, hosts)
     environ = os.environ if environ is None else environ
@@ -271,6 +273,10 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
         shared = elastic_launch.elastic_env(shared, elastic["min_np"], elastic["max_np"],
                                             elastic["elastic_timeout"], elastic.get("reset_limit"))
     ready_file = os.path.join(workdir, "scheduler.port")
+    if launch is not None:
+        return _run_elastic(job, launch, slots, shared, num_servers, server_command, environ,
+                            ready_file, health, deadline, timeout, ready_timeout,
+                            shutdown_timeout)
 
     env0 = _server_env(shared, 0, 0, ready_file, health)
     server0 = job.start("server 0", "server", _server_argv(server_command, env0), env0)
@@ -282,17 +288,33 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
     for server_id in range(1, num_servers):
         env = _server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
-    if launch is not None:
-        launch.shared = dict(shared)
-        launch.start_workers(port, slots)
-        try:
-            return launch.supervise(deadline, timeout, shutdown_timeout)
-        finally:
-            if launch.link is not None:
-                launch.link.close()
     for slot in slots:
         job.start(f"worker {slot.rank}", "worker", command, _worker_env(shared, slot, port))
     return supervise_fixed(job, deadline, timeout, shutdown_timeout)
+
+
+def _run_elastic(job: Job, launch, slots, shared: Mapping[str, str], num_servers: int,
+                 server_command: Optional[Sequence[str]], environ: Mapping[str, str],
+                 ready_file: str, health: int, deadline: Optional[float],
+                 timeout: Optional[float], ready_timeout: float, shutdown_timeout: float) -> int:
+    # The scheduler in a process of its own, restarted in place when it is
+    # lost; servers replaced when they end (keeper.py, docs/elastic.md).
+    keeper = Keeper(job, shared, num_servers, ready_file, _server_env,
+                    lambda env: _server_argv(server_command, env), health,
+                    lambda child, path: _wait_for_scheduler_port(job, child, path, ready_timeout,
+                                                                 deadline, timeout))
+    port = keeper.start()
+    say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
+        f"{LOCALHOST}: the scheduler on port {port}{health_ports(health, num_servers)}; "
+        f"{token_source(environ, local=True)}")
+    launch.shared = dict(shared)
+    launch.keeper = keeper
+    launch.start_workers(port, slots)
+    try:
+        return launch.supervise(deadline, timeout, shutdown_timeout)
+    finally:
+        if launch.link is not None:
+            launch.link.close()
 
 
 def _wait_for_scheduler_port(job: Job, server0: Child, ready_file: str, ready_timeout: float,
@@ -388,15 +410,9 @@ def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[s
              deadline: Optional[float], timeout: Optional[float]) -> int:
     """Run one child to its end, passing stop signals on; return its exit code."""
     child = job.start(name, kind, argv, env)
-    while child.poll() is None:
-        if job.stop_signal is not None:
-            # Pass the very signal on (SIGINT stays SIGINT) so the program can
-            # react as it would in a terminal; then report how it ended.
-            LOG.info("received %s; passing it to %s", signal_name(job.stop_signal), child.label())
-            job.stop([child], first_signal=job.stop_signal)
-            break
-        job.check(deadline, timeout)
-        time.sleep(POLL_INTERVAL_S)
+    # An elastic node takes SIGTERM as "leave at the next commit" (a pod's
+    # eviction): passed on alone, with no SIGKILL after it.
+    run_to_end(job, child, deadline, timeout, graceful_term=bool(config.value("BYTEPS_ELASTIC", env)))
     if child.returncode:
         say(f"{child.label()} {child.exit_text()}")
     return exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)

@@ -330,3 +330,36 @@ def catch_stop_signals(job: Job) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_to_end(job: Job, child: Child, deadline: Optional[float], timeout_s: Optional[float],
+               graceful_term: bool = False) -> None:
+    """Waits for one child to end, passing the launcher's stop signals on.
+
+    By default the very signal is passed on (SIGINT stays SIGINT), then the
+    child is stopped as ``Job.stop`` does. ``graceful_term`` (a node of an
+    elastic job, docs/elastic.md): SIGTERM alone is passed on, and nothing
+    follows it: the node leaves the job at the workers' next commit and ends
+    on its own with exit code 0. A second SIGTERM is passed on too (the node
+    then ends at once). What bounds the wait is whoever sent the signal: on
+    Kubernetes the pod's terminationGracePeriodSeconds, then SIGKILL.
+    """
+    passed = 0
+    while child.poll() is None:
+        signum = job.stop_signal
+        if signum is not None and graceful_term and signum == signal.SIGTERM:
+            wanted = 2 if job.hurry else 1
+            if passed < wanted:
+                LOG.info("received SIGTERM; passing it to %s (%s)", child.label(),
+                         "it leaves the elastic job at the next commit" if wanted == 1
+                         else "a second one: it ends now")
+                child.signal_group(signal.SIGTERM)
+                passed = wanted
+        elif signum is not None:
+            LOG.info("received %s; passing it to %s", signal_name(signum), child.label())
+            job.stop([child], first_signal=signum)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            job.check(deadline, timeout_s)
+        time.sleep(POLL_INTERVAL_S)
+

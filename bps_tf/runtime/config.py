@@ -201,6 +201,11 @@ SETTINGS = (
     Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
             "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "
             "membership change before it fails the job (bpslaunch --elastic-timeout)."),
+    Setting("BYTEPS_SCHEDULER_RECOVERY_TIMEOUT", "scheduler_recovery_s", "120", float,
+            "Elastic: seconds a worker or server that lost the scheduler (its link broke, "
+            "or BYTEPS_TIMEOUT without an answer) keeps re-registering with it, as it may "
+            "restart at the same address (bpslaunch or Kubernetes starts it again; "
+            "docs/elastic.md), before it fails. A fixed job fails after BYTEPS_TIMEOUT."),
     Setting("BYTEPS_ELASTIC_RESET_LIMIT", "elastic_reset_limit", "-1", _int,
             "Elastic: the scheduler fails the job once its workers would change (a "
             "reset: a loss, a failure, workers added or removed) more than this many "

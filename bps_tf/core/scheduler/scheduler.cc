@@ -88,6 +88,7 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       return;
     case MsgType::kLeave:
       if (it != nodes_.end() && it->second.role == Role::kWorker) OnLeaveRequest(&it->second, out);
+      if (it != nodes_.end() && it->second.role == Role::kServer) OnServerLeave(it->second, out);
       return;
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;

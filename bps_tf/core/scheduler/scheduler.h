@@ -220,6 +220,8 @@ class Scheduler {
   void OnServerHello(const Peer& from, const Node& n, const Config& kv,
                      std::vector<Outgoing>* out);
   void LoseServer(const Peer& peer, const std::string& why, std::vector<Outgoing>* out);
+  // The launcher saw the server with this launch id end; false if none has it.
+  bool LostServer(const std::string& id, const std::string& why, std::vector<Outgoing>* out);
   void OnServerLeave(const Node& server, std::vector<Outgoing>* out);
   // A worker's notice that its link to a server broke ("server=", "epoch=").
   void OnServerGone(const Node& worker, const Config& kv, std::vector<Outgoing>* out);
@@ -231,7 +233,8 @@ class Scheduler {
   // At the forming: leaving servers go, joining ones are welcomed, keys
   // are placed again when the servers changed.
   void SettleServers(std::vector<Outgoing>* out);
-  void AnnounceServers(std::vector<Outgoing>* out);  // HostsUpdatedInterrupt at the next commit
+  // HostsUpdatedInterrupt at the next commit: flags 2 a server joins, 1 one leaves.
+  void AnnounceServers(int flags, std::vector<Outgoing>* out);
   std::vector<const Node*> ServersInOrder() const;
   int ServerCount() const;
   void PlaceAgain();

@@ -134,6 +134,7 @@ bool Scheduler::Remove(const std::string& id, const std::string& why, std::vecto
 }
 
 void Scheduler::Lost(const std::string& id, const std::string& why, std::vector<Outgoing>* out) {
+  if (LostServer(id, why, out)) return;  // scheduler_servers.cc
   verdicts_.erase(id);
   announced_.erase(id);
   awaited_.erase(id);

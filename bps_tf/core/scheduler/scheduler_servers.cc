@@ -24,6 +24,12 @@
 
 namespace bps {
 
+namespace {
+// The flags of a host update (Horovod's HostUpdateResult), as for workers.
+constexpr int kServerLeaves = 1;  // removed: the others need no sync
+constexpr int kServerAdded = 2;
+}  // namespace
+
 int Scheduler::ServerCount() const {
   int n = 0;
   for (const auto& kv : nodes_) n += kv.second.role == Role::kServer && !kv.second.departed;
@@ -40,16 +46,31 @@ std::vector<const Scheduler::Node*> Scheduler::ServersInOrder() const {
   return servers;
 }
 
-void Scheduler::AnnounceServers(std::vector<Outgoing>* out) {
-  // The members raise HostsUpdatedInterrupt at their next commit and
-  // restart their membership together, keeping the state: nothing is
+void Scheduler::AnnounceServers(int flags, std::vector<Outgoing>* out) {
+  // A host update, as for workers that join or leave (scheduler_control.cc):
+  // the members raise HostsUpdatedInterrupt at their next commit and
+  // restart their membership together, keeping the state; nothing is
   // rolled back, and the servers change at the epoch that follows.
   if (changing_) return;  // the epoch that forms takes them in
-  for (const auto& kv : nodes_) {
-    if (kv.second.role == Role::kWorker && !kv.second.departed) {
-      out->push_back(Reply(kv.first, MsgType::kHostsUpdated, "waiting=1"));
+  NotifyHosts(flags, out);
+}
+
+bool Scheduler::LostServer(const std::string& id, const std::string& why,
+                           std::vector<Outgoing>* out) {
+  for (auto it = joining_servers_.begin(); it != joining_servers_.end(); ++it) {
+    if (KeyOf(it->second) == id) {
+      joining_servers_.erase(it);
+      return true;
     }
   }
+  for (const auto& kv : nodes_) {
+    if (kv.second.role != Role::kServer || kv.second.departed || KeyOf(kv.second) != id) continue;
+    Peer lost = kv.first;
+    // Known at once, not after BYTEPS_TIMEOUT: the launcher saw it end.
+    LoseServer(lost, "lost " + Describe(kv.second) + ": " + why, out);
+    return true;
+  }
+  return false;
 }
 
 void Scheduler::OnServerHello(const Peer& from, const Node& node, const Config& kv,
@@ -90,7 +111,7 @@ void Scheduler::OnServerHello(const Peer& from, const Node& node, const Config& 
   if (changing_) {
     MaybeFinishEpoch(out);
   } else {
-    AnnounceServers(out);
+    AnnounceServers(kServerAdded, out);
   }
 }
 
@@ -128,7 +149,7 @@ void Scheduler::OnServerLeave(const Node& server, std::vector<Outgoing>* out) {
   if (!elastic_ || server.departed || leaving_servers_.count(server.id)) return;
   leaving_servers_.insert(server.id);
   BPS_LOG(kWarning, Describe(server) << " leaves the job at the next commit (SIGTERM)");
-  AnnounceServers(out);
+  AnnounceServers(kServerLeaves, out);
   if (changing_) MaybeFinishEpoch(out);
 }
 

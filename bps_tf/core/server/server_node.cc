@@ -1,5 +1,6 @@
 #include "server/server_node.h"
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
@@ -25,6 +26,16 @@ namespace bps {
 namespace {
 
 using namespace server_parts;  // NOLINT: this file's own parts
+
+// SIGTERMs received (elastic servers only, see ServerNode::Run). The first
+// asks to leave at the workers' next commit; the handler then restores the
+// default, so a second one ends the process at once (bpslaunch stopping a
+// whole job sends two).
+std::atomic<int> g_terms{0};
+extern "C" void OnTerm(int) {
+  g_terms.fetch_add(1);
+  signal(SIGTERM, SIG_DFL);
+}
 
 
 
@@ -72,6 +83,7 @@ class ServerNode {
   // same address; scheduler_recover.cc); true when it did or gave up.
   bool RelinkIfLost(const std::string& scheduler_at);
   double JoinTimeout() const;
+  void AskToLeave();
   int Finish(const Peer& listener, std::string* error);
   void Handle(Message& m);
   void HandlePush(Message& m);
@@ -112,6 +124,7 @@ class ServerNode {
   std::unique_ptr<SumEngine> engine_;
   std::unordered_map<int, Peer> worker_peer_;
   bool done_ = false;
+  bool leave_asked_ = false;  // elastic: a SIGTERM asked to leave (docs/elastic.md)
   int exit_code_ = 0;
   std::string error_;
 };
@@ -348,6 +361,16 @@ int ServerNode::Run(std::string* error) {
   if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
     Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
   }
+  // Elastic: SIGTERM (a pod's eviction or a node drain, bpslaunch
+  // removing a server) means "leave at the next commit": the keys move to
+  // the other servers and nothing is rolled back. A server that hosts the
+  // scheduler ends at once, as before (its loss is a scheduler restart).
+  if (elastic_ && is_server_ && !hosts_scheduler_) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = OnTerm;
+    sigaction(SIGTERM, &sa, nullptr);
+  }
   std::string scheduler_at;
   Peer listener = Start(&scheduler_at);
   auto started = Clock::now();
@@ -369,6 +392,7 @@ int ServerNode::Run(std::string* error) {
       TickScheduler(&out, &fatal_since);
     }
     WatchScheduler(scheduler_at, started);
+    if (g_terms.load() > 0 && !leave_asked_) AskToLeave();
   }
   return Finish(listener, error);
 }
@@ -414,6 +438,8 @@ Peer ServerNode::Start(std::string* scheduler_at) {
         BPS_LOG(kWarning, e.what() << "; workers on this machine reach this server over TCP");
       }
     }
+    // Elastic: the launcher reports this process under its launch id.
+    extra.Set("launch_id", cfg_.Get("launch_id"));
     membership_.Join(Endpoint(scheduler_host, scheduler_port), cfg_, extra);
   }
   return listener;
@@ -448,6 +474,19 @@ void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_poi
              SecondsSince(started) > JoinTimeout()) {
     Stop(Who() + " " + membership_.RendezvousFailure(JoinTimeout()));
   }
+}
+
+void ServerNode::AskToLeave() {
+  leave_asked_ = true;
+  if (!membership_.welcomed()) {
+    Stop("");  // not serving yet: nothing to hand over
+    return;
+  }
+  // The scheduler tells this server to shut down (exit 0) at the epoch in
+  // which the workers no longer use it.
+  BPS_LOG(kWarning, Who() << " got SIGTERM: it leaves the job at the workers' next commit "
+                             "(a second SIGTERM ends it at once)");
+  membership_.Send(MsgType::kLeave, "");
 }
 
 double ServerNode::JoinTimeout() const {
