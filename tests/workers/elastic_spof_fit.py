@@ -19,6 +19,7 @@ uninterrupted, saving OUT/r_commit_e<k>.npz, and rank 0 then trains one
 process on the global batch: from the start (OUT/one_e<k>.npz) and epoch 5
 from r_commit_e5 (OUT/one_from_e5.npz).
 """
+import faulthandler
 import json
 import os
 import signal
@@ -31,8 +32,10 @@ import bps_tf
 import keras
 from bps_tf.runtime import elastic_core
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # where a stuck worker is
 OUT = sys.argv[1]
 REF = os.environ.get("REF") == "1"
+PLAN = os.environ.get("SPOF_PLAN", "server,scheduler,worker").split(",")   # what is done
 EPOCHS = 6
 GLOBAL_BATCH = 24
 rng = np.random.default_rng(0)
@@ -121,27 +124,39 @@ class Plan(keras.callbacks.Callback):
         if REF or strategy.rank != 0:
             return
         epoch = self.attempts[-1][0]
-        if (epoch, batch) == (1, 3) and _once("kill_server"):
+        if (epoch, batch) == (1, 3) and "server" in PLAN and _once("kill_server"):
             self._kill("server", "server 1", signal.SIGKILL)
-        elif (epoch, batch) == (3, 3) and _once("kill_scheduler"):
+        elif (epoch, batch) == (3, 3) and "scheduler" in PLAN and _once("kill_scheduler"):
             self._kill("scheduler", "scheduler", signal.SIGKILL)
-        elif (epoch, batch) == (4, 2) and _once("term_worker"):
+        elif (epoch, batch) == (4, 2) and "worker" in PLAN and _once("term_worker"):
             with open(_path("hosts"), "w") as f:
                 f.write("localhost:1\n")     # no replacement for the worker that leaves
             self._kill("worker", "1", signal.SIGTERM)
 
+    def on_epoch_end(self, epoch, logs=None):
+        if REF or strategy.rank != 0 or epoch != 4 or "worker" not in PLAN:
+            return
+        # Worker 1's SIGTERM handler runs between its steps (Python's signal
+        # handlers run in the main thread): by this epoch's end it asked to
+        # leave. Rank 0 waits for the scheduler's word of it, so the leave
+        # lands at the next commit whatever the machine's speed.
+        deadline = time.time() + 120
+        while not elastic_core.host_updates() and time.time() < deadline:
+            time.sleep(0.02)
+
     def _kill(self, what, launch_id, signum):
         pid = _job_pid(launch_id)
-        self.killed[what] = time.time()
+        if signum == signal.SIGKILL:
+            self.killed[what] = time.time()     # the recovery time: until training again
         os.kill(pid, signum)
+        if signum != signal.SIGKILL:
+            return
         # Rank 0 holds the others at its next step until the job has taken
         # notice, so the damage lands in this epoch whatever the machine's
         # speed (without it the workers would train on with the servers,
         # and roll back to a later commit).
-        noticed = (elastic_core.changed if signum == signal.SIGKILL else
-                   lambda: bool(elastic_core.host_updates()))
         deadline = time.time() + 120
-        while not noticed() and time.time() < deadline:
+        while not elastic_core.changed() and time.time() < deadline:
             time.sleep(0.02)
 
     def on_train_end(self, logs=None):
