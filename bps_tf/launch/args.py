@@ -72,11 +72,11 @@ def _health_port(text: str) -> int:
 
 
 def _log_level(text: str) -> str:
-    from bps_tf.runtime.config import _log_level as parse   # the one table of levels
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    from bps_tf.runtime.config import LOG_LEVELS   # the one table of levels
+    level = {"WARN": "WARNING"}.get(text.strip().upper(), text.strip().upper())
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
 
 
 def build_parser() -> argparse.ArgumentParser:
