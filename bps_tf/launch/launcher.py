@@ -390,15 +390,31 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
 
 def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str],
              deadline: Optional[float], timeout: Optional[float]) -> int:
-    """Run one child to its end, passing stop signals on; return its exit code."""
+    """Run one child to its end, passing stop signals on; return its exit code.
+
+    An elastic worker takes SIGTERM (a pod's eviction or scale-down) as
+    "leave at the next commit": it gets the signal and all the time it
+    needs (the pod's grace period bounds it); a second signal stops it."""
     child = job.start(name, kind, argv, env)
+    leaving = kind == "worker" and env.get("BYTEPS_ELASTIC", "") in ("1", "true")
+    passed = False
     while child.poll() is None:
-        if job.stop_signal is not None:
+        if job.stop_signal is not None and leaving and job.stop_signal == signal.SIGTERM \
+                and not job.hurry:
+            if not passed:
+                LOG.info("received SIGTERM; passing it to %s, which leaves the elastic job at "
+                         "its next commit", child.label())
+                child.signal_group(signal.SIGTERM)
+                passed = True
+        elif job.stop_signal is not None:
             # Pass the very signal on (SIGINT stays SIGINT) so the program can
             # react as it would in a terminal; then report how it ended.
             LOG.info("received %s; passing it to %s", signal_name(job.stop_signal), child.label())
             job.stop([child], first_signal=job.stop_signal)
             break
+        else:
+            job.check(deadline, timeout)
+        time.sleep(POLL_INTERVAL_S)
         job.check(deadline, timeout)
         time.sleep(POLL_INTERVAL_S)
     if child.returncode:

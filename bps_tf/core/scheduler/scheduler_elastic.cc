@@ -221,7 +221,8 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     nodes_[p] = waiting_[p];
     waiting_.erase(p);
   }
-  // Dense ranks: survivors by old rank, then newcomers by arrival.
+  // Dense ranks: survivors by old rank, then newcomers by their planned
+  // rank (the launcher's host order), then by arrival.
   std::vector<Node*> workers;
   for (auto& kv : nodes_) {
     if (kv.second.role == Role::kWorker) workers.push_back(&kv.second);
@@ -229,7 +230,10 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   std::sort(workers.begin(), workers.end(), [](const Node* a, const Node* b) {
     bool an = a->id < 0, bn = b->id < 0;
     if (an != bn) return bn;
-    return an ? a->arrival < b->arrival : a->id < b->id;
+    if (!an) return a->id < b->id;
+    if ((a->start_rank < 0) != (b->start_rank < 0)) return b->start_rank < 0;
+    return a->start_rank != b->start_rank ? a->start_rank < b->start_rank
+                                          : a->arrival < b->arrival;
   });
   for (size_t i = 0; i < workers.size(); ++i) {
     workers[i]->id = static_cast<int>(i);
