@@ -14,9 +14,11 @@ scheduler runs inside server 0) and N workers that run COMMAND, each with
 DMLC_WORKER_ID / BYTEPS_LOCAL_RANK set to its rank.
 
 Cluster mode (no -np): starts this host's one process of a larger job, whose
-place is read from TF_CONFIG (e.g. a Kubeflow TFJob) or from DMLC_ROLE and the
-other DMLC_* variables. Workers, chief and evaluator run COMMAND; ps, server
-and scheduler run the bps_tf server and ignore COMMAND.
+place is read from DMLC_ROLE and the other DMLC_* variables, from TF_CONFIG
+(e.g. a Kubeflow TFJob), or from a Kubernetes pod of a JobSet or Indexed Job
+(JOB_COMPLETION_INDEX and the job's name; docs/kubernetes.md). Workers, chief
+and evaluator run COMMAND; ps, server and scheduler run the bps_tf server and
+ignore COMMAND.
 
 Every line the processes print comes out tagged with its origin, e.g.
 "[worker 1] loss: 0.25" (--no-prefix: untouched, straight to the terminal).
@@ -72,11 +74,11 @@ def _health_port(text: str) -> int:
 
 
 def _log_level(text: str) -> str:
-    from bps_tf.runtime.config import _log_level as parse   # the one table of levels
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    from bps_tf.runtime.config import LOG_LEVELS   # the one table of levels
+    level = {"WARN": "WARNING"}.get(text.strip().upper(), text.strip().upper())
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -340,21 +340,19 @@ def run_to_end(job: Job, child: Child, deadline: Optional[float], timeout_s: Opt
     child is stopped as ``Job.stop`` does. ``graceful_term`` (a node of an
     elastic job, docs/elastic.md): SIGTERM alone is passed on, and nothing
     follows it: the node leaves the job at the workers' next commit and ends
-    on its own with exit code 0. A second SIGTERM is passed on too (the node
-    then ends at once). What bounds the wait is whoever sent the signal: on
-    Kubernetes the pod's terminationGracePeriodSeconds, then SIGKILL.
+    on its own with exit code 0; what bounds the wait is whoever sent the
+    signal (on Kubernetes the pod's terminationGracePeriodSeconds, then
+    SIGKILL). A second signal stops the child as ``Job.stop`` does.
     """
     passed = 0
     while child.poll() is None:
         signum = job.stop_signal
-        if signum is not None and graceful_term and signum == signal.SIGTERM:
-            wanted = 2 if job.hurry else 1
-            if passed < wanted:
-                LOG.info("received SIGTERM; passing it to %s (%s)", child.label(),
-                         "it leaves the elastic job at the next commit" if wanted == 1
-                         else "a second one: it ends now")
+        if signum is not None and graceful_term and signum == signal.SIGTERM and not job.hurry:
+            if not passed:
+                LOG.info("received SIGTERM; passing it to %s, which leaves the elastic job at "
+                         "its next commit", child.label())
                 child.signal_group(signal.SIGTERM)
-                passed = wanted
+                passed = 1
         elif signum is not None:
             LOG.info("received %s; passing it to %s", signal_name(signum), child.label())
             job.stop([child], first_signal=signum)

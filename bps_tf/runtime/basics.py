@@ -52,7 +52,7 @@ def _join(c, environ, rank=None) -> None:
     spec = cluster.resolve(environ)
     if spec.role in ("server", "scheduler"):
         raise RuntimeError(
-            f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
+            f"this process is a bps_tf {spec.role} (from {spec.source}); servers run "
             "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
     security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN", environ),
                                 config.value("BYTEPS_ALLOW_INSECURE", environ), log)

@@ -19,7 +19,8 @@ The newcomer of phase B skips phase A.
 
 Saved, per phase ("a_", "b_"): each commit rank 0 takes
 (commit_e{epoch}_n{size}; phase B when each epoch begins, after its
-commit), what each worker starts from, the final variables and what fit
+commit, and when an epoch ends, as the next one's commit), what each worker
+starts from, the final variables and what fit
 reported. With REF=1 the script instead runs a fixed 2-worker reference of
 each phase from REF_A_FROM / REF_B_FROM (epoch 1) to REF_A_UNTIL /
 REF_B_UNTIL, saving a_ref / b_ref.
@@ -181,6 +182,12 @@ def phase_b():
             if not REF and strategy.rank == 0:   # the elastic commit of this epoch ran first
                 _save(f"b_commit_e{epoch}_n{strategy.num_workers}", variables())
                 _note(f"b_epoch_e{epoch}_n{strategy.num_workers}")
+
+        def on_epoch_end(self, epoch, logs=None):
+            # What the next epoch's commit holds: a commit that admits a
+            # newcomer leaves fit before any epoch-begin callback runs.
+            if not REF and strategy.rank == 0:
+                _save(f"b_commit_e{epoch + 1}_n{strategy.num_workers}", variables())
 
         def on_train_batch_end(self, batch, logs=None):
             if (not REF and NEWCOMER and not NEWCOMER_B and strategy.num_workers == 3 and

@@ -222,8 +222,8 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     nodes_[p] = waiting_[p];
     waiting_.erase(p);
   }
-  // Dense ranks: survivors by old rank, then newcomers in the order they
-  // were admitted (the launcher's planned ranks, then arrival).
+  // Dense ranks: survivors by old rank, then newcomers by their planned
+  // rank (the launcher's host order), then by arrival.
   std::vector<Node*> workers;
   for (auto& kv : nodes_) {
     if (kv.second.role == Role::kWorker) workers.push_back(&kv.second);
