@@ -51,6 +51,7 @@ def ranks(tmp_path_factory, legacy_env):
                                   "load_model", "momentum_correction",
                                   "compression_under_strategy", "mixed_precision",
                                   "mixed_precision_legacy", "elastic_keras_state",
+                                  "elastic_callbacks",
                                   "broadcast_unbuilt",
                                   "finished"])
 def test_tf_keras_check(ranks, name):

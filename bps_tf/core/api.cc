@@ -165,6 +165,8 @@ size_t bps_stats_json(char* buf, size_t len) {
   return json.size() + 1;
 }
 
+int bps_elastic_request_leave(void) { return bps::WorkerEngine::Get().RequestLeave() ? 1 : 0; }
+
 int bps_log_enabled(int level) { return bps::LogEnabled(LevelOf(level)) ? 1 : 0; }
 
 void bps_log(int level, const char* text) { bps::LogLine(LevelOf(level), text ? text : ""); }

@@ -139,6 +139,11 @@ void bps_debug_pause_sends(int paused);
 // Counters and the debug send log, as JSON. Returns the length needed.
 size_t bps_stats_json(char* buf, size_t len);
 
+// Elastic (docs/elastic.md): asks the scheduler to let this worker leave the
+// job at the next commit (SIGTERM). 1 when asked, 0 when this worker is not
+// a member of a running job now.
+int bps_elastic_request_leave(void);
+
 // Services of the core for the TensorFlow op library, which includes no
 // other core header: the graph passes log and hash with them, the kernels
 // sum replicas on the host with the servers' arithmetic.

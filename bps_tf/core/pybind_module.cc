@@ -17,6 +17,7 @@
 #include "common/common.h"
 #include "dtypes.h"
 #include "math/compressor.h"
+#include "scheduler/launcher_link.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
 #include "transport/cipher_pool.h"
@@ -260,6 +261,22 @@ void AddEngine(py::module_& m) {
     bps_stats_json(&buf[0], buf.size());
     return std::string(buf.c_str());
   });
+  m.def("elastic_request_leave", [] { return bps_elastic_request_leave() != 0; });
+  // bpslaunch's link to an elastic job's scheduler (scheduler/launcher_link.h).
+  py::class_<bps::LauncherLink>(m, "LauncherLink")
+      .def(py::init([](const std::string& config) {
+        try {
+          return std::unique_ptr<bps::LauncherLink>(
+              new bps::LauncherLink(bps::Config::Parse(config)));
+        } catch (const bps::Error& e) {
+          throw std::runtime_error(e.what());
+        }
+      }))
+      .def("send", &bps::LauncherLink::Send, py::call_guard<py::gil_scoped_release>())
+      .def("receive", &bps::LauncherLink::Receive, py::arg("timeout_ms") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("refusal", &bps::LauncherLink::Refusal)
+      .def("close", &bps::LauncherLink::Close);
 }
 
 // One end of a sealed link (link_cipher.h) as bytes in and out, for tests:

@@ -22,116 +22,19 @@ fails the job, as it always does.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
-import tensorflow as tf
-
 from bps_tf.comm import collectives, fingerprint, naming
-from bps_tf.runtime import basics, elastic_core, messages, process_sets
+from bps_tf.runtime import basics, process_sets
+from bps_tf.runtime.elastic_state import (HorovodInternalError, HostsUpdatedInterrupt,
+                                          HostUpdateResult, ObjectState, State,
+                                          WorkersChangedError, reset_membership, run_fn)
 
 __all__ = ["ObjectState", "State", "TensorFlowState", "TensorFlowKerasState", "KerasState",
-           "HorovodInternalError", "HostsUpdatedInterrupt", "WorkersChangedError", "run"]
+           "HorovodInternalError", "HostsUpdatedInterrupt", "HostUpdateResult",
+           "WorkersChangedError", "run"]
 
 log = logging.getLogger("bps_tf")
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's name for a collective that failed because the workers changed."""
-
-
-class WorkersChangedError(HorovodInternalError):
-    """The membership changed under a pending operation (a worker was lost or
-    left): roll back to the last commit; ``run`` does it."""
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Workers wait to join: raised by ``commit()``/``check_host_updates()`` on
-    every worker at the same commit. ``skip_sync``: whether the state needs
-    no sync afterwards (only when workers were removed, never here: a
-    newcomer always needs the state)."""
-
-    def __init__(self, skip_sync=False):
-        super().__init__("workers are waiting to join the elastic job")
-        self.skip_sync = skip_sync
-
-
-class State:
-    """What every elastic state has: reset callbacks, commit, host updates."""
-
-    def __init__(self):
-        self._reset_callbacks = []
-
-    def register_reset_callbacks(self, callbacks):
-        """Functions called (no arguments) after each membership restart, on
-        every worker, before ``func`` runs again: rebuild what depends on
-        ``size()``/``rank()`` (learning rates, data shards, traced functions)."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self):
-        self._on_reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def _on_reset(self):
-        """What the state itself rebuilds after a restart."""
-
-    def commit(self):
-        """Saves the state as the point to roll back to, then checks for
-        workers waiting to join (``HostsUpdatedInterrupt``, on every worker
-        at once). Every worker must commit at the same steps."""
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self):
-        """Raises ``HostsUpdatedInterrupt`` on every worker when the scheduler
-        has workers waiting to join; the workers agree in one small sum, so
-        they all raise it at the same call."""
-        if not elastic_core.enabled() or not basics.is_initialized():
-            return
-        waiting = elastic_core.workers_waiting()
-        if basics.size() > 1:
-            from bps_tf.horovod.api import Max, allreduce
-            waiting = int(allreduce(tf.constant(waiting, tf.int32), op=Max,
-                                    name="bps.elastic/host_updates").numpy())
-        if waiting > 0:
-            raise HostsUpdatedInterrupt(skip_sync=False)
-
-    def save(self):
-        raise NotImplementedError
-
-    def restore(self):
-        raise NotImplementedError
-
-    def sync(self):
-        raise NotImplementedError
-
-
-class ObjectState(State):
-    """Plain attributes given as keyword arguments, committed and restored
-    together, synced from rank 0 with ``broadcast_object``."""
-
-    def __init__(self, **kwargs):
-        self._saved_state = dict(kwargs)
-        super().__init__()
-        self._set_attrs()
-
-    def _set_attrs(self):
-        for attr, value in self._saved_state.items():
-            setattr(self, attr, value)
-
-    def save(self):
-        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
-
-    def restore(self):
-        self._set_attrs()
-
-    def sync(self):
-        if self._saved_state and basics.is_initialized() and basics.size() > 1:
-            from bps_tf.horovod.api import broadcast_object
-            self._saved_state = broadcast_object(self._saved_state, root_rank=0,
-                                                 name="bps.elastic/object_state")
-        self._set_attrs()
 
 
 class TensorFlowState(ObjectState):
@@ -208,7 +111,7 @@ class TensorFlowKerasState(TensorFlowState):
         self.variables = self._all_variables()
         super().sync()
 
-    def _on_reset(self):
+    def reset(self):
         for attr in ("train_function", "test_function", "predict_function"):
             if hasattr(self.model, attr):
                 setattr(self.model, attr, None)
@@ -218,8 +121,9 @@ KerasState = TensorFlowKerasState
 
 
 def reset():
-    """Horovod's reset: leave this membership epoch and join the next one."""
-    elastic_core.restart()
+    """Horovod's reset: leave this membership epoch and join the next one (a
+    worker removed from the job leaves it instead, with exit code 0)."""
+    reset_membership()
     collectives.drop_pending()            # split sums started in the old epoch
     process_sets.register_at_init(None)   # process sets name ranks of the old epoch
     fingerprint.reset_steps()             # every worker counts steps from here alike
@@ -228,33 +132,4 @@ def reset():
 def run(func):
     """Horovod's ``hvd.elastic.run``: ``func(state, *args, **kwargs)`` is run,
     and run again after each membership change (see the module's text)."""
-
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        if not elastic_core.enabled():
-            state.sync()
-            return func(state, *args, **kwargs)
-        skip_sync = False
-        while True:
-            try:
-                # Inside: a change while the state travels is caught like any other.
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt as exc:
-                log.warning("elastic: workers wait to join; restarting the membership "
-                            "with the state just committed")
-                skip_sync = exc.skip_sync
-            except Exception as exc:  # pylint: disable=broad-except
-                if not (isinstance(exc, HorovodInternalError) or elastic_core.changed()):
-                    raise
-                log.warning("elastic: the workers changed (%s); restoring the last commit",
-                            messages.one_line(exc))
-                state.restore()
-                skip_sync = False
-            reset()
-            log.warning("elastic: rank %d of %d in membership epoch %d", basics.rank(),
-                        basics.size(), elastic_core.epoch())
-            state.on_reset()
-
-    return wrapper
+    return run_fn(func, reset)

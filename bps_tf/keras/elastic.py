@@ -28,12 +28,26 @@ import keras
 
 from bps_tf.horovod.elastic import *  # noqa: F401,F403
 from bps_tf.horovod.elastic import __all__ as _state_names
+from bps_tf.runtime.config import tf_keras_enabled
 
 __all__ = list(_state_names) + ["CommitStateCallback", "UpdateBatchStateCallback",
                                 "UpdateEpochStateCallback"]
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+def _callback_base():
+    """The Callback class of the Keras that ``fit`` is: tf_keras' under
+    TF_USE_LEGACY_KERAS=1 (Horovod's Keras scripts, whose CallbackList asks
+    for tf_keras' hooks), Keras 3's otherwise."""
+    if tf_keras_enabled():
+        import tensorflow as tf  # tf.keras is tf_keras here
+        return tf.keras.callbacks.Callback
+    return keras.callbacks.Callback
+
+
+_Callback = _callback_base()
+
+
+class CommitStateCallback(_Callback):
     """Commits ``state`` every ``batches_per_commit`` batches and at the end of
     every epoch and of training (Horovod's). A commit also checks for workers
     waiting to join: ``HostsUpdatedInterrupt`` leaves ``fit`` on every worker
@@ -53,10 +67,14 @@ class CommitStateCallback(keras.callbacks.Callback):
         self._count = 0
         self._due = False
 
+    def commit(self):
+        """Commits the state (Horovod's hook: a subclass may count or extend it)."""
+        self.state.commit()
+
     def _commit_if_due(self):
         if self._due:
             self._due = False
-            self.state.commit()
+            self.commit()
 
     def on_train_begin(self, logs=None):
         self._count, self._due = 0, False
@@ -82,7 +100,7 @@ class CommitStateCallback(keras.callbacks.Callback):
     on_train_batch_end = on_batch_end
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_Callback):
     """Keeps ``state.batch`` = batches of the current epoch trained (0 again
     at each epoch's end). Counts from the ``state.batch`` a resumed ``fit``
     starts with, so a script that skips those batches keeps an exact count."""
@@ -105,7 +123,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     on_train_batch_end = on_batch_end
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_Callback):
     """Keeps ``state.epoch`` = the next epoch to train: one more than the last
     finished, counted from the ``state.epoch`` this ``fit`` started at."""
 

@@ -30,6 +30,7 @@ one when it ends, with every process's exit code and time.
 _EPILOG = """\
 examples:
   bpslaunch -np 4 python train.py --epochs 3
+  bpslaunch -np 2 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py
   bpslaunch -np 2 --servers 2 --timeout 600 -- python train.py
   bpslaunch -np 2 --health-port 8081 python train.py   # probe with grpc_health_probe
   TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' bpslaunch python train.py
@@ -72,6 +73,14 @@ def _health_port(text: str) -> int:
     return port
 
 
+def _log_level(text: str) -> str:
+    from bps_tf.runtime.config import LOG_LEVELS   # the one table of levels
+    level = {"WARN": "WARNING"}.get(text.strip().upper(), text.strip().upper())
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
@@ -90,17 +99,40 @@ def build_parser() -> argparse.ArgumentParser:
                         help="servers serve the gRPC health service (grpc.health.v1) on this "
                              "port (local mode: server i on PORT+i); default "
                              "BYTEPS_HEALTH_PORT; 0: off")
+    parser.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
+                        help="local mode: the hosts and their slots (horovodrun's), each a "
+                             "name of this machine (localhost, 127.0.0.1, 127.0.0.2, ...; "
+                             "two names are two hosts); ranks go host by host. With "
+                             "--min-np: an elastic job on these fixed hosts")
+    parser.add_argument("--log-level", dest="log_level", type=_log_level, metavar="LEVEL",
+                        help="BYTEPS_LOG_LEVEL for every process (horovodrun's): TRACE, "
+                             "DEBUG, INFO, WARNING, ERROR or FATAL")
     elastic = parser.add_argument_group(
         "elastic training (local mode; Horovod's horovodrun options, docs/elastic.md)")
-    elastic.add_argument("--min-np", dest="min_np", type=_positive_int, metavar="N",
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
+                         metavar="N",
                          help="elastic: go on while at least N workers remain (a lost worker "
                               "no longer stops the job)")
-    elastic.add_argument("--max-np", dest="max_np", type=_positive_int, metavar="N",
-                         help="elastic: admit at most N workers (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive_int,
+                         metavar="N",
+                         help="elastic: at most N workers (default: -np; with -H or a "
+                              "discovery script, every slot offered, at most 1,024)")
     elastic.add_argument("--host-discovery-script", dest="discovery", metavar="SCRIPT",
                          help="elastic: a command that prints 'host:slots' lines, run again "
-                              "every --discovery-interval seconds; more slots than running "
-                              "workers start new ones (this machine's names only)")
+                              "every --discovery-interval seconds: new slots get new workers, "
+                              "hosts no longer listed lose theirs (this machine's names only)")
+    elastic.add_argument("--slots-per-host", "--slots", dest="slots", type=_positive_int,
+                         metavar="N", default=1,
+                         help="elastic: slots of a discovery line without ':slots' (default 1)")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=_non_negative_int,
+                         metavar="N",
+                         help="elastic: fail the job once it would reset (change its "
+                              "workers) more than N times")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown", type=_positive_float,
+                         nargs=2, metavar=("MIN", "MAX"),
+                         help="elastic: a blacklisted host comes back after a cooldown that "
+                              "grows with each blacklisting, between MIN and MAX seconds "
+                              "(default: never)")
     elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_positive_float,
                          metavar="SECONDS", default=600.0,
                          help="elastic: how long to wait for --min-np workers after a change "
@@ -110,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="elastic: seconds between runs of the discovery script (default 1)")
     elastic.add_argument("--blacklist-after", dest="blacklist_after", type=_positive_int,
                          metavar="K", default=3,
-                         help="elastic: after K failed workers a host gets no new ones "
-                              "(default 3)")
+                         help="elastic without -H or a discovery script: after K failed "
+                              "workers this machine gets no new ones (default 3); with hosts, "
+                              "a failed worker's host is blacklisted at once")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log what the launcher starts and decides")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
@@ -126,3 +159,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.command = args.command[1:]
     args.elastic = any(v is not None for v in (args.min_np, args.max_np, args.discovery))
     return args
+
+
+def elastic_options(args: argparse.Namespace) -> dict:
+    """What the elastic launcher takes from the command line."""
+    return {"min_np": args.min_np, "max_np": args.max_np, "discovery": args.discovery,
+            "hosts": args.hosts, "slots": args.slots, "elastic_timeout": args.elastic_timeout,
+            "discovery_interval": args.discovery_interval,
+            "blacklist_after": args.blacklist_after, "reset_limit": args.reset_limit,
+            "cooldown": args.cooldown}

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence
 
 from bps_tf.runtime import k8s_cluster
 
-DEFAULT_MAX_PODS = 64      # bps_tf's most workers (BYTEPS_ELASTIC_MAX_WORKERS)
+DEFAULT_MAX_PODS = 64      # names probed when the job does not say (--max-pods)
 
 
 def pod_names(args: argparse.Namespace) -> List[str]:

@@ -31,13 +31,15 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from bps_tf.launch import elastic as elastic_launch
-from bps_tf.launch.args import build_parser, parse_args  # noqa: F401 (the CLI's API)
+from bps_tf.launch import hosts as launch_hosts
+from bps_tf.launch.keeper import Keeper
+from bps_tf.launch.args import build_parser, elastic_options, parse_args  # noqa: F401 (the CLI's API)
 from bps_tf.launch.output import (PROG, ChildOutput, child_env, end_line, health_ports,
                                   hides_tf_startup, plural, say, token_source)
 from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: F401
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
                                  catch_stop_signals, ensure_open_files, exit_code_of,
-                                 signal_name)
+                                 run_to_end, signal_name, supervise_fixed)
 from bps_tf.runtime import basics, cluster, config, origins
 
 LOCALHOST = "127.0.0.1"
@@ -59,8 +61,8 @@ PLACEMENT_VARIABLES = (
     "TF_CONFIG", "DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_WORKER_ID",
     "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST", "BYTEPS_SERVER_ID",
     "BYTEPS_SERVER_PORT", "BYTEPS_BIND_HOST", "BYTEPS_HOST_SCHEDULER", "BYTEPS_READY_FILE",
-    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", origins.LAUNCHED_BY,
-    *HOROVOD_PLACEMENT,
+    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BYTEPS_LAUNCH_ID", "BYTEPS_ELASTIC_NEWCOMER",
+    "HOROVOD_HOSTNAME", "HOROVOD_ELASTIC", origins.LAUNCHED_BY, *HOROVOD_PLACEMENT,
 )
 
 
@@ -112,20 +114,29 @@ def _server_env(job_env: Mapping[str, str], server_id: int, scheduler_port: int,
     return env
 
 
-def _worker_env(job_env: Mapping[str, str], rank: int, num_workers: int,
+def _worker_env(job_env: Mapping[str, str], slot: launch_hosts.Slot,
                 scheduler_port: int) -> Dict[str, str]:
     env = dict(job_env)
     env.update({
         "DMLC_ROLE": "worker",
-        "DMLC_WORKER_ID": str(rank),
-        "BYTEPS_LOCAL_RANK": str(rank),
-        "BYTEPS_LOCAL_SIZE": str(num_workers),
+        "DMLC_WORKER_ID": str(slot.rank),
+        # bps_tf's own layout: one machine, whatever -H calls its hosts.
+        "BYTEPS_LOCAL_RANK": str(slot.rank),
+        "BYTEPS_LOCAL_SIZE": str(slot.size),
         "DMLC_PS_ROOT_PORT": str(scheduler_port),
     })
-    env.update(zip(HOROVOD_PLACEMENT, (str(rank), str(num_workers), str(rank),
-                                       str(num_workers), "0", "1")))
+    # horovodrun's: the host as -H lists it (localhost by default), and the
+    # worker's place among that host's workers.
+    env.update(elastic_launch.horovod_env(slot))
     env.pop("BYTEPS_HEALTH_PORT", None)     # workers serve no health service
     return env
+
+
+def _fixed_slots(num_workers: int, hosts: Optional[str]) -> List[launch_hosts.Slot]:
+    try:
+        return launch_hosts.fixed_slots(num_workers, hosts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _health_base(health_port: Optional[int], environ: Mapping[str, str]) -> int:
@@ -162,7 +173,8 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
               environ: Optional[Mapping[str, str]] = None,
               prefix_output: bool = False,
               health_port: Optional[int] = None,
-              elastic: Optional[Mapping[str, object]] = None) -> int:
+              elastic: Optional[Mapping[str, object]] = None,
+              hosts: Optional[str] = None) -> int:
     """Run ``command`` as ``num_workers`` workers plus ``num_servers`` servers on 127.0.0.1.
 
     Returns 0 when every worker exits 0, otherwise a non-zero code (see
@@ -171,14 +183,18 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     children's output with ``[worker N]``/``[server N]`` (the CLI's default);
     otherwise they share this process's stdout and stderr. ``health_port``
     (default: BYTEPS_HEALTH_PORT) turns on the servers' gRPC health service,
-    server i on port ``health_port + i``. ``elastic`` (keys min_np, max_np,
-    discovery, elastic_timeout, discovery_interval, blacklist_after) makes
-    the job elastic (bps_tf.launch.elastic). Every started process is gone
-    when this returns.
+    server i on port ``health_port + i``. ``elastic`` (args.elastic_options'
+    keys) makes the job elastic (bps_tf.launch.elastic). ``hosts``: -H of a
+    fixed job (the HOROVOD_* variables follow its hosts). Every started
+    process is gone when this returns.
     """
     if num_servers is None:
-        num_servers = 1 if num_workers > 1 else 0
+        num_servers = 1 if num_workers > 1 or elastic else 0
     _check_local_sizes(num_workers, num_servers, command)
+    if elastic and num_servers == 0:
+        raise UsageError("an elastic job needs a server to sum the gradients; "
+                         "leave --servers out or give 1 or more")
+    fixed = None if elastic else _fixed_slots(num_workers, hosts)
     environ = os.environ if environ is None else environ
     health = _health_base(health_port, environ)
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
@@ -194,7 +210,7 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
             else:
                 ending.code = _run_local_cluster(
                     job, num_workers, num_servers, command, server_command, environ, workdir,
-                    deadline, timeout, ready_timeout, shutdown_timeout, health, elastic)
+                    deadline, timeout, ready_timeout, shutdown_timeout, health, elastic, fixed)
         return ending.code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -241,55 +257,68 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
                      server_command: Optional[Sequence[str]], environ: Mapping[str, str],
                      workdir: str, deadline: Optional[float], timeout: Optional[float],
                      ready_timeout: float, shutdown_timeout: float, health: int,
-                     elastic: Optional[Mapping[str, object]] = None) -> int:
-    shared = child_env(_job_env(environ, num_workers, num_servers), environ,
+                     elastic: Optional[Mapping[str, object]] = None,
+                     fixed: Optional[List[launch_hosts.Slot]] = None) -> int:
+    launch = None
+    if elastic:
+        try:
+            launch = elastic_launch.make_launch(job, num_workers, command, elastic)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        slots = launch.initial_plan(num_workers, deadline, timeout)
+        # SIGTERM is an elastic worker's "leave at the next commit": a job
+        # that stops says it twice (bps_tf's handler ends the process then).
+        job.repeat_term_s = 0.5
+    else:
+        slots = fixed or _fixed_slots(num_workers, None)
+    shared = child_env(_job_env(environ, len(slots), num_servers), environ,
                        job.output is not None)
     if elastic:
         shared = elastic_launch.elastic_env(shared, elastic["min_np"], elastic["max_np"],
-                                            elastic["elastic_timeout"])
+                                            elastic["elastic_timeout"], elastic.get("reset_limit"))
     ready_file = os.path.join(workdir, "scheduler.port")
+    if launch is not None:
+        return _run_elastic(job, launch, slots, shared, num_servers, server_command, environ,
+                            ready_file, health, deadline, timeout, ready_timeout,
+                            shutdown_timeout)
 
     env0 = _server_env(shared, 0, 0, ready_file, health)
     server0 = job.start("server 0", "server", _server_argv(server_command, env0), env0)
     port = _wait_for_scheduler_port(job, server0, ready_file, ready_timeout, deadline, timeout)
-    say(f"starting {plural(num_workers, 'worker')} and {plural(num_servers, 'server')} on "
+    say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
         f"{LOCALHOST}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
         f"{token_source(environ, local=True)}")
 
     for server_id in range(1, num_servers):
         env = _server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
-    if elastic:
-        return _run_elastic(job, num_workers, command, shared, port, elastic, deadline,
-                            timeout, shutdown_timeout)
-    for rank in range(num_workers):
-        job.start(f"worker {rank}", "worker", command,
-                  _worker_env(shared, rank, num_workers, port))
-    return _supervise(job, deadline, timeout, shutdown_timeout)
+    for slot in slots:
+        job.start(f"worker {slot.rank}", "worker", command, _worker_env(shared, slot, port))
+    return supervise_fixed(job, deadline, timeout, shutdown_timeout)
 
 
-def _run_elastic(job: Job, num_workers: int, command: Sequence[str], shared: Mapping[str, str],
-                 port: int, elastic: Mapping[str, object], deadline: Optional[float],
-                 timeout: Optional[float], shutdown_timeout: float) -> int:
-    started = [0]   # workers started so far: the next one's label
-
-    def start_worker(newcomer: bool) -> None:
-        index = started[0]
-        started[0] += 1
-        job.start(f"worker {index}", "worker", command,
-                  elastic_launch.worker_env(shared, index, port, newcomer,
-                                            float(elastic["elastic_timeout"])))
-
-    elastic_launch.log_start(num_workers, elastic["min_np"], elastic["max_np"],
-                             elastic["discovery"])
-    for _ in range(num_workers):
-        start_worker(False)
-    discovery = elastic_launch.Discovery(elastic["discovery"], num_workers,
-                                         float(elastic["discovery_interval"]))
-    return elastic_launch.supervise_elastic(
-        job, start_worker, min_np=elastic["min_np"], max_np=elastic["max_np"],
-        discovery=discovery, blacklist_after=elastic["blacklist_after"], deadline=deadline,
-        timeout=timeout, shutdown_timeout=shutdown_timeout)
+def _run_elastic(job: Job, launch, slots, shared: Mapping[str, str], num_servers: int,
+                 server_command: Optional[Sequence[str]], environ: Mapping[str, str],
+                 ready_file: str, health: int, deadline: Optional[float],
+                 timeout: Optional[float], ready_timeout: float, shutdown_timeout: float) -> int:
+    # The scheduler in a process of its own, restarted in place when it is
+    # lost; servers replaced when they end (keeper.py, docs/elastic.md).
+    keeper = Keeper(job, shared, num_servers, ready_file, _server_env,
+                    lambda env: _server_argv(server_command, env), health,
+                    lambda child, path: _wait_for_scheduler_port(job, child, path, ready_timeout,
+                                                                 deadline, timeout))
+    port = keeper.start()
+    say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
+        f"{LOCALHOST}: the scheduler on port {port}{health_ports(health, num_servers)}; "
+        f"{token_source(environ, local=True)}")
+    launch.shared = dict(shared)
+    launch.keeper = keeper
+    launch.start_workers(port, slots)
+    try:
+        return launch.supervise(deadline, timeout, shutdown_timeout)
+    finally:
+        if launch.link is not None:
+            launch.link.close()
 
 
 def _wait_for_scheduler_port(job: Job, server0: Child, ready_file: str, ready_timeout: float,
@@ -323,48 +352,6 @@ def _read_port(path: str, last_text: str):
     if text.isdigit() and 1 <= int(text) <= 65535:
         return int(text), text
     return None, text
-
-
-def _supervise(job: Job, deadline: Optional[float], timeout: Optional[float],
-               shutdown_timeout: float) -> int:
-    """Wait for the job to end; the first failure stops everything.
-
-    At the end of a healthy job one side leaves first: the workers finish and
-    the scheduler then tells the servers to exit, or the servers exit while the
-    last workers are still tearing down. Either way the other side gets
-    ``shutdown_timeout`` seconds to follow before it counts as stuck.
-    """
-    exited: set = set()
-    workers_done_at: Optional[float] = None
-    server_left: Optional[tuple] = None       # (when, which) a server exited 0 early
-    while True:
-        job.check(deadline, timeout)
-        now = time.monotonic()
-        for child in job.newly_exited(exited):
-            if child.returncode != 0:
-                say(job.verdict(child))
-                raise Stop(child.returncode if child.returncode > 0 else 1)
-            if child.kind == "server" and job.running("worker") and server_left is None:
-                server_left = (now, child)
-        workers = job.running("worker")
-        servers = job.running("server")
-        if not workers and not servers:
-            return 0
-        if not workers:
-            workers_done_at = workers_done_at or now
-            if now - workers_done_at >= shutdown_timeout:
-                names = ", ".join(s.label() for s in servers)
-                say(f"{names} did not exit within {shutdown_timeout:g} s after all workers "
-                     f"finished; stopping them (the workers succeeded)")
-                job.stop(servers)
-                return 0
-        elif server_left is not None and now - server_left[0] >= shutdown_timeout:
-            names = ", ".join(w.label() for w in workers)
-            say(f"{server_left[1].label()} exited while workers were still running, and "
-                 f"{names} did not finish within {shutdown_timeout:g} s; stopping the other "
-                 f"processes")
-            raise Stop(1)
-        time.sleep(POLL_INTERVAL_S)
 
 
 # ------------------------------------------------------- one process, cluster mode
@@ -431,17 +418,16 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
 
 def _run_one(job: Job, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str],
              deadline: Optional[float], timeout: Optional[float]) -> int:
-    """Run one child to its end, passing stop signals on; return its exit code."""
+    """Run one child to its end, passing stop signals on; return its exit code.
+
+    An elastic worker or server takes SIGTERM (a pod's eviction or
+    scale-down) as "leave at the next commit": it gets the signal and all
+    the time it needs (the pod's grace period bounds it); a second signal
+    stops it (procs.run_to_end)."""
     child = job.start(name, kind, argv, env)
-    while child.poll() is None:
-        if job.stop_signal is not None:
-            # Pass the very signal on (SIGINT stays SIGINT) so the program can
-            # react as it would in a terminal; then report how it ended.
-            LOG.info("received %s; passing it to %s", signal_name(job.stop_signal), child.label())
-            job.stop([child], first_signal=job.stop_signal)
-            break
-        job.check(deadline, timeout)
-        time.sleep(POLL_INTERVAL_S)
+    # An elastic node takes SIGTERM as "leave at the next commit" (a pod's
+    # eviction): passed on alone, with no SIGKILL after it.
+    run_to_end(job, child, deadline, timeout, graceful_term=bool(config.value("BYTEPS_ELASTIC", env)))
     if child.returncode:
         say(job.verdict(child, then=""))
     return exit_code_of(child.returncode if child.returncode is not None else -signal.SIGKILL)
@@ -469,30 +455,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parse_args(argv)
     except SystemExit as exc:      # argparse already printed usage or help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    _configure_logging(args.verbose)
+    _configure_logging(args.verbose or args.log_level in ("TRACE", "DEBUG", "INFO"))
+    environ = None
+    if args.log_level:
+        environ = dict(os.environ, BYTEPS_LOG_LEVEL=args.log_level)
+    if args.hosts and args.num_proc is None and not args.elastic:
+        say("-H/--hosts needs -np (local mode)")
+        return EXIT_USAGE
     if args.num_proc is None and not args.elastic:
         if args.servers is not None:
             say("--servers only applies with -np (local mode); in cluster mode the servers "
                 "come from TF_CONFIG or DMLC_NUM_SERVER")
             return EXIT_USAGE
         return run_cluster(args.command, timeout=args.timeout, prefix_output=args.prefix,
-                           health_port=args.health_port)
+                           health_port=args.health_port, environ=environ)
     elastic = None
     if args.elastic:
+        if args.hosts and args.discovery:
+            say("-H/--hosts and --host-discovery-script exclude each other: give the hosts "
+                "one way")
+            return EXIT_USAGE
         try:
-            num, low, high = elastic_launch.check_options(args.num_proc, args.min_np, args.max_np)
+            num, low, high = elastic_launch.check_options(
+                args.num_proc, args.min_np, args.max_np, bool(args.hosts or args.discovery))
         except ValueError as exc:
             say(str(exc))
             return EXIT_USAGE
         args.num_proc = num
-        elastic = {"min_np": low, "max_np": high, "discovery": args.discovery,
-                   "elastic_timeout": args.elastic_timeout,
-                   "discovery_interval": args.discovery_interval,
-                   "blacklist_after": args.blacklist_after}
+        elastic = dict(elastic_options(args), min_np=low, max_np=high)
     try:
         return run_local(args.num_proc, args.servers, args.command, timeout=args.timeout,
                          prefix_output=args.prefix, health_port=args.health_port,
-                         elastic=elastic)
+                         elastic=elastic, hosts=args.hosts, environ=environ)
     except UsageError as exc:
         say(str(exc))
         return EXIT_USAGE

@@ -177,6 +177,9 @@ class Job:
         self.children: List[Child] = []
         self.stop_signal: Optional[int] = None   # first stop signal the launcher got
         self.hurry = False                       # a second one: skip the grace period
+        # Elastic workers take a first SIGTERM for "leave at the next commit":
+        # when set, a stop says it again after this many seconds.
+        self.repeat_term_s: Optional[float] = None
         self._parent_pid = os.getpid()
 
     def start(self, name: str, kind: str, argv: Sequence[str], env: Mapping[str, str]) -> Child:
@@ -268,11 +271,18 @@ class Job:
             return
         for child in targets:
             child.signal_group(first_signal)
-        give_up = time.monotonic() + self.grace_s
+        started = time.monotonic()
+        give_up = started + self.grace_s
+        repeat = self.repeat_term_s if first_signal == signal.SIGTERM else None
         while time.monotonic() < give_up and not self.hurry:
             live = _live_process_groups()
             if not any(c.group_alive(live) for c in targets):
                 break
+            if repeat is not None and time.monotonic() - started >= repeat:
+                repeat = None
+                for child in targets:
+                    if child.group_alive(live):
+                        child.signal_group(first_signal)
             time.sleep(POLL_INTERVAL_S)
         live = _live_process_groups()
         for child in targets:
@@ -283,6 +293,48 @@ class Job:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.popen.wait(timeout=self.grace_s + 5)
             child.poll()   # notes when it ended
+
+
+def supervise_fixed(job: "Job", deadline: Optional[float], timeout: Optional[float],
+                    shutdown_timeout: float) -> int:
+    """Waits for a fixed job to end; the first failure stops everything.
+
+    At the end of a healthy job one side leaves first: the workers finish and
+    the scheduler then tells the servers to exit, or the servers exit while the
+    last workers are still tearing down. Either way the other side gets
+    ``shutdown_timeout`` seconds to follow before it counts as stuck.
+    """
+    exited: set = set()
+    workers_done_at: Optional[float] = None
+    server_left: Optional[tuple] = None       # (when, which) a server exited 0 early
+    while True:
+        job.check(deadline, timeout)
+        now = time.monotonic()
+        for child in job.newly_exited(exited):
+            if child.returncode != 0:
+                say(job.verdict(child))
+                raise Stop(child.returncode if child.returncode > 0 else 1)
+            if child.kind == "server" and job.running("worker") and server_left is None:
+                server_left = (now, child)
+        workers = job.running("worker")
+        servers = job.running("server")
+        if not workers and not servers:
+            return 0
+        if not workers:
+            workers_done_at = workers_done_at or now
+            if now - workers_done_at >= shutdown_timeout:
+                names = ", ".join(s.label() for s in servers)
+                say(f"{names} did not exit within {shutdown_timeout:g} s after all workers "
+                     f"finished; stopping them (the workers succeeded)")
+                job.stop(servers)
+                return 0
+        elif server_left is not None and now - server_left[0] >= shutdown_timeout:
+            names = ", ".join(w.label() for w in workers)
+            say(f"{server_left[1].label()} exited while workers were still running, and "
+                 f"{names} did not finish within {shutdown_timeout:g} s; stopping the other "
+                 f"processes")
+            raise Stop(1)
+        time.sleep(POLL_INTERVAL_S)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -336,3 +388,34 @@ def catch_stop_signals(job: Job) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_to_end(job: Job, child: Child, deadline: Optional[float], timeout_s: Optional[float],
+               graceful_term: bool = False) -> None:
+    """Waits for one child to end, passing the launcher's stop signals on.
+
+    By default the very signal is passed on (SIGINT stays SIGINT), then the
+    child is stopped as ``Job.stop`` does. ``graceful_term`` (a node of an
+    elastic job, docs/elastic.md): SIGTERM alone is passed on, and nothing
+    follows it: the node leaves the job at the workers' next commit and ends
+    on its own with exit code 0; what bounds the wait is whoever sent the
+    signal (on Kubernetes the pod's terminationGracePeriodSeconds, then
+    SIGKILL). A second signal stops the child as ``Job.stop`` does.
+    """
+    passed = 0
+    while child.poll() is None:
+        signum = job.stop_signal
+        if signum is not None and graceful_term and signum == signal.SIGTERM and not job.hurry:
+            if not passed:
+                LOG.info("received SIGTERM; passing it to %s, which leaves the elastic job at "
+                         "its next commit", child.label())
+                child.signal_group(signal.SIGTERM)
+                passed = 1
+        elif signum is not None:
+            LOG.info("received %s; passing it to %s", signal_name(signum), child.label())
+            job.stop([child], first_signal=signum)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            job.check(deadline, timeout_s)
+        time.sleep(POLL_INTERVAL_S)
+

@@ -8,7 +8,9 @@ import atexit
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from bps_tf.runtime import cluster, config, messages, security
@@ -16,7 +18,7 @@ from bps_tf.runtime.loader import load_core
 
 _core = None
 _atexit_registered = False
-_membership = {"epoch": None}   # elastic: the membership epoch joined last
+_membership = {"epoch": None, "restarting": False}   # elastic: the epoch joined last
 log = logging.getLogger("bps_tf")
 
 
@@ -61,6 +63,9 @@ def _join(c, environ, rank=None) -> None:
     values.update(spec.core_values())
     if values.get("elastic"):
         config.check_elastic(values)
+        # The launcher's name for this process, in its reports to the scheduler.
+        values["launch_id"] = (os.environ if environ is None else environ).get(
+            "BYTEPS_LAUNCH_ID", "")
         if rank is not None:
             values["rank"] = rank      # the rank of the last epoch; the scheduler gives the new one
             values["elastic_rejoin"] = 1
@@ -68,8 +73,24 @@ def _join(c, environ, rank=None) -> None:
             values["rendezvous_timeout_s"] = max(float(values["rendezvous_timeout_s"]),
                                                  float(values["elastic_timeout_s"]))
         elif config.elastic_newcomer(environ):
-            values["rank"] = -1        # waits for the next epoch
-    c.worker_init(config.to_core_text(values))
+            # Waits for the next epoch; ranked after the members, in the
+            # order of the ranks the launcher planned for the newcomers
+            # (HOROVOD_RANK, as horovodrun gives it; else its place in TF_CONFIG).
+            planned = (os.environ if environ is None else environ).get("HOROVOD_RANK", "")
+            values["start_rank"] = int(planned) if planned.isdigit() else values["rank"]
+            values["rank"] = -1
+    try:
+        c.worker_init(config.to_core_text(values))
+    except RuntimeError:
+        if values.get("elastic"):
+            _leave_if_told(c)
+        raise
+    if values.get("elastic"):
+        _handle_sigterm_as_leave()
+        if _sigterm["pending"]:
+            # SIGTERM came while this worker changed membership: it leaves now.
+            _sigterm["pending"] = False
+            c.elastic_request_leave()
     _membership["epoch"] = int(json.loads(c.stats_json())["elastic_epoch"]) \
         if values.get("elastic") else None
     _configure_logging(values.get("log_level", "WARNING"), c.rank())
@@ -112,6 +133,51 @@ def refuse_to_start(message: str) -> None:
     raise SystemExit(security.EXIT_REFUSED)
 
 
+def _leave_if_told(c) -> None:
+    """Elastic: the scheduler told this worker to go (the job finished, or
+    it was removed) instead of admitting it: it ends with exit code 0."""
+    why = json.loads(c.stats_json()).get("elastic_leave", "")
+    if why:
+        print(f"bps_tf: this worker leaves the elastic job without joining it: {why}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+
+_sigterm = {"installed": False, "asked": False, "pending": False}
+
+
+def _handle_sigterm_as_leave() -> None:
+    """Elastic: SIGTERM (a pod's eviction, bpslaunch removing a host) asks the
+    scheduler to let this worker leave at the next commit, where the others
+    go on without it and without a rollback. A second SIGTERM, or one while
+    this worker is no member, ends the process as SIGTERM does. Installed
+    only over the default action, from the main thread."""
+    if _sigterm["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return   # the program handles SIGTERM itself
+
+    def on_sigterm(signum, _frame):
+        if not _sigterm["asked"]:
+            if is_initialized() and core().elastic_request_leave():
+                _sigterm["asked"] = True
+                log.warning("SIGTERM: leaving the elastic job at the next commit (a second "
+                            "SIGTERM ends this process at once)")
+                return
+            if is_initialized() or _membership.get("restarting"):
+                # Its membership changes now: it asks once it is a member
+                # again (unless the scheduler tells it to go at its HELLO).
+                _sigterm["asked"] = _sigterm["pending"] = True
+                log.warning("SIGTERM: leaving the elastic job once its membership change "
+                            "is done (a second SIGTERM ends this process at once)")
+                return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _sigterm["installed"] = True
+
+
 def membership_epoch():
     """Elastic (BYTEPS_ELASTIC=1): the membership epoch this worker joined
     last (0 for the first); None without elastic mode or before init()."""
@@ -124,6 +190,11 @@ def rejoin(rank, environ=None) -> None:
     c = core()
     _join(c, environ, rank=-1 if rank is None else rank)
     _speed_window_start()
+
+
+def restarting(flag: bool) -> None:
+    """Elastic: this worker is between two memberships (shutdown, rejoin)."""
+    _membership["restarting"] = flag
 
 
 def _configure_logging(level: str, rank: int) -> None:

@@ -202,6 +202,15 @@ SETTINGS = (
     Setting("BYTEPS_ELASTIC_TIMEOUT", "elastic_timeout_s", "600", float,
             "Elastic: seconds the scheduler waits for enough workers (--min-np) after a "
             "membership change before it fails the job (bpslaunch --elastic-timeout)."),
+    Setting("BYTEPS_SCHEDULER_RECOVERY_TIMEOUT", "scheduler_recovery_s", "120", float,
+            "Elastic: seconds a worker or server that lost the scheduler (its link broke, "
+            "or BYTEPS_TIMEOUT without an answer) keeps re-registering with it, as it may "
+            "restart at the same address (bpslaunch or Kubernetes starts it again; "
+            "docs/elastic.md), before it fails. A fixed job fails after BYTEPS_TIMEOUT."),
+    Setting("BYTEPS_ELASTIC_RESET_LIMIT", "elastic_reset_limit", "-1", _int,
+            "Elastic: the scheduler fails the job once its workers would change (a "
+            "reset: a loss, a failure, workers added or removed) more than this many "
+            "times (bpslaunch --reset-limit). -1: no limit. Read by the scheduler."),
     # -- failures, stalls and time limits --
     Setting("BYTEPS_TIMEOUT", "timeout_s", "30", float,
             "Seconds without a heartbeat after which a peer is declared dead "
@@ -303,6 +312,11 @@ SETTINGS = (
             "(earliest layer first); 0 sends them first come, first served."),
     Setting("BYTEPS_PROGRESS_ALL_RANKS", "", "0", _bool,
             "Draw Keras' progress bar on every worker, not only on rank 0."),
+    Setting("BYTEPS_LAUNCHER_REPORTS", "", "1", _bool,
+            "Elastic, bpslaunch -np: the launcher reports to the scheduler at once each "
+            "worker it sees end, the workers it removes and the newcomers it starts "
+            "(docs/elastic.md). 0: it does not; a lost worker is then noticed after "
+            "BYTEPS_TIMEOUT, as without a launcher (for comparisons)."),
     Setting("BYTEPS_HEALTH_PORT", "", "0", _int,
             "Port on which a server or scheduler serves the gRPC health service "
             "(grpc.health.v1, for Kubernetes `grpc` probes): NOT_SERVING until "

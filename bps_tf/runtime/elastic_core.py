@@ -5,15 +5,25 @@ announces a new one (a worker was lost or restarts, or newcomers are
 admitted). ``restart()`` then leaves the old epoch and joins the next one
 as a new engine, keeping the rank order: the scheduler gives dense ranks,
 the survivors in the order of their old ranks, then the newcomers.
+
+The scheduler also sends host updates (workers announced to join, or about
+to leave), which ``host_updates()`` lists for the states' queues, and tells
+a worker that is removed from the job (``leaving()``): it leaves at the
+next commit (``leave()``), exiting with 0.
 """
 from __future__ import annotations
 
 import json
+import logging
+
 from bps_tf.runtime import basics, config
 
-# The goodbye reason the scheduler reads as "back at once" (protocol.h
-# kElasticRestart): not a failure, a member to wait for.
+# The goodbye reasons the scheduler reads (protocol.h): kElasticRestart, a
+# member to wait for at once; kElasticLeave, a worker that leaves on purpose.
 RESTART_REASON = "restarts its membership (elastic)"
+LEAVE_REASON = "leaves the job (elastic)"
+log = logging.getLogger("bps_tf")
+
 
 def enabled(environ=None) -> bool:
     return bool(config.value("BYTEPS_ELASTIC", environ))
@@ -44,9 +54,36 @@ def workers_waiting() -> int:
     return int(_stats()["elastic_waiting"])
 
 
+def host_updates(since: int = 0) -> list:
+    """The scheduler's host updates of this membership numbered above
+    ``since``: ``(number, time in ms, flags)``, flags 1 removed, 2 added."""
+    if not basics.is_initialized():
+        return []
+    return [tuple(u) for u in _stats()["elastic_updates"] if int(u[0]) > since]
+
+
+def leaving() -> str:
+    """Why this worker must leave the job ("" while it stays): its host was
+    removed, or it asked to (SIGTERM)."""
+    return str(_stats().get("elastic_leave", ""))
+
+
+def leave() -> None:
+    """Leaves the job on purpose, at a commit where the others restart: says
+    goodbye (the others go on without a rollback) and exits with 0."""
+    why = leaving()
+    basics.shutdown(LEAVE_REASON)
+    log.warning("elastic: this worker leaves the job (%s)", why or "asked to")
+    raise SystemExit(0)
+
+
 def restart(environ=None) -> None:
     """Leaves this epoch and joins the next one, as the same member: blocks
     until the scheduler has formed it (every survivor back, or BYTEPS_TIMEOUT)."""
     rank = basics.rank() if basics.is_initialized() else None
-    basics.shutdown(RESTART_REASON)
-    basics.rejoin(rank, environ)
+    basics.restarting(True)
+    try:
+        basics.shutdown(RESTART_REASON)
+        basics.rejoin(rank, environ)
+    finally:
+        basics.restarting(False)

@@ -7,6 +7,7 @@ also serves the gRPC health service (see bps_tf/runtime/health.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from bps_tf.runtime import cluster, config, security
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     values.update(spec.core_values())
+    # Elastic: the launcher reports this process to the scheduler by this name.
+    values["launch_id"] = os.environ.get("BYTEPS_LAUNCH_ID", "")
     core = load_core()
     try:
         health_server = _start_health(spec, core)

@@ -8,19 +8,19 @@ Phase B, an unchanged model.fit under BytePSStrategy(elastic=True).
 Each phase, with deterministic data:
 - epoch 0 with 3 workers, committed when epoch 1 begins (state.epoch = 1);
 - one worker SIGKILLs itself at epoch 1, batch 3 (phase A: the one started
-  third; phase B: the newcomer of phase A); bpslaunch starts a replacement
-  at once, which imports TensorFlow and waits to ask to join;
+  third; phase B: the newcomer of phase A); bpslaunch tells the scheduler
+  at once and starts a replacement, which it announces;
 - the two others roll back to the commit, restart their membership and
-  train on with 2 workers; at epoch JOIN_AT's commit rank 0 lets the
-  newcomer ask (not sooner: a quick one would join at the first 2-worker
-  commit) and the workers keep committing until it comes; it joins there,
-  receives the committed state through sync(), and 3 workers train to
-  epoch EPOCHS.
+  train on with 2 workers; they hear of the replacement when that
+  membership starts, and at their next commit (epoch 2's start) every
+  worker restarts and waits for it; it joins there, receives the committed
+  state through sync(), and 3 workers train to epoch EPOCHS.
 The newcomer of phase B skips phase A.
 
 Saved, per phase ("a_", "b_"): each commit rank 0 takes
 (commit_e{epoch}_n{size}; phase B when each epoch begins, after its
-commit), what each worker starts from, the final variables and what fit
+commit, and when an epoch ends, as the next one's commit), what each worker
+starts from, the final variables and what fit
 reported. With REF=1 the script instead runs a fixed 2-worker reference of
 each phase from REF_A_FROM / REF_B_FROM (epoch 1) to REF_A_UNTIL /
 REF_B_UNTIL, saving a_ref / b_ref.
@@ -41,7 +41,6 @@ import keras
 faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # where a stuck worker was
 OUT = sys.argv[1]
 EPOCHS = 5
-JOIN_AT = 3
 LOST_AT = (1, 3)      # epoch, batch
 REF = os.environ.get("REF") == "1"
 NEWCOMER = os.environ.get("BYTEPS_ELASTIC_NEWCOMER") == "1"
@@ -64,12 +63,6 @@ def _note(name, **data):
         json.dump(dict(data, time=time.time()), f)
 
 
-def _wait_for(name):
-    deadline = time.time() + 120
-    while not os.path.exists(_path(name + ".json")) and time.time() < deadline:
-        time.sleep(0.1)
-
-
 # The newcomer of phase B starts once phase A is over on every worker.
 NEWCOMER_B = NEWCOMER and os.path.exists(_path("a_done_r0.json"))
 
@@ -84,22 +77,6 @@ def _model(prefix):
 def _kill_myself(phase):
     _note(phase + "killed")
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _wait_for_newcomer(size, epoch, go, rank):
-    """At JOIN_AT's commit with 2 workers: lets the newcomer ask (rank 0
-    writes ``go``), then commit-checks until it has (HostsUpdatedInterrupt
-    leaves on every worker at once). Let go only here, a newcomer that is
-    quick could ask before the 2-worker phase's first commit and join there."""
-    if REF or size != 2 or epoch != JOIN_AT:
-        return
-    if rank == 0:
-        _note(go)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        bps_tf.elastic.ObjectState().check_host_updates()
-        time.sleep(0.2)
-    raise RuntimeError("no newcomer came within 120 s")
 
 
 def _refusals(model):
@@ -126,8 +103,6 @@ def _refusals(model):
 # ------------------------------------------------------------- phase A
 
 def phase_a():
-    if NEWCOMER:
-        _wait_for("a_go")
     hvd.init()
     model = _model("a_")
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, name="adam_a"))
@@ -151,9 +126,6 @@ def phase_a():
             if (not NEWCOMER and not REF and LAUNCH_INDEX == 2 and hvd.size() == 3 and
                     (state.epoch, batch) == LOST_AT):
                 _kill_myself("a_")
-
-        def on_epoch_begin(self, epoch, logs=None):   # after CommitStateCallback's commit
-            _wait_for_newcomer(hvd.size(), state.epoch, "a_go", hvd.rank())
 
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
                  hvd.elastic.UpdateBatchStateCallback(state),
@@ -186,8 +158,6 @@ def phase_a():
 # ------------------------------------------------------------- phase B
 
 def phase_b():
-    if NEWCOMER_B:
-        _wait_for("b_go")
     strategy = bps_tf.BytePSStrategy(elastic=not REF, **({"overlap": False} if REF else {}))
     with strategy.scope():
         model = _model("b_")
@@ -212,7 +182,12 @@ def phase_b():
             if not REF and strategy.rank == 0:   # the elastic commit of this epoch ran first
                 _save(f"b_commit_e{epoch}_n{strategy.num_workers}", variables())
                 _note(f"b_epoch_e{epoch}_n{strategy.num_workers}")
-            _wait_for_newcomer(strategy.num_workers, epoch, "b_go", strategy.rank)
+
+        def on_epoch_end(self, epoch, logs=None):
+            # What the next epoch's commit holds: a commit that admits a
+            # newcomer leaves fit before any epoch-begin callback runs.
+            if not REF and strategy.rank == 0:
+                _save(f"b_commit_e{epoch + 1}_n{strategy.num_workers}", variables())
 
         def on_train_batch_end(self, batch, logs=None):
             if (not REF and NEWCOMER and not NEWCOMER_B and strategy.num_workers == 3 and

@@ -263,6 +263,37 @@ def check_elastic_keras_state(rank):
     return len(state.variables)
 
 
+def check_elastic_callbacks_in_tf_keras_fit(rank):
+    """Horovod's elastic Keras callbacks run in tf_keras' fit: they are
+    tf_keras callbacks, a subclass's commit() is called (Horovod's own test
+    counts commits so), and the state follows the epochs and batches."""
+    x, y = rank_data(rank)
+    model = make_model(seed=3)
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.01)),
+                  loss="mse")
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0, commits=0)
+
+    class Tracking(hvd.elastic.CommitStateCallback):
+        def commit(self):
+            self.state.commits += 1
+            super().commit()
+
+    callbacks = [Tracking(state), hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state)]
+    if not all(isinstance(c, tf.keras.callbacks.Callback) for c in callbacks):
+        raise AssertionError("the elastic callbacks are not tf_keras callbacks")
+    steps = len(x) // BATCH
+    model.fit(x[:steps * BATCH], y[:steps * BATCH], batch_size=BATCH, epochs=2, shuffle=False,
+              callbacks=callbacks, verbose=0)
+    # A commit when each batch after the first begins, at each epoch's start
+    # and at the end: 2 * steps in all.
+    if (state.epoch, state.batch, state.commits) != (2, 0, 2 * steps):
+        raise AssertionError(f"epoch/batch/commits {state.epoch}/{state.batch}/{state.commits}, "
+                             f"expected 2/0/{2 * steps}")
+    return state.commits
+
+
 def check_broadcast_callback_on_a_model_built_by_fit(rank):
     """A Sequential without an input shape is built by tf_keras' first step,
     after on_train_begin: the callback broadcasts after the first batch
@@ -351,6 +382,7 @@ def main():
     checks.run("mixed_precision_legacy",
                lambda: check_mixed_precision_overflow_on_one_rank(rank, True))
     checks.run("elastic_keras_state", lambda: check_elastic_keras_state(rank))
+    checks.run("elastic_callbacks", lambda: check_elastic_callbacks_in_tf_keras_fit(rank))
     checks.run("broadcast_unbuilt", lambda: check_broadcast_callback_on_a_model_built_by_fit(rank))
     checks.run("finished", lambda: None)
 

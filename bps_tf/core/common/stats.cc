@@ -22,6 +22,23 @@ void Stats::ClearSendLog() {
   send_log_.clear();
 }
 
+void Stats::AddHostUpdate(uint64_t seq, int64_t time_ms, int flags) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (host_updates_.size() >= 64) host_updates_.erase(host_updates_.begin());
+  host_updates_.push_back(HostUpdate{seq, time_ms, flags});
+}
+
+void Stats::SetElasticLeave(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  elastic_leave_ = why;
+}
+
+void Stats::ClearElastic() {
+  std::lock_guard<std::mutex> lock(mu_);
+  host_updates_.clear();
+  elastic_leave_.clear();
+}
+
 
 std::string Stats::Json() {
   std::ostringstream o;
@@ -48,8 +65,13 @@ std::string Stats::Json() {
     << ",\"elastic_announced\":" << elastic_announced
     << ",\"elastic_waiting\":" << elastic_waiting
     << ",\"frames_stale_epoch\":" << frames_stale_epoch
-    << ",\"send_log\":[";
+    << ",\"elastic_updates\":[";
   std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < host_updates_.size(); ++i) {
+    o << (i ? "," : "") << "[" << host_updates_[i].seq << "," << host_updates_[i].time_ms << ","
+      << host_updates_[i].flags << "]";
+  }
+  o << "],\"elastic_leave\":" << JsonString(elastic_leave_) << ",\"send_log\":[";
   for (size_t i = 0; i < send_log_.size(); ++i) {
     if (i) o << ",";
     o << "[" << JsonString(send_log_[i].name) << "," << send_log_[i].part << ","

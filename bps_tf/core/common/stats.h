@@ -68,10 +68,23 @@ class Stats {
   void RecordSend(const std::string& name, uint32_t part, int64_t priority);
   std::string Json();
   void ClearSendLog();
+  // Elastic, a worker: the scheduler's host updates of this membership
+  // (number, time in ms, flags: 1 removed, 2 added; the last 64), and why
+  // it must leave the job ("" while it stays).
+  void AddHostUpdate(uint64_t seq, int64_t time_ms, int flags);
+  void SetElasticLeave(const std::string& why);
+  void ClearElastic();
 
  private:
+  struct HostUpdate {
+    uint64_t seq;
+    int64_t time_ms;
+    int flags;
+  };
   std::mutex mu_;
   std::vector<SendRecord> send_log_;
+  std::vector<HostUpdate> host_updates_;
+  std::string elastic_leave_;
 };
 
 }  // namespace bps

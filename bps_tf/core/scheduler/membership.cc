@@ -6,14 +6,20 @@
 
 namespace bps {
 
-void Membership::Join(const std::string& endpoint, const Config& cfg, const Config& extra) {
-  // The pid keeps a restarted node's routing id apart from its old one.
-  // A count keeps a membership restarted by the same process (elastic)
-  // apart from its old link, which the scheduler may not have closed yet.
+namespace {
+// The pid keeps a restarted node's routing id apart from its old one. A
+// count keeps a membership restarted by the same process (elastic), or a
+// link opened again (Relink), apart from its old link, which the scheduler
+// may not have closed yet.
+std::string LinkName(Role role, int id) {
   static std::atomic<int> joins{0};
-  std::string name = std::string("ctl-") + RoleName(role_) + "-" + std::to_string(id_) + "-" +
-                     std::to_string(getpid()) + "-" + std::to_string(joins++);
-  scheduler_ = channel_->Connect(endpoint, name);
+  return std::string("ctl-") + RoleName(role) + "-" + std::to_string(id) + "-" +
+         std::to_string(getpid()) + "-" + std::to_string(joins++);
+}
+}  // namespace
+
+void Membership::Join(const std::string& endpoint, const Config& cfg, const Config& extra) {
+  scheduler_ = channel_->Connect(endpoint, LinkName(role_, id_));
   endpoint_ = endpoint;
   origin_ = cfg.Get("scheduler_origin", "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT");
   members_origin_ = cfg.Get("members_origin", "DMLC_NUM_WORKER/DMLC_NUM_SERVER");
@@ -24,6 +30,7 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
   // A node that hosts the scheduler meets itself: the scheduler reports who
   // is missing instead.
   report_waiting_ = cfg.GetInt("host_scheduler", 0) == 0;
+  rejoining_ = cfg.GetInt("elastic_rejoin", 0) != 0;
   Config hello = extra;
   for (const SharedSetting& s : kSharedSettings) hello.Set(s.key, cfg.Get(s.key));
   hello.Set("hostname", cfg.Get("hostname"));
@@ -31,13 +38,34 @@ void Membership::Join(const std::string& endpoint, const Config& cfg, const Conf
   hello.Set("members_origin", members_origin_);
   hello.Set("pid", std::to_string(getpid()));
   welcomed_ = ready_ = false;
+  relinking_ = false;
   last_heard_ = last_beat_ = Clock::now();
+  hello_ = hello;
+  Send(MsgType::kHello, hello.Serialize());
+}
+
+void Membership::Relink(const Config& report) {
+  if (!relinking_) relink_started_ = Clock::now();
+  relinking_ = true;
+  if (scheduler_.valid()) channel_->Close(scheduler_, 0);
+  scheduler_ = channel_->Connect(endpoint_, LinkName(role_, id_));
+  heard_ = false;
+  last_heard_ = last_beat_ = Clock::now();
+  Config hello = hello_;
+  for (const auto& kv : report.values()) hello.Set(kv.first, kv.second);
+  // libzmq holds the HELLO until the scheduler listens again.
   Send(MsgType::kHello, hello.Serialize());
 }
 
 bool Membership::Handle(const Message& m, const OnWelcome& on_welcome) {
   last_heard_ = Clock::now();
   heard_ = true;
+  if (relinking_) {
+    relinking_ = false;
+    BPS_LOG(kWarning, "the scheduler at " << endpoint_ << " answered again after "
+                                          << static_cast<int>(SecondsSince(relink_started_))
+                                          << " s");
+  }
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kWelcome: {
       Config layout = Config::Parse(m.payload.str());
@@ -81,6 +109,7 @@ void Membership::Tick() {
   }
   if (SecondsSince(last_beat_) < heartbeat_s_) return;
   last_beat_ = Clock::now();
+  if (relinking_) return;  // nothing queues behind the HELLO for a scheduler that is not back
   Send(MsgType::kHeartbeat, "");
 }
 
@@ -92,6 +121,11 @@ std::string Membership::WaitingLine(double waited_s) const {
     return "waiting for the scheduler at " + endpoint_ + " (from " + origin_ + ") for " + waited +
            ": no answer yet; is that process started, and can this machine reach that "
            "address?" + limit;
+  }
+  if (rejoining_) {
+    return "the scheduler at " + endpoint_ + " answered; waiting for the next membership to "
+           "form (the other members to come back, the newcomers announced to start), for " +
+           waited + limit;
   }
   if (newcomer()) {
     return "the scheduler at " + endpoint_ + " answered; this new worker waits to be admitted "

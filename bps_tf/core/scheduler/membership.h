@@ -55,6 +55,17 @@ class Membership {
   static constexpr double kWarnAfter = 0.5;
   // True once nothing came from the scheduler for longer than timeout_s.
   bool Silent(double timeout_s) const { return SecondsSince(last_heard_) > timeout_s; }
+  // Elastic (docs/elastic.md): whether the link to the scheduler broke (its
+  // process ended, or the network dropped it).
+  bool Dropped() const { return joined() && channel_->Dropped(scheduler_); }
+  // Re-registers with a scheduler that was lost, restarted at the same
+  // address: a new link (a sealed link's keys were the old process's), and
+  // Join's HELLO again with `report` (recover=1, what this node was doing).
+  // A node that gets no answer calls it again; relinking() holds until the
+  // scheduler answers, and relink_started() is when the first call came.
+  void Relink(const Config& report);
+  bool relinking() const { return relinking_; }
+  Clock::time_point relink_started() const { return relink_started_; }
   // Says goodbye, with why this node leaves ("" when it finished), and gives
   // it linger_ms to reach the scheduler.
   void Leave(int linger_ms, const std::string& reason = "");
@@ -78,10 +89,14 @@ class Membership {
   Clock::time_point last_report_ = Clock::now();
   std::atomic<bool> heard_{false};  // anything came from the scheduler
   bool report_waiting_ = true;
+  bool rejoining_ = false;  // elastic: a member joining the next membership epoch
   bool welcomed_ = false;
   bool ready_ = false;
   Clock::time_point last_heard_ = Clock::now();
   Clock::time_point last_beat_ = Clock::now();
+  Config hello_;  // Join's HELLO, said again by Relink
+  bool relinking_ = false;
+  Clock::time_point relink_started_{};
 };
 
 }  // namespace bps

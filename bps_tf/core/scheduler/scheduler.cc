@@ -55,7 +55,9 @@ Scheduler::Scheduler(const Config& cfg)
       elastic_(cfg.GetInt("elastic", 0) != 0),
       min_workers_(static_cast<int>(cfg.GetInt("elastic_min_workers", 1))),
       max_workers_(static_cast<int>(cfg.GetInt("elastic_max_workers", 0))),
-      elastic_timeout_s_(cfg.GetDouble("elastic_timeout_s", 600)) {
+      elastic_timeout_s_(cfg.GetDouble("elastic_timeout_s", 600)),
+      reset_limit_(static_cast<int>(cfg.GetInt("elastic_reset_limit", -1))),
+      newcomer_wait_s_(cfg.GetDouble("rendezvous_timeout_s", 120)) {
   if (max_workers_ <= 0) max_workers_ = std::max(num_workers_, 1);
   min_workers_ = std::max(1, std::min(min_workers_, max_workers_));
 }
@@ -80,6 +82,9 @@ void Scheduler::Fail(const std::string& message, std::vector<Outgoing>* out) {
   if (!fatal_.empty()) return;
   fatal_ = message;
   BPS_LOG(kError, message);
+  Config failed;
+  failed.Set("failed", message);
+  TellLauncher(failed, out);
   for (const auto& kv : nodes_) {
     if (!kv.second.departed) out->push_back(Reply(kv.first, MsgType::kError, message));
   }
@@ -103,8 +108,21 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
     case MsgType::kHello:
       OnHello(from, h, kv, out);
       return;
+    case MsgType::kControl:
+      if (h.sender_role == static_cast<uint16_t>(Role::kLauncher)) OnControl(from, kv, out);
+      return;
+    case MsgType::kLeave:
+      if (it != nodes_.end() && it->second.role == Role::kWorker) OnLeaveRequest(&it->second, out);
+      if (it != nodes_.end() && it->second.role == Role::kServer) OnServerLeave(it->second, out);
+      return;
     case MsgType::kBarrier:
       if (it == nodes_.end()) return;
+      if (epoch_ > 0 && it->second.role == Role::kServer) {
+        // A server that joined a running elastic job: the workers meet
+        // without it (it started its epoch already, scheduler_servers.cc).
+        out->push_back(Reply(from, MsgType::kBarrierDone, ""));
+        return;
+      }
       barrier_.insert(from);
       // After the first epoch only the workers meet again.
       if (barrier_.size() == static_cast<size_t>(num_workers_ + (epoch_ == 0 ? num_servers_ : 0))) {
@@ -119,6 +137,9 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnDeclare(from, h, kv, out);
       return;
+    case MsgType::kPeerLeft:  // elastic: a worker cannot reach a server
+      if (it != nodes_.end() && it->second.role == Role::kWorker) OnServerGone(it->second, kv, out);
+      return;
     case MsgType::kJoinNotice:
       if (it == nodes_.end() || it->second.role != Role::kWorker) return;
       OnJoin(it->second.id, std::strtoull(kv.Get("seen").c_str(), nullptr, 10), out);
@@ -127,6 +148,10 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
       if (it != nodes_.end()) out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       if (waiting_.count(from)) {
         waiting_[from].last_seen = Clock::now();
+        out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+      }
+      if (joining_servers_.count(from)) {
+        joining_servers_[from].last_seen = Clock::now();
         out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       }
       return;
@@ -145,11 +170,34 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
   if (node->departed) return;
   // Elastic: a worker that failed, or that restarts its membership (its
   // program caught a membership change), starts a new epoch; the job goes on.
+  if (elastic_ && node->role == Role::kWorker && reason == kElasticLeave) {
+    // A worker that was asked to leave goes, at the commit where the others
+    // restart: no rollback (it is no longer expected back).
+    std::string key = KeyOf(*node);
+    removed_.insert(key);
+    Config left;
+    left.Set("left", key);
+    TellLauncher(left, out);
+    BPS_LOG(kInfo, Describe(*node) << " left the job");
+    Peer peer = node->peer;
+    if (changing_) {
+      nodes_.erase(peer);
+      Reform(out);
+    } else {
+      StartEpoch(Describe(*node) + " left the job", &peer, out, /*agreed=*/true);
+    }
+    return;
+  }
   if (elastic_ && node->role == Role::kWorker && !reason.empty()) {
     bool restarts = reason == kElasticRestart;
     std::string why = Describe(*node) + " " + (restarts ? "restarts its membership" : reason);
     Peer peer = node->peer;
-    StartEpoch(why, restarts && !changing_ ? nullptr : &peer, out);
+    // A launcher reports the process's end soon, with the workers it
+    // removes because of it (the rest of a blacklisted host): wait for that.
+    if (!restarts && launcher_.valid() && !node->launch_id.empty()) {
+      verdicts_[KeyOf(*node)] = Clock::now();
+    }
+    StartEpoch(why, restarts && !changing_ ? nullptr : &peer, out, /*agreed=*/restarts);
     return;
   }
   node->departed = true;
@@ -180,6 +228,17 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
     if (n.second.role == Role::kWorker && n.second.departed) ++gone;
   }
   if (gone < num_workers_) return;
+  // Newcomers still waiting to join have nothing left to join: they go.
+  for (const auto& w : waiting_) {
+    out->push_back(Reply(w.first, MsgType::kLeave, "why=the job finished"));
+  }
+  waiting_.clear();
+  waiting_order_.clear();
+  if (elastic_) {
+    Config done;
+    done.Set("finished", failure_.empty() ? "1" : "0");
+    TellLauncher(done, out);
+  }
   // The servers exit non-zero with the reasons when a worker did not finish.
   std::string ending = failure_.empty() ? "" : "the job failed: " + failure_;
   for (auto& n : nodes_) {
@@ -188,6 +247,8 @@ void Scheduler::OnBye(Node* node, const std::string& reason, std::vector<Outgoin
       n.second.departed = true;
     }
   }
+  for (const auto& s : joining_servers_) out->push_back(Reply(s.first, MsgType::kShutdown, ""));
+  joining_servers_.clear();
   finished_ = true;
 }
 
@@ -205,8 +266,19 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
   n.machine = kv.Get("machine");
   n.local_rank = KvInt(kv, "local_rank", -1);
   n.local_size = KvInt(kv, "local_size", -1);
+  n.launch_id = kv.Get("launch_id");
+  n.start_rank = KvInt(kv, "start_rank", -1);
   n.last_seen = Clock::now();
   if (n.role != Role::kWorker && n.role != Role::kServer) return;
+  if (kv.Get("recover") == "1") {
+    // A node that lost the scheduler says what it was doing.
+    OnRecoverHello(from, n, kv, out);
+    return;
+  }
+  if (elastic_ && n.role == Role::kServer && welcomed_) {
+    OnServerHello(from, n, kv, out);
+    return;
+  }
   if (elastic_ && n.role == Role::kWorker && (welcomed_ || n.id < 0)) {
     OnElasticHello(from, n, kv, out);
     return;
@@ -274,6 +346,12 @@ void Scheduler::MaybeWelcome(std::vector<Outgoing>* out) {
                          WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
   }
   BPS_LOG(kInfo, "all " << num_workers_ << " workers and " << num_servers_ << " servers met");
+  if (elastic_) {
+    Config formed;
+    formed.Set("epoch", std::to_string(epoch_));
+    formed.Set("members", Members());
+    TellLauncher(formed, out);
+  }
 }
 
 bool Scheduler::NumberServers(std::vector<const Node*>* servers_by_id,
@@ -422,6 +500,7 @@ Config Scheduler::WelcomeOf(const Node& n, const HostLayout& hosts,
     const Node* s = servers_by_id[i];
     std::string key = "server." + std::to_string(i);
     w.Set(key, s ? s->data_addr : "");
+    if (s) w.Set(key + ".id", std::to_string(s->id));  // sparse in elastic jobs
     if (s && !s->local_addr.empty()) {
       w.Set(key + ".local", s->local_addr);
       w.Set(key + ".machine", s->machine);
@@ -440,9 +519,11 @@ void Scheduler::Tick(std::vector<Outgoing>* out) {
     TickElastic(out);  // lost workers start a new epoch there
     if (!fatal_.empty()) return;
   }
+  if (elastic_) TickServers(out);  // a lost server starts a new epoch there
+  if (!fatal_.empty()) return;
   for (const auto& kv : nodes_) {
     const Node& n = kv.second;
-    if (n.departed || (elastic_ && n.role == Role::kWorker)) continue;
+    if (n.departed || elastic_) continue;
     double quiet = SecondsSince(n.last_seen);
     if (quiet > timeout_s_) {
       Fail("lost " + Describe(n) + ": no heartbeat for " + std::to_string(static_cast<int>(quiet)) +

@@ -10,7 +10,10 @@
 // scheduler_declare.cc the tensor declarations, join and the stall check,
 // scheduler_elastic.cc the membership epochs of elastic training
 // (docs/elastic.md): a lost worker starts a new epoch instead of failing
-// the job, and workers that wait to join are admitted at the next one.
+// the job, and workers that wait to join are admitted at the next one;
+// scheduler_servers.cc does the same for servers (lost, leaving, joining),
+// and scheduler_recover.cc rebuilds a restarted scheduler's membership
+// from what the nodes report.
 #ifndef BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 #define BPS_TF_CORE_SCHEDULER_SCHEDULER_H_
 
@@ -71,6 +74,13 @@ class Scheduler {
     bool departed = false;
     int arrival = 0;  // elastic: newcomers take ranks in the order they arrived
     bool told_left = false;  // has had its kPeerLeft (a worker keeps the first only)
+    // Elastic: the launcher's name for the process (BYTEPS_LAUNCH_ID, its
+    // "[worker N]"), the rank the launcher planned for a newcomer (newcomers
+    // are ranked by it, as Horovod ranks hosts in order; -1: by arrival),
+    // and whether it was asked to leave at the next commit.
+    std::string launch_id;
+    int start_rank = -1;
+    bool leaving = false;
   };
   struct Pending {
     int expected;  // declarations that complete it: every worker, or one per host
@@ -89,7 +99,9 @@ class Scheduler {
   };
   struct Assignment {
     uint64_t key;
-    std::vector<int> servers;
+    std::vector<int> servers;  // each partition's server: its place in ServersInOrder()
+    int dtype = 0;
+    uint64_t bytes = 0;
   };
   // The workers' hosts, as each worker's WELCOME describes them.
   struct HostLayout {
@@ -163,9 +175,14 @@ class Scheduler {
   // or a newcomer that waits for the next one.
   void OnElasticHello(const Peer& from, const Node& n, const Config& kv,
                       std::vector<Outgoing>* out);
-  // Starts epoch epoch_+1: every surviving worker (all but `lost`) is told
-  // and forgotten until it says HELLO again.
-  void StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out);
+  // Starts epoch epoch_+1: every surviving worker (all but `lost`) is
+  // forgotten until it says HELLO again. `agreed`: the change was agreed at
+  // a commit (a worker restarts or leaves there after HostsUpdatedInterrupt),
+  // so every member restarts on its own once its part of that commit's
+  // agreement is back; otherwise (a loss, a failure) each is told
+  // (WORKERS_CHANGED), which fails its pending operations.
+  void StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out,
+                  bool agreed = false);
   // Once the survivors are back (or BYTEPS_TIMEOUT passed): dense ranks,
   // the servers start the epoch, then the workers' WELCOME.
   void MaybeFinishEpoch(std::vector<Outgoing>* out);
@@ -174,7 +191,66 @@ class Scheduler {
   void TellWaiting(std::vector<Outgoing>* out);  // kHostsUpdated to the workers
   void TickElastic(std::vector<Outgoing>* out);
   int WorkerCount() const;
+  // How long an epoch that a failure started waits for the launcher's
+  // report of it (see verdicts_).
+  static constexpr double kVerdictWaitS = 10;
+  // A launcher's messages and the workers' leave requests
+  // (scheduler_control.cc). The launcher reports the processes it saw end
+  // ("lost=") with what it removes because of it ("remove="), the newcomers
+  // it started ("announce="); the scheduler tells it each epoch's members.
+  void OnControl(const Peer& from, const Config& kv, std::vector<Outgoing>* out);
+  void OnLeaveRequest(Node* node, std::vector<Outgoing>* out);
+  // The worker with this launch id leaves: at the next commit (a member),
+  // at once (a survivor not back yet, a newcomer); false if none has it.
+  bool Remove(const std::string& id, const std::string& why, std::vector<Outgoing>* out);
+  void Lost(const std::string& id, const std::string& why, std::vector<Outgoing>* out);
+  // kHostsUpdated to every member: workers were added (flags 2) or will
+  // leave (1); each update has a number and a time, both rising.
+  void NotifyHosts(int flags, std::vector<Outgoing>* out);
+  // Forms the epoch again under a new number when the servers were told a
+  // worker count that no longer holds.
+  void Reform(std::vector<Outgoing>* out);
+  void TellLauncher(const Config& kv, std::vector<Outgoing>* out);
+  std::string Members() const;  // the members' launch ids, by rank
+  static std::string KeyOf(const Node& n);  // launch id, or host/pid without one
   Assignment Assign(const std::string& name, const std::string& sig, int dtype, uint64_t bytes);
+  // Each partition of a tensor of `bytes` to the server with the fewest
+  // bytes so far (server_load_).
+  std::vector<int> Place(int dtype, uint64_t bytes);
+
+  // Elastic servers (scheduler_servers.cc). A server that is lost, leaves
+  // or joins changes the membership as a worker does: the epoch that
+  // follows places every key again on its servers, balanced by bytes.
+  // Servers keep their ids (sparse once one is gone); a worker reaches
+  // them by their place in ServersInOrder().
+  void OnServerHello(const Peer& from, const Node& n, const Config& kv,
+                     std::vector<Outgoing>* out);
+  void LoseServer(const Peer& peer, const std::string& why, std::vector<Outgoing>* out);
+  // The launcher saw the server with this launch id end; false if none has it.
+  bool LostServer(const std::string& id, const std::string& why, std::vector<Outgoing>* out);
+  void OnServerLeave(const Node& server, std::vector<Outgoing>* out);
+  // A worker's notice that its link to a server broke ("server=", "epoch=").
+  void OnServerGone(const Node& worker, const Config& kv, std::vector<Outgoing>* out);
+  void TickServers(std::vector<Outgoing>* out);
+  // Whether the next epoch can form now: a restarted scheduler has heard
+  // enough, and there is a server to place keys on (the job fails when
+  // none came within --elastic-timeout).
+  bool ReadyToForm(std::vector<Outgoing>* out);
+  // At the forming: leaving servers go, joining ones are welcomed, keys
+  // are placed again when the servers changed.
+  void SettleServers(std::vector<Outgoing>* out);
+  // HostsUpdatedInterrupt at the next commit: flags 2 a server joins, 1 one leaves.
+  void AnnounceServers(int flags, std::vector<Outgoing>* out);
+  std::vector<const Node*> ServersInOrder() const;
+  int ServerCount() const;
+  void PlaceAgain();
+  // A restarted scheduler (scheduler_recover.cc): a node's HELLO with
+  // "recover=1" says what it was doing when it lost the scheduler.
+  void OnRecoverHello(const Peer& from, const Node& n, const Config& kv,
+                      std::vector<Outgoing>* out);
+  void BeginRecovery();
+  // The same HELLO at a scheduler that never went away: the node's link broke.
+  void Relinked(const Peer& from, const Node& n, const Config& kv, std::vector<Outgoing>* out);
 
   Config cfg_;
   int num_workers_;
@@ -219,6 +295,29 @@ class Scheduler {
   std::map<Peer, Node> waiting_;      // newcomers, admitted at the next epoch
   std::vector<Peer> waiting_order_;
   int next_arrival_ = 0;
+  std::map<int, std::string> expected_ids_;  // survivors not back yet: old rank -> key
+  Peer launcher_;  // the launcher's link (bpslaunch), once it said hello
+  std::map<std::string, Clock::time_point> announced_;  // newcomers the launcher started
+  std::set<std::string> awaited_;   // ... that the forming epoch waits for
+  std::set<std::string> removed_;   // told to leave: a HELLO of theirs gets kLeave
+  // A failure the launcher has not reported yet (its key, since when): the
+  // epoch waits for its report, which names the workers removed with it.
+  std::map<std::string, Clock::time_point> verdicts_;
+  uint64_t update_seq_ = 0;
+  int64_t update_ms_ = 0;
+  int resets_ = 0;
+  int reset_limit_ = -1;    // BYTEPS_ELASTIC_RESET_LIMIT; -1: none
+  double newcomer_wait_s_;  // for announced newcomers: BYTEPS_RENDEZVOUS_TIMEOUT
+
+  // Elastic servers and a restarted scheduler (scheduler_servers.cc,
+  // scheduler_recover.cc).
+  std::map<Peer, Node> joining_servers_;  // admitted at the next epoch
+  std::set<int> leaving_servers_;         // ids that leave at the next epoch
+  bool placement_stale_ = false;          // the servers changed since keys were placed
+  bool recovering_ = false;               // a restarted scheduler, until its first epoch
+  int recover_servers_ = 0;               // servers the workers' last epoch had
+  std::set<int> recover_ranks_;           // ranks a restarted scheduler heard of
+  Clock::time_point no_server_since_{};   // when the last server was lost
 };
 
 }  // namespace bps

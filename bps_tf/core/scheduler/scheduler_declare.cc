@@ -19,7 +19,16 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   while (key == 0 || used_keys_.count(key)) key += kMaxParts;
   used_keys_.insert(key);
   a.key = key;
-  uint64_t elem = DTypeSize(dtype);
+  a.dtype = dtype;
+  a.bytes = bytes;
+  a.servers = Place(dtype, bytes);
+  return a;
+}
+
+std::vector<int> Scheduler::Place(int dtype, uint64_t bytes) {
+  std::vector<int> servers;
+  if (server_load_.empty()) server_load_.assign(1, 0);
+  uint64_t elem = std::max<uint64_t>(DTypeSize(dtype), 1);
   uint64_t part = std::max<uint64_t>(elem, (static_cast<uint64_t>(partition_bytes_) / elem) * elem);
   for (uint64_t off = 0; off < bytes; off += part) {
     uint64_t len = std::min(part, bytes - off);
@@ -28,9 +37,9 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
       if (server_load_[s] < server_load_[best]) best = s;
     }
     server_load_[best] += len;
-    a.servers.push_back(static_cast<int>(best));
+    servers.push_back(static_cast<int>(best));
   }
-  return a;
+  return servers;
 }
 
 std::string Scheduler::Encode(const Assignment& a) {

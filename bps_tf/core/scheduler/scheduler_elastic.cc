@@ -28,6 +28,12 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
                                std::vector<Outgoing>* out) {
   Node n = node;
   n.arrival = next_arrival_++;
+  if (removed_.count(KeyOf(n))) {
+    // Removed from the job (its host left, or it asked to leave): it goes.
+    BPS_LOG(kInfo, "worker " << KeyOf(n) << " was removed from the job; told to leave");
+    out->push_back(Reply(from, MsgType::kLeave, "why=it was removed from the elastic job"));
+    return;
+  }
   // Only a member restarting its membership keeps a rank; a process that
   // starts while the job runs (a replacement pod with its TF_CONFIG index,
   // a worker bpslaunch adds) is a newcomer whatever rank it names.
@@ -45,7 +51,8 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
     for (const auto& other : nodes_) {
       if (other.second.role == Role::kWorker && other.second.id == n.id &&
           other.second.pid == n.pid && other.second.hostname == n.hostname && !other.second.departed) {
-        StartEpoch(Describe(other.second) + " restarts its membership", nullptr, out);
+        StartEpoch(Describe(other.second) + " restarts its membership", nullptr, out,
+                   /*agreed=*/true);
         break;
       }
     }
@@ -70,27 +77,20 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
   }
   waiting_[from] = n;
   waiting_order_.push_back(from);
+  // A newcomer the launcher announced: the members heard of it already.
+  bool announced = announced_.erase(KeyOf(n)) != 0;
+  awaited_.erase(KeyOf(n));
   BPS_LOG(kInfo, "a new worker (host " << n.hostname << ", pid " << n.pid
                                        << ") waits to join at the next membership epoch");
   if (changing_) {
     MaybeFinishEpoch(out);
-  } else if (welcomed_) {
+  } else if (welcomed_ && !announced) {
     TellWaiting(out);
   }
 }
 
-void Scheduler::TellWaiting(std::vector<Outgoing>* out) {
-  int room = max_workers_ - WorkerCount();
-  int admit = std::min(static_cast<int>(waiting_.size()), std::max(room, 0));
-  if (admit <= 0) return;
-  for (const auto& kv : nodes_) {
-    if (kv.second.role == Role::kWorker && !kv.second.departed) {
-      out->push_back(Reply(kv.first, MsgType::kHostsUpdated, "waiting=" + std::to_string(admit)));
-    }
-  }
-}
-
-void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out) {
+void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out,
+                           bool agreed) {
   if (changing_) {
     // A worker lost while the epoch forms: forget it; if the servers were
     // already told a worker count, form the epoch again under a new number.
@@ -104,6 +104,14 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
     MaybeFinishEpoch(out);
     return;
   }
+  if (reset_limit_ >= 0 && resets_ >= reset_limit_) {
+    Fail("elastic job stopped: the number of resets exceeded the limit of " +
+             std::to_string(reset_limit_) + " (--reset-limit / BYTEPS_ELASTIC_RESET_LIMIT): " +
+             "reset " + std::to_string(resets_ + 1) + " was due (" + why + ")",
+         out);
+    return;
+  }
+  ++resets_;
   ++epoch_;
   changing_ = true;
   servers_starting_ = false;
@@ -111,6 +119,10 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
   change_since_ = Clock::now();
   change_why_ = why;
   expected_.clear();
+  expected_ids_.clear();
+  // Newcomers the members were told of: this epoch waits for them.
+  awaited_.clear();
+  for (const auto& a : announced_) awaited_.insert(a.first);
   Config note;
   note.Set("epoch", std::to_string(epoch_));
   note.Set("why", why);
@@ -120,8 +132,15 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
       continue;
     }
     if (!it->second.departed && !(lost && it->first == *lost)) {
-      expected_.insert(it->second.id);
-      out->push_back(Reply(it->first, MsgType::kWorkersChanged, note.Serialize()));
+      // After an agreed change the others are past the commit's agreement
+      // and restart by themselves; failing their operations now would only
+      // race with its last replies (some would roll back, some not).
+      if (!agreed) out->push_back(Reply(it->first, MsgType::kWorkersChanged, note.Serialize()));
+      // A worker asked to leave does not come back.
+      if (!it->second.leaving) {
+        expected_.insert(it->second.id);
+        expected_ids_[it->second.id] = KeyOf(it->second);
+      }
     }
     it = nodes_.erase(it);
   }
@@ -141,9 +160,25 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
 
 void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   if (!changing_ || servers_starting_ || !fatal_.empty()) return;
+  if (!ReadyToForm(out)) return;  // scheduler_servers.cc
   int back = WorkerCount();
   bool overdue = SecondsSince(change_since_) > timeout_s_;
   if (!expected_.empty() && !overdue) return;
+  // A failure the launcher has not reported yet: its report names the
+  // workers removed with it (the rest of a blacklisted host), which must
+  // not be part of this epoch.
+  for (const auto& v : verdicts_) {
+    if (SecondsSince(v.second) < std::min(timeout_s_, kVerdictWaitS)) return;
+  }
+  verdicts_.clear();
+  if (!awaited_.empty()) {
+    if (SecondsSince(change_since_) < newcomer_wait_s_) return;
+    BPS_LOG(kWarning, "membership epoch " << epoch_ << ": " << awaited_.size()
+                                          << " announced newcomer(s) did not arrive within "
+                                          << static_cast<int>(newcomer_wait_s_)
+                                          << " s (BYTEPS_RENDEZVOUS_TIMEOUT); going on without them");
+    awaited_.clear();
+  }
   if (back == 0) {
     // Only the workers hold the trained state: newcomers alone would start
     // over from their programs' initial state, silently.
@@ -172,13 +207,23 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
                                           << " did not come back within BYTEPS_TIMEOUT; going on without them");
     expected_.clear();
   }
+  expected_ids_.clear();
+  // Newcomers in the order the launcher planned their ranks (its hosts in
+  // order, as Horovod's), then in the order they came.
+  std::stable_sort(waiting_order_.begin(), waiting_order_.end(), [this](const Peer& a, const Peer& b) {
+    const Node& x = waiting_.at(a);
+    const Node& y = waiting_.at(b);
+    if ((x.start_rank < 0) != (y.start_rank < 0)) return y.start_rank < 0;
+    return x.start_rank != y.start_rank ? x.start_rank < y.start_rank : x.arrival < y.arrival;
+  });
   for (int i = 0; i < newcomers; ++i) {
     Peer p = waiting_order_.front();
     waiting_order_.erase(waiting_order_.begin());
     nodes_[p] = waiting_[p];
     waiting_.erase(p);
   }
-  // Dense ranks: survivors by old rank, then newcomers by arrival.
+  // Dense ranks: survivors by old rank, then newcomers by their planned
+  // rank (the launcher's host order), then by arrival.
   std::vector<Node*> workers;
   for (auto& kv : nodes_) {
     if (kv.second.role == Role::kWorker) workers.push_back(&kv.second);
@@ -186,7 +231,10 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   std::sort(workers.begin(), workers.end(), [](const Node* a, const Node* b) {
     bool an = a->id < 0, bn = b->id < 0;
     if (an != bn) return bn;
-    return an ? a->arrival < b->arrival : a->id < b->id;
+    if (!an) return a->id < b->id;
+    if ((a->start_rank < 0) != (b->start_rank < 0)) return b->start_rank < 0;
+    return a->start_rank != b->start_rank ? a->start_rank < b->start_rank
+                                          : a->arrival < b->arrival;
   });
   for (size_t i = 0; i < workers.size(); ++i) {
     workers[i]->id = static_cast<int>(i);
@@ -194,6 +242,7 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     workers[i]->local_size = -1;
   }
   num_workers_ = static_cast<int>(workers.size());
+  SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
   servers_starting_ = true;
   servers_started_.clear();
   Config start;
@@ -213,23 +262,22 @@ void Scheduler::OnEpochStarted(const Node& server, const Config& kv, std::vector
 }
 
 void Scheduler::WelcomeWorkers(std::vector<Outgoing>* out) {
-  std::vector<const Node*> servers_by_id(static_cast<size_t>(num_servers_), nullptr);
-  for (const auto& kv : nodes_) {
-    if (kv.second.role == Role::kServer && kv.second.id >= 0 && kv.second.id < num_servers_) {
-      servers_by_id[static_cast<size_t>(kv.second.id)] = &kv.second;
-    }
-  }
+  const std::vector<const Node*> servers = ServersInOrder();
   const HostLayout hosts = LayOutHosts();
   for (auto& kv : nodes_) {
     if (kv.second.role != Role::kWorker) continue;
     kv.second.last_seen = Clock::now();
     out->push_back(Reply(kv.first, MsgType::kWelcome,
-                         WelcomeOf(kv.second, hosts, servers_by_id).Serialize()));
+                         WelcomeOf(kv.second, hosts, servers).Serialize()));
   }
   changing_ = false;
   servers_starting_ = false;
   BPS_LOG(kWarning, "membership epoch " << epoch_ << " starts with " << num_workers_
                                         << " worker(s) (" << change_why_ << ")");
+  Config formed;
+  formed.Set("epoch", std::to_string(epoch_));
+  formed.Set("members", Members());
+  TellLauncher(formed, out);
   TellWaiting(out);
 }
 

@@ -1,5 +1,6 @@
 #include "server/server_node.h"
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
@@ -27,6 +28,16 @@ namespace {
 
 using namespace server_parts;  // NOLINT: this file's own parts
 
+// SIGTERMs received (elastic servers only, see ServerNode::Run). The first
+// asks to leave at the workers' next commit; the handler then restores the
+// default, so a second one ends the process at once (bpslaunch stopping a
+// whole job sends two).
+std::atomic<int> g_terms{0};
+extern "C" void OnTerm(int) {
+  g_terms.fetch_add(1);
+  signal(SIGTERM, SIG_DFL);
+}
+
 
 
 class ServerNode {
@@ -42,6 +53,8 @@ class ServerNode {
             std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
         timeout_s_(cfg.GetDouble("timeout_s", 30)),
         rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
+        elastic_(cfg.GetInt("elastic", 0) != 0),
+        recovery_s_(cfg.GetDouble("scheduler_recovery_s", 120)),
         // Elastic: ranks up to the largest worker count the job may reach.
         schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
                                                                    ? cfg.GetInt("elastic_max_workers", 0)
@@ -67,11 +80,16 @@ class ServerNode {
   Peer Start(std::string* scheduler_at);
   void TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since);
   void WatchScheduler(const std::string& scheduler_at, Clock::time_point started);
+  // Elastic: re-registers with a scheduler that was lost (restarted at the
+  // same address; scheduler_recover.cc); true when it did or gave up.
+  bool RelinkIfLost(const std::string& scheduler_at);
+  double JoinTimeout() const;
+  void AskToLeave();
   int Finish(const Peer& listener, std::string* error);
   void Handle(Message& m);
   void HandlePush(Message& m);
   void HandleControl(const Message& m);
-  void OnWelcome();
+  void OnWelcome(const Config& layout);
   // Elastic: a new membership epoch (scheduler_elastic.cc): every round of
   // the old one is dropped, unanswered, and the worker count changes.
   void StartEpoch(const Config& kv);
@@ -95,6 +113,8 @@ class ServerNode {
   uint64_t fusion_bytes_;  // largest fused reply; 0: none
   double timeout_s_;
   double rendezvous_timeout_s_;
+  bool elastic_;
+  double recovery_s_;  // BYTEPS_SCHEDULER_RECOVERY_TIMEOUT
   ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
   // Before channel_ too: libzmq hands the replies' credit back to it until
   // the channel is gone.
@@ -105,6 +125,7 @@ class ServerNode {
   std::unique_ptr<SumEngine> engine_;
   std::unordered_map<int, Peer> worker_peer_;
   bool done_ = false;
+  bool leave_asked_ = false;  // elastic: a SIGTERM asked to leave (docs/elastic.md)
   int exit_code_ = 0;
   std::string error_;
 };
@@ -283,10 +304,12 @@ void ServerNode::SubmitFused(Message& m) {
   }
 }
 
-void ServerNode::OnWelcome() {
+void ServerNode::OnWelcome(const Config& layout) {
   SetLogIdentity(Who());
   Stats::Get().node_state = 1;  // the cluster met (read by the health service)
   if (!is_server_) return;
+  // A server that joins a running elastic job serves its current workers.
+  num_workers_ = static_cast<int>(layout.GetInt("num_workers", num_workers_));
   engine_.reset(new SumEngine(membership_.id(), num_workers_,
                               static_cast<int>(cfg_.GetInt("engine_threads", 4)),
                               [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
@@ -312,7 +335,7 @@ void ServerNode::StartEpoch(const Config& kv) {
 }
 
 void ServerNode::HandleControl(const Message& m) {
-  if (membership_.Handle(m, [this](const Config&) { OnWelcome(); })) return;
+  if (membership_.Handle(m, [this](const Config& layout) { OnWelcome(layout); })) return;
   switch (static_cast<MsgType>(m.header.type)) {
     case MsgType::kEpoch:
       StartEpoch(Config::Parse(m.payload.str()));
@@ -339,6 +362,16 @@ int ServerNode::Run(std::string* error) {
   if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
     Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
   }
+  // Elastic: SIGTERM (a pod's eviction or a node drain, bpslaunch
+  // removing a server) means "leave at the next commit": the keys move to
+  // the other servers and nothing is rolled back. A server that hosts the
+  // scheduler ends at once, as before (its loss is a scheduler restart).
+  if (elastic_ && is_server_ && !hosts_scheduler_) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = OnTerm;
+    sigaction(SIGTERM, &sa, nullptr);
+  }
   std::string scheduler_at;
   Peer listener = Start(&scheduler_at);
   auto started = Clock::now();
@@ -363,6 +396,7 @@ int ServerNode::Run(std::string* error) {
       TickScheduler(&out, &fatal_since);
     }
     WatchScheduler(scheduler_at, started);
+    if (g_terms.load() > 0 && !leave_asked_) AskToLeave();
   }
   return Finish(listener, error);
 }
@@ -420,6 +454,8 @@ Peer ServerNode::Start(std::string* scheduler_at) {
         BPS_LOG(kWarning, e.what() << "; workers on this machine reach this server over TCP");
       }
     }
+    // Elastic: the launcher reports this process under its launch id.
+    extra.Set("launch_id", cfg_.Get("launch_id"));
     membership_.Join(Endpoint(scheduler_host, scheduler_port), cfg_, extra);
   }
   return listener;
@@ -442,6 +478,7 @@ void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fa
 
 void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_point started) {
   membership_.Tick();
+  if (elastic_ && is_server_ && !hosts_scheduler_ && RelinkIfLost(scheduler_at)) return;
   if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
     Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
          std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
@@ -450,9 +487,56 @@ void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_poi
   if (!refusal.empty()) {
     Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
   } else if (!membership_.welcomed() && !hosts_scheduler_ &&
-             SecondsSince(started) > rendezvous_timeout_s_) {
-    Stop(Who() + " " + membership_.RendezvousFailure(rendezvous_timeout_s_));
+             SecondsSince(started) > JoinTimeout()) {
+    Stop(Who() + " " + membership_.RendezvousFailure(JoinTimeout()));
   }
+}
+
+void ServerNode::AskToLeave() {
+  leave_asked_ = true;
+  if (!membership_.welcomed()) {
+    Stop("");  // not serving yet: nothing to hand over
+    return;
+  }
+  // The scheduler tells this server to shut down (exit 0) at the epoch in
+  // which the workers no longer use it.
+  BPS_LOG(kWarning, Who() << " got SIGTERM: it leaves the job at the workers' next commit "
+                             "(a second SIGTERM ends it at once)");
+  membership_.Send(MsgType::kLeave, "");
+}
+
+double ServerNode::JoinTimeout() const {
+  // A server joining a running elastic job waits for the workers' next
+  // commit, as a newcomer worker does.
+  return elastic_ ? std::max(rendezvous_timeout_s_, cfg_.GetDouble("elastic_timeout_s", 600))
+                  : rendezvous_timeout_s_;
+}
+
+bool ServerNode::RelinkIfLost(const std::string& scheduler_at) {
+  if (!membership_.joined()) return false;
+  bool lost = membership_.Dropped() ||
+              ((membership_.welcomed() || membership_.relinking()) &&
+               membership_.Silent(timeout_s_));
+  if (!lost) return false;
+  if (membership_.relinking() && SecondsSince(membership_.relink_started()) > recovery_s_) {
+    Stop(Who() + " lost contact with the scheduler at " + scheduler_at +
+         ", and it did not come back within " + std::to_string(static_cast<int>(recovery_s_)) +
+         " s (BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+    return true;
+  }
+  // This server keeps summing the rounds of its epoch meanwhile; a
+  // restarted scheduler takes it in as it is (scheduler_recover.cc).
+  Config report;
+  report.Set("recover", "1");
+  report.Set("epoch", std::to_string(epoch_));
+  report.Set("welcomed", membership_.welcomed() ? "1" : "0");
+  BPS_LOG(kWarning, (membership_.relinking() ? "still no answer from" : "lost")
+                        << " the scheduler at " << scheduler_at
+                        << "; re-registering (it may be restarting; up to "
+                        << static_cast<int>(recovery_s_)
+                        << " s, BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+  membership_.Relink(report);
+  return true;
 }
 
 int ServerNode::Finish(const Peer& listener, std::string* error) {

@@ -35,6 +35,7 @@ struct Link {
   // What the last Wait found readable: only those are read, so a node with
   // hundreds of links does not try each one at every wake-up.
   bool readable = true, watch_readable = true;
+  bool dropped = false;  // its connection broke since it was up (Dropped)
 };
 
 // Marks an alert: an ERROR a listening end seals to a peer whose message it
@@ -68,7 +69,7 @@ class ZmqChannel : public Channel {
     // lost server).
     if (IsIpcEndpoint(endpoint)) l.socket->SetReconnectInterval(-1);
     SecurityOf(endpoint).ApplyClient(l.socket->get());
-    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    l.watch.reset(new HandshakeWatch(ctx_, l.socket.get(), /*drops=*/true));
     l.endpoint = endpoint;
     l.sealed = SecurityOf(endpoint).sealed();
     l.socket->Connect(endpoint);
@@ -183,6 +184,11 @@ class ZmqChannel : public Channel {
 
   std::string Refusal() const override { return refusal_; }
 
+  bool Dropped(const Peer& link) const override {
+    return link.link >= 0 && static_cast<size_t>(link.link) < links_.size() &&
+           links_[static_cast<size_t>(link.link)].dropped;
+  }
+
   void SetPayloadSink(PlainSink sink) override {
     if (!sink) {
       sink_ = nullptr;
@@ -210,7 +216,9 @@ class ZmqChannel : public Channel {
     for (Link& l : links_) {
       HandshakeEvent e;
       while (l.watch && l.watch_readable && l.watch->Next(&e)) {
-        if (e.connection()) {
+        if (e.dropped()) {
+          if (!l.routed) l.dropped = true;
+        } else if (e.connection()) {
           l.connected = true;
           if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
         } else if (e.closed()) {

@@ -84,6 +84,12 @@ class Channel {
   // security settings that differ, ...), for the user; empty while none was.
   // A refused link never carries a message, so the caller should give up.
   virtual std::string Refusal() const = 0;
+  // Whether the connection of a link this node opened broke since it was
+  // made (the peer's process ended, or the network dropped it). libzmq
+  // reconnects on its own, but a sealed link's keys were the old peer's: a
+  // node that must reach a restarted peer opens a new link (elastic jobs
+  // re-register with a restarted scheduler this way).
+  virtual bool Dropped(const Peer& link) const = 0;
   // Sealed links decrypt a message's payload to the buffer `sink` names for
   // its header (checked like every header first), sparing the engine the
   // copy; the message then comes out with `delivered` set. Called on the

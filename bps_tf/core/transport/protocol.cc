@@ -27,7 +27,7 @@ std::string ValidateHeader(const void* data, size_t size, size_t payload_size) {
            std::to_string(kProtocolVersion) + ")";
   }
   if (h.type == 0 || h.type > kMaxMsgType) return "unknown message type " + std::to_string(h.type);
-  if (h.sender_role > static_cast<uint16_t>(Role::kScheduler)) return "unknown sender role";
+  if (h.sender_role > static_cast<uint16_t>(Role::kLauncher)) return "unknown sender role";
   if (h.payload_bytes != payload_size) {
     return "header declares " + std::to_string(h.payload_bytes) + " payload bytes but " +
            std::to_string(payload_size) + " arrived";
@@ -49,7 +49,8 @@ const char* MsgTypeName(uint16_t type) {
                                  "DECLARE",  "DECLARED",  "PUSH",      "PULL_REPLY", "HEARTBEAT",
                                  "HEARTBEAT_ACK", "BYE",  "SHUTDOWN",  "ERROR", "PEER_LEFT", "STALL",
                                  "PUSH_COMPRESSED", "JOIN", "JOIN_NOTICE", "PUSH_FUSED",
-                                 "PULL_REPLY_FUSED", "WORKERS_CHANGED", "HOSTS_UPDATED", "EPOCH"};
+                                 "PULL_REPLY_FUSED", "WORKERS_CHANGED", "HOSTS_UPDATED", "EPOCH",
+                                 "CONTROL", "LEAVE"};
   return type <= kMaxMsgType ? kNames[type] : "?";
 }
 
@@ -63,6 +64,7 @@ const char* RoleName(Role role) {
     case Role::kWorker: return "worker";
     case Role::kServer: return "server";
     case Role::kScheduler: return "scheduler";
+    case Role::kLauncher: return "launcher";
   }
   return "?";
 }

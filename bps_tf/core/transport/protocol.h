@@ -36,7 +36,8 @@ enum class MsgType : uint16_t {
   kBye = 11,           // worker -> scheduler: leaving normally
   kShutdown = 12,      // scheduler -> server: every worker has left
   kError = 13,         // fatal (key 0) or about one partition (key != 0)
-  kPeerLeft = 14,      // scheduler -> worker: another worker shut down
+  kPeerLeft = 14,      // scheduler -> worker: another worker shut down;
+                       // worker -> scheduler (elastic): it cannot reach a server ("server=")
   kStall = 15,         // scheduler -> worker: tensors some workers never declared (a warning)
   kPushCompressed = 16,  // worker -> server: one partition, compressed (compressor.h);
                          // the server's kPullReply carries the compressed sum
@@ -53,10 +54,17 @@ enum class MsgType : uint16_t {
   kEpoch = 23,           // scheduler -> server: start epoch "epoch=" with "num_workers=",
                          // dropping every round of the last one;
                          // server -> scheduler: done ("epoch=")
+  kControl = 24,         // launcher <-> scheduler (elastic): what the launcher saw and did
+                         // ("lost=", "remove=", "announce=" launch ids); what the scheduler
+                         // formed ("epoch=", "members=", "left=", "finished=", "failed=")
+  kLeave = 25,           // worker -> scheduler: leave at the next commit (SIGTERM);
+                         // scheduler -> worker: leave ("why="): at the next commit, or now
+                         // when it is not a member
 };
-constexpr uint16_t kMaxMsgType = 23;
+constexpr uint16_t kMaxMsgType = 25;
 
-enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2 };
+// kLauncher: bpslaunch's link to the scheduler (scheduler_control.cc).
+enum class Role : uint16_t { kWorker = 0, kServer = 1, kScheduler = 2, kLauncher = 3 };
 
 #pragma pack(push, 1)
 struct FrameHeader {
@@ -122,6 +130,10 @@ constexpr SharedSetting kSharedSettings[] = {
 // scheduler starts a new epoch and expects it back, instead of counting it
 // as a failure.
 constexpr char kElasticRestart[] = "restarts its membership (elastic)";
+// The goodbye reason of an elastic worker that leaves the job at a commit
+// because it was asked to (its host was removed, or it got SIGTERM): a
+// departure the others go on without, neither a failure nor the job's end.
+constexpr char kElasticLeave[] = "leaves the job (elastic)";
 
 // How a server combines the pushes of one round of a key (FrameHeader's
 // reduce_op). Every push of a key must carry the same one.

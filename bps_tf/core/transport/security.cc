@@ -233,8 +233,10 @@ bool HandshakeEvent::connection() const {
 
 bool HandshakeEvent::closed() const { return event == zmqc::kEventClosed; }
 
+bool HandshakeEvent::dropped() const { return event == zmqc::kEventDisconnected; }
+
 bool HandshakeEvent::failed() const {
-  return !connection() && !closed() && event != zmqc::kEventHandshakeSucceeded;
+  return !connection() && !closed() && !dropped() && event != zmqc::kEventHandshakeSucceeded;
 }
 
 bool HandshakeEvent::definitive() const {
@@ -291,13 +293,14 @@ std::string ExplainHandshakeFailure(const HandshakeEvent& e, const LinkSecurity&
          "; " + mine + "; " + kFixSettings;
 }
 
-HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched)
+HandshakeWatch::HandshakeWatch(Context& ctx, Socket* watched, bool drops)
     : watched_(watched), pair_(ctx, zmqc::kPair) {
   static std::atomic<uint64_t> next{0};
   std::string name = "inproc://bps-handshake-" + std::to_string(next++);
   int events = zmqc::kEventHandshakeFailedNoDetail | zmqc::kEventHandshakeSucceeded |
                zmqc::kEventHandshakeFailedProtocol | zmqc::kEventHandshakeFailedAuth |
-               zmqc::kEventConnected | zmqc::kEventAccepted | zmqc::kEventClosed;
+               zmqc::kEventConnected | zmqc::kEventAccepted | zmqc::kEventClosed |
+               (drops ? zmqc::kEventDisconnected : 0);
   if (zmq_socket_monitor(watched_->get(), name.c_str(), events) != 0) {
     throw Error(ZmqError("watching a socket's handshakes"));
   }

@@ -72,12 +72,15 @@ struct LinkSecurity {
 
 // One handshake outcome on a socket, as its monitor reports it.
 struct HandshakeEvent {
-  int event = 0;       // zmqc::kEventHandshake*, kEventConnected, kEventAccepted, kEventClosed
+  int event = 0;       // zmqc::kEventHandshake*, kEventConnected, kEventAccepted,
+                       // kEventClosed, kEventDisconnected
   uint32_t value = 0;  // errno, protocol error, ZAP status code or the new connection's fd
   // A new TCP connection (before its handshake), not a handshake outcome.
   bool connection() const;
   // An attempt to connect gave up its socket (not a handshake outcome).
   bool closed() const;
+  // A connection that broke after it was up, not a handshake outcome.
+  bool dropped() const;
   bool failed() const;
   // A failure retrying cannot cure: a mechanism mismatch or a refusal.
   bool definitive() const;
@@ -104,7 +107,9 @@ std::string ExplainRejectedFromPeer(const std::string& endpoint, bool replayed);
 // Destroy it before the socket it watches.
 class HandshakeWatch {
  public:
-  HandshakeWatch(Context& ctx, Socket* watched);
+  // drops: also report connections that break (kEventDisconnected); for a
+  // socket that connects to one peer, whose loss the node must notice.
+  HandshakeWatch(Context& ctx, Socket* watched, bool drops = false);
   ~HandshakeWatch();
   HandshakeWatch(const HandshakeWatch&) = delete;
   HandshakeWatch& operator=(const HandshakeWatch&) = delete;

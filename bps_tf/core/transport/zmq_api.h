@@ -92,6 +92,9 @@ constexpr int kEventConnected = 1;
 constexpr int kEventAccepted = 32;
 // A connecting socket closed its file descriptor (an attempt failed).
 constexpr int kEventClosed = 128;
+// A connection this socket opened broke (the peer's process ended, or the
+// network dropped it); libzmq reconnects on its own.
+constexpr int kEventDisconnected = 512;
 // Socket monitor events about the security handshake (libzmq >= 4.3).
 constexpr int kEventHandshakeFailedNoDetail = 2048;
 constexpr int kEventHandshakeSucceeded = 4096;

@@ -76,6 +76,7 @@ void WorkerEngine::ResetLocked(const Config& cfg) {
   Stats::Get().elastic_epoch = 0;
   Stats::Get().elastic_announced = 0;
   Stats::Get().elastic_waiting = 0;
+  Stats::Get().ClearElastic();
   size_ = static_cast<int>(cfg.GetInt("num_workers", 1));
   num_servers_ = static_cast<int>(cfg.GetInt("num_servers", 0));
   local_rank_ = 0;
@@ -128,6 +129,8 @@ void WorkerEngine::ReadSettings(const Config& cfg) {
   stall_check_s_ = cfg.GetDouble("stall_check_s", 60);
   stall_shutdown_s_ = cfg.GetDouble("stall_shutdown_s", 600);
   fatal_exit_s_ = cfg.GetDouble("fatal_exit_s", 15);
+  elastic_ = cfg.GetInt("elastic", 0) != 0;
+  recovery_s_ = cfg.GetDouble("scheduler_recovery_s", 120);
 }
 
 void WorkerEngine::JoinCluster(const Config& cfg) {
@@ -150,6 +153,10 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   // Elastic: a member coming back after a membership change (its rank is the
   // old one); any other HELLO once the job runs is a newcomer's.
   extra.Set("rejoin", cfg.Get("elastic_rejoin", "0"));
+  // Elastic: the launcher's name for this process (it reports the process's
+  // end under it), and the rank it planned for a newcomer.
+  extra.Set("launch_id", cfg.Get("launch_id"));
+  extra.Set("start_rank", cfg.Get("start_rank", "-1"));
   // Which workers can sum through shared memory (local_reduce.h): one
   // machine, one advertised address and one network namespace (the local
   // reduce socket lives in it; namespaced "hosts" of one machine stay apart).

@@ -68,6 +68,9 @@ class WorkerEngine {
 
   // Holds partitions in the queue (for tests and diagnostics of the order).
   void PauseSends(bool paused);
+  // Elastic: asks the scheduler to let this worker leave at the next commit
+  // (SIGTERM; docs/elastic.md). False when it is not a member now.
+  bool RequestLeave();
 
   void Enqueue(const std::string& name, int dtype, const std::vector<int64_t>& shape,
                const void* in, void* out, int64_t priority, bps_done_fn done, void* ctx,
@@ -143,6 +146,12 @@ class WorkerEngine {
   // Ends every pending operation with `message` and `status` (a bps_status).
   void Fatal(const std::string& message, int status, bool peer_failure = true);
   void CheckTimers();
+  // Elastic: re-registers with a scheduler that was lost (docs/elastic.md);
+  // true when it did or gave up (the job then failed).
+  bool RelinkIfLost(State state);
+  // Elastic: a server (its place in servers_) this worker cannot reach any
+  // more ends the membership epoch; false when the job is not elastic.
+  bool ServerGone(int server, const std::string& why);
   static std::string PeerLeftText(const Config& left);
   void CheckStalledPushes();
   void Leave(const std::string& reason);
@@ -174,6 +183,8 @@ class WorkerEngine {
   uint64_t fusion_bytes_ = 0;  // largest fused message; 0: no fusion
   double cycle_s_ = 0;         // how long small partitions may wait for company
   double timeout_s_ = 30, heartbeat_s_ = 1, op_timeout_s_ = 0, fatal_exit_s_ = 15;
+  bool elastic_ = false;
+  double recovery_s_ = 120;  // BYTEPS_SCHEDULER_RECOVERY_TIMEOUT
   // A sent push whose round the other workers do not complete (a later call
   // of a name that some worker skipped): warned about, then failed.
   double stall_check_s_ = 60, stall_shutdown_s_ = 600;
@@ -186,6 +197,7 @@ class WorkerEngine {
   std::unique_ptr<Channel> channel_;
   std::unique_ptr<Membership> membership_;
   std::vector<Peer> servers_;  // empty until WELCOME and after a failure
+  std::vector<int> server_ids_;  // each one's server id (elastic: ids are sparse)
   std::thread io_thread_;
   std::atomic<bool> stop_requested_{false};
   std::string leave_reason_;  // set by Shutdown before the I/O thread stops
@@ -209,6 +221,7 @@ class WorkerEngine {
   std::map<std::string, std::vector<Task*>> declaring_;           // name|sig
   std::map<uint64_t, std::string> request_sig_;
   std::vector<std::pair<uint64_t, std::string>> control_outbox_;  // declarations to send
+  bool leave_requested_ = false;  // elastic: a kLeave to send (RequestLeave)
   std::priority_queue<PartRef, std::vector<PartRef>, Order> ready_{Order{this}};
   uint64_t ready_bytes_ = 0;  // in ready_
   Clock::time_point hold_since_{};  // small partitions wait for company since

@@ -73,15 +73,28 @@ void WorkerEngine::IoLoop() {
 
 void WorkerEngine::FlushControl() {
   std::vector<std::pair<uint64_t, std::string>> outbox;
+  bool leave = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     outbox.swap(control_outbox_);
+    std::swap(leave, leave_requested_);
   }
   for (auto& item : outbox) {
     Config kv = Config::Parse(item.second);
     membership_->Send(MsgType::kDeclare, item.second, item.first,
                       static_cast<uint16_t>(kv.GetInt("dtype", 0)));
   }
+  if (leave) membership_->Send(MsgType::kLeave, "");
+}
+
+bool WorkerEngine::RequestLeave() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_ || local_mode_ || state_ != State::kReady) return false;
+    leave_requested_ = true;
+  }
+  wake_.Notify();
+  return true;
 }
 
 void WorkerEngine::HandleData(const Message& m) {
@@ -183,6 +196,8 @@ void WorkerEngine::HandleReply(const FrameHeader& h, const char* data, size_t si
 
 void WorkerEngine::OnWelcome(const Config& w) {
   size_ = static_cast<int>(w.GetInt("num_workers", size_));
+  // Elastic: the servers of this epoch (one may have been lost or joined).
+  num_servers_ = static_cast<int>(w.GetInt("num_servers", num_servers_));
   // Elastic: the rank the scheduler gave (dense, in the order of the old
   // ranks); otherwise the same as the one this worker said it has.
   rank_ = static_cast<int>(w.GetInt("id", rank_));
@@ -212,12 +227,35 @@ void WorkerEngine::OnWelcome(const Config& w) {
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
   const std::set<std::string> listed = machine.empty() ? std::set<std::string>()
                                                        : ListedServerSockets();
+  server_ids_.clear();
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
     std::string endpoint = ServerEndpoint(w, s, machine, &local, &listed);
     if (local) Stats::Get().links_local++;
     servers_.push_back(channel_->Connect(endpoint, id));
+    server_ids_.push_back(static_cast<int>(w.GetInt("server." + std::to_string(s) + ".id", s)));
   }
+}
+
+bool WorkerEngine::ServerGone(int server, const std::string& why) {
+  if (!elastic_) return false;
+  // Elastic: a lost server is a membership change (scheduler_servers.cc).
+  // This worker saw it first (its link to the server broke): it tells the
+  // scheduler, which starts the next epoch without waiting for
+  // BYTEPS_TIMEOUT, and returns to its commit at once.
+  int id = server >= 0 && server < static_cast<int>(server_ids_.size()) ? server_ids_[server]
+                                                                       : server;
+  Config notice;
+  notice.Set("server", std::to_string(id));
+  notice.Set("epoch", std::to_string(epoch_));
+  notice.Set("why", why);
+  membership_->Send(MsgType::kPeerLeft, notice.Serialize());
+  Stats::Get().elastic_announced = epoch_ + 1u;
+  Fatal("bps_tf: the workers changed (server " + std::to_string(id) + " is gone: " + why +
+            "); this operation was dropped: catch it with bps_tf.elastic.run "
+            "(WorkersChangedError) and restore the last commit",
+        BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
+  return true;
 }
 
 void WorkerEngine::HandleControl(const Message& m) {
@@ -247,10 +285,27 @@ void WorkerEngine::HandleControl(const Message& m) {
             BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
       break;
     }
-    case MsgType::kHostsUpdated:
-      Stats::Get().elastic_waiting =
-          static_cast<uint64_t>(Config::Parse(m.payload.str()).GetInt("waiting", 1));
+    case MsgType::kHostsUpdated: {
+      // Elastic: workers were added or will leave; hvd.elastic's states read
+      // these updates and raise HostsUpdatedInterrupt at the next commit.
+      Config kv = Config::Parse(m.payload.str());
+      Stats::Get().elastic_waiting = static_cast<uint64_t>(kv.GetInt("waiting", 1));
+      Stats::Get().AddHostUpdate(static_cast<uint64_t>(kv.GetInt("seq", 0)),
+                                 kv.GetInt("time_ms", 0), static_cast<int>(kv.GetInt("flags", 2)));
       break;
+    }
+    case MsgType::kLeave: {
+      // Elastic: this worker is removed (its host left the job, or it asked
+      // to leave). A member leaves at the next commit, when every worker
+      // restarts (hvd.elastic.run); a worker that is not one yet goes now.
+      std::string why = Config::Parse(m.payload.str()).Get("why", "removed from the job");
+      Stats::Get().SetElasticLeave(why);
+      if (!membership_->welcomed()) {
+        Fatal("bps_tf: this worker leaves the elastic job: " + why, BPS_ERR_UNAVAILABLE,
+              /*peer_failure=*/false);
+      }
+      break;
+    }
     case MsgType::kJoinNotice: {
       std::lock_guard<std::mutex> lock(mu_);
       if (joining_) join_last_ = static_cast<int>(Config::Parse(m.payload.str()).GetInt("last", 0));
@@ -318,6 +373,9 @@ void WorkerEngine::CheckTimers() {
     Fatal("push_pull cannot complete: " + left, BPS_ERR_UNAVAILABLE, /*peer_failure=*/false);
     return;
   }
+  if (elastic_ && (state == State::kReady || state == State::kJoining) && RelinkIfLost(state)) {
+    return;
+  }
   if (state == State::kReady && membership_->Silent(timeout_s_)) {
     Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
               scheduler_endpoint_ + ": nothing heard for " +
@@ -330,6 +388,38 @@ void WorkerEngine::CheckTimers() {
     stall_scanned_ = Clock::now();
     CheckStalledPushes();
   }
+}
+
+bool WorkerEngine::RelinkIfLost(State state) {
+  bool lost = membership_->Dropped() ||
+              ((state == State::kReady || membership_->relinking()) &&
+               membership_->Silent(timeout_s_));
+  if (!lost) return false;
+  if (membership_->relinking() &&
+      SecondsSince(membership_->relink_started()) > recovery_s_) {
+    Fatal("worker " + std::to_string(rank_) + " lost contact with the scheduler at " +
+              scheduler_endpoint_ + ", and it did not come back within " +
+              std::to_string(static_cast<int>(recovery_s_)) +
+              " s (BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)",
+          BPS_ERR_UNAVAILABLE);
+    return true;
+  }
+  // What a restarted scheduler rebuilds the membership from
+  // (scheduler_recover.cc); this engine goes on meanwhile: the servers
+  // still sum the rounds of this epoch.
+  Config report;
+  report.Set("recover", "1");
+  report.Set("epoch", std::to_string(epoch_));
+  report.Set("welcomed", membership_->welcomed() ? "1" : "0");
+  report.Set("size", std::to_string(membership_->welcomed() ? size_ : 0));
+  report.Set("servers", std::to_string(membership_->welcomed() ? num_servers_ : 0));
+  BPS_LOG(kWarning, (membership_->relinking() ? "still no answer from" : "lost")
+                        << " the scheduler at " << scheduler_endpoint_
+                        << "; re-registering (it may be restarting; up to "
+                        << static_cast<int>(recovery_s_)
+                        << " s, BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
+  membership_->Relink(report);
+  return true;
 }
 
 // A name's first push_pull waits at the scheduler, whose stall check names

@@ -233,6 +233,7 @@ void WorkerEngine::SendReadyParts() {
           Release(p.task, 2);
         }
       }
+      if (ServerGone(outgoing[i].server, why)) return;
       Fatal(why, BPS_ERR_UNAVAILABLE);
       return;
     }
