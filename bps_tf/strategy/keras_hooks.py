@@ -35,6 +35,7 @@ from bps_tf.comm import async_training, fingerprint, naming
 from bps_tf.horovod import optimizer_variables
 from bps_tf.overlap import fit as overlap_fit
 from bps_tf.runtime import basics, config, hooks
+from bps_tf.strategy import batch_share  # noqa: F401  (declares the batch-share hooks)
 from bps_tf.strategy import checkpoint_hooks  # noqa: F401  (declares the callbacks' hooks)
 from bps_tf.strategy import epoch_length, loss_scale, phases, predictions
 from bps_tf.strategy.identity import async_mode, is_bps_strategy, multi_worker, of_model
@@ -90,27 +91,39 @@ def _compile(original):
 def _predict(original):
     @functools.wraps(original)
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        overlap_fit.flush_model(self)
-        phases.boundary(multi_worker(self), phases.PREDICT, steps)
         args = dict(batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
-        strategy = async_mode(self)
-        if strategy is not None:
-            # Nothing to gather: every worker predicts all of x itself.
-            with strategy.extended.local_input():
-                return original(self, x, **args)
-        strategy = multi_worker(self)
-        if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
-            return original(self, x, **args)
-        if steps is not None or not predictions.is_row_data(x):
-            warnings.warn("BytePSStrategy: model.predict on a dataset, a generator or with "
-                          "steps= returns this worker's shard only; pass arrays (or use "
-                          "bps_tf.gather_predictions) for every row.", stacklevel=2)
-            return original(self, x, **args)
-        if callbacks:
-            warnings.warn("BytePSStrategy: model.predict(x) gathers the predictions of every "
-                          "worker; callbacks are not called.", stacklevel=2)
-        return predictions.gather_predictions(self, x, batch_size=batch_size)
+        elastic = of_model(self)
+        if getattr(elastic, "elastic", False):
+            from bps_tf.strategy import elastic_calls
+            gathered = (steps is None and predictions.is_row_data(x)
+                        and getattr(elastic, "predict_mode", "all") == "all")
+            return elastic_calls.run(elastic_calls.PREDICT, self, elastic,
+                                     lambda: _predict_once(original, self, x, args),
+                                     keep=gathered)
+        return _predict_once(original, self, x, args)
     return predict
+
+
+def _predict_once(original, model, x, args):
+    overlap_fit.flush_model(model)
+    phases.boundary(multi_worker(model), phases.PREDICT, args["steps"])
+    strategy = async_mode(model)
+    if strategy is not None:
+        # Nothing to gather: every worker predicts all of x itself.
+        with strategy.extended.local_input():
+            return original(model, x, **args)
+    strategy = multi_worker(model)
+    if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
+        return original(model, x, **args)
+    if args["steps"] is not None or not predictions.is_row_data(x):
+        warnings.warn("BytePSStrategy: model.predict on a dataset, a generator or with "
+                      "steps= returns this worker's shard only; pass arrays (or use "
+                      "bps_tf.gather_predictions) for every row.", stacklevel=3)
+        return original(model, x, **args)
+    if args["callbacks"]:
+        warnings.warn("BytePSStrategy: model.predict(x) gathers the predictions of every "
+                      "worker; callbacks are not called.", stacklevel=3)
+    return predictions.gather_predictions(model, x, batch_size=args["batch_size"])
 
 
 class _StartAndPull:
@@ -262,17 +275,27 @@ def _evaluate(original):
 
     @functools.wraps(original)
     def evaluate(self, *args, **kwargs):
-        overlap_fit.flush_model(self)
-        strategy = multi_worker(self)
-        if strategy is not None:
-            phases.boundary(strategy, phases.EVALUATE,
-                            signature.bind(self, *args, **kwargs).arguments.get("steps"))
-        strategy = async_mode(self)
-        if strategy is None:
-            return original(self, *args, **kwargs)
-        with strategy.extended.local_input():
-            return original(self, *args, **kwargs)
+        elastic = of_model(self)
+        if getattr(elastic, "elastic", False):
+            from bps_tf.strategy import elastic_calls
+            return elastic_calls.run(elastic_calls.EVALUATE, self, elastic,
+                                     lambda: _evaluate_once(original, signature, self, args,
+                                                            kwargs))
+        return _evaluate_once(original, signature, self, args, kwargs)
     return evaluate
+
+
+def _evaluate_once(original, signature, model, args, kwargs):
+    overlap_fit.flush_model(model)
+    strategy = multi_worker(model)
+    if strategy is not None:
+        phases.boundary(strategy, phases.EVALUATE,
+                        signature.bind(model, *args, **kwargs).arguments.get("steps"))
+    strategy = async_mode(model)
+    if strategy is None:
+        return original(model, *args, **kwargs)
+    with strategy.extended.local_input():
+        return original(model, *args, **kwargs)
 
 
 _ITERATOR_ROLE = ("role: the EpochIterator subclass of the module of the class in "
