@@ -86,12 +86,12 @@ def run(kind, model, strategy, attempt, fit_state=None, keep=True):
     phase check and Keras' own call) and returns its result. ``fit_state``
     (elastic_fit.FitState) is a fit's committed state. ``keep``: the result
     is the same on every worker, so a newcomer may replay it."""
+    _job.models.add(model)
     if nested():
         return attempt()
     _check_built(model, kind)
     number = _job.calls
     _job.calls += 1
-    _job.models.add(model)
     _job.local.depth = 1
     try:
         return _loop(kind, number, model, strategy, attempt, fit_state, keep)
@@ -178,11 +178,10 @@ def _meet(kind, number, fit_state) -> None:
         _job.results.update(api.broadcast_object(
             wanted, root_rank=root, name=naming.strategy_key("elastic", "results")))
     _job.target, _job.root, _job.met = target, root, elastic_core.epoch()
-    if number < target or newcomer:
-        log.warning("elastic: %s at %s call %d (%s); the job is at call %d (%s%s), rank %d's",
-                    "joined" if newcomer else "behind", kind, number + 1,
-                    "replayed until there" if number < target else "joining it", target + 1,
-                    _KINDS[int(rows[root][1])],
+    if number < target:
+        log.warning("elastic: this worker is at %s call %d, the job at call %d (%s%s, rank %d's): "
+                    "the calls before it are replayed from the job's results", kind, number + 1,
+                    target + 1, _KINDS[int(rows[root][1])],
                     f", epoch {int(rows[root][2]) + 1}" if rows[root][1] == 0 else "", root)
 
 

@@ -44,6 +44,7 @@ class FitState(hvd_elastic.State):
         self.epoch = int(epoch)
         self.begun = False
         self.callback_states = None
+        self.epoch_logs = {}        # epoch -> its logs, for the History fit returns
         self._saved = None
 
     def _variables(self):
@@ -51,7 +52,8 @@ class FitState(hvd_elastic.State):
 
     def save(self):
         self._saved = {"values": [v.numpy() for v in self._variables()], "epoch": self.epoch,
-                       "begun": self.begun, "callbacks": self.callback_states}
+                       "begun": self.begun, "callbacks": self.callback_states,
+                       "logs": dict(self.epoch_logs)}
 
     def commit(self):
         """At an epoch's start: the callbacks' state, the variables, then the
@@ -73,6 +75,7 @@ class FitState(hvd_elastic.State):
             variable.assign(value)
         self.epoch, self.begun = self._saved["epoch"], self._saved["begun"]
         self.callback_states = self._saved["callbacks"]
+        self.epoch_logs = dict(self._saved["logs"])
 
     def synced(self, root, name):
         """After the variables' sync: ``root``'s epoch, progress and callback
@@ -80,10 +83,10 @@ class FitState(hvd_elastic.State):
         then this is the commit to roll back to."""
         if root is not None:
             theirs = api.broadcast_object(
-                {"epoch": self.epoch, "begun": self.begun, "callbacks": self.callback_states},
-                root_rank=root, name=name)
+                {"epoch": self.epoch, "begun": self.begun, "callbacks": self.callback_states,
+                 "logs": self.epoch_logs}, root_rank=root, name=name)
             self.epoch, self.begun = int(theirs["epoch"]), bool(theirs["begun"])
-            self.callback_states = theirs["callbacks"]
+            self.callback_states, self.epoch_logs = theirs["callbacks"], dict(theirs["logs"])
         self.save()
 
 
@@ -107,30 +110,31 @@ class _EpochCommit(keras.callbacks.Callback):
 
 
 class _EpochLogs(keras.callbacks.Callback):
-    """Each epoch's logs, so the History fit returns covers every attempt
-    (an epoch rolled back and trained again counts once, as trained last)."""
+    """Each epoch's logs into the state, so the History fit returns covers
+    every epoch of the call once, as trained last, on every worker (a
+    newcomer receives those before it joined with the state). After the
+    user's callbacks, as Keras' History: it sees what they add."""
 
-    def __init__(self):
+    def __init__(self, state: FitState):
         super().__init__()
-        self.logs = {}
+        self.state = state
 
     def on_epoch_end(self, epoch, logs=None):
-        self.logs[epoch] = dict(logs or {})
-
-    def drop_from(self, epoch):
-        self.logs = {e: v for e, v in self.logs.items() if e < epoch}
+        self.state.epoch_logs[epoch] = dict(logs or {})
 
     def into(self, history):
-        epochs = sorted(self.logs)
+        found = self.state.epoch_logs
+        epochs = sorted(found)
         history.epoch = epochs
-        keys = sorted({k for e in epochs for k in self.logs[e]})
-        history.history = {k: [self.logs[e].get(k) for e in epochs] for k in keys}
+        keys = sorted({k for e in epochs for k in found[e]})
+        history.history = {k: [found[e].get(k) for e in epochs] for k in keys}
         return history
 
 
 def run_fit(model, strategy, arguments, start):
-    """``start(initial_epoch, extra_callbacks)`` runs one attempt of the
-    original fit; returns its History."""
+    """``start(initial_epoch, first, last)`` runs one attempt of the original
+    fit with the callbacks ``first`` before the user's and ``last`` after
+    them; returns its History."""
     callback_state.install()
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built:
@@ -138,13 +142,12 @@ def run_fit(model, strategy, arguments, start):
             optimizer.build(model.trainable_variables)   # its slots take part in every sync
     state = FitState(model, arguments.get("callbacks") or [],
                      int(arguments.get("initial_epoch") or 0))
-    logs = _EpochLogs()
+    logs = _EpochLogs(state)
 
     def attempt():
         resumed = state.begun
-        logs.drop_from(state.epoch)
         with checkpoint_hooks.resuming(model, resumed):
-            history = start(state.epoch, [_EpochCommit(state, resumed), logs])
+            history = start(state.epoch, [_EpochCommit(state, resumed)], [logs])
         return logs.into(history)
 
     return elastic_calls.run(elastic_calls.FIT, model, strategy, attempt, fit_state=state)

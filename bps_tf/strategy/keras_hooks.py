@@ -245,7 +245,7 @@ def _elastic_fit(original, signature, model, strategy, args, kwargs):
         raise ValueError("BytePSStrategy(elastic=True): fit(callbacks=...) must be a list "
                          "(the elastic commit joins it).")
 
-    def start(initial_epoch, extra):
+    def start(initial_epoch, first, last):
         arguments = dict(bound.arguments)
         arguments["initial_epoch"] = initial_epoch
         epochs = int(arguments.get("epochs") or 1)
@@ -260,7 +260,7 @@ def _elastic_fit(original, signature, model, strategy, args, kwargs):
                 on_train_batch_end=drift.on_train_batch_end))
         # The commit first: an epoch's commit is taken before any callback of
         # the next epoch runs (one that raises must not leave it uncommitted).
-        arguments["callbacks"] = list(extra) + list(user_callbacks or []) + added
+        arguments["callbacks"] = list(first) + list(user_callbacks or []) + list(last) + added
         del arguments["self"]
         return original(model, **arguments)
 
