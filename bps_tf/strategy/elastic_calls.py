@@ -115,6 +115,10 @@ def _loop(kind, number, model, strategy, attempt, fit_state, keep):
             _record(kind, number, result if keep else None)
             return result
         except hvd_elastic.HostsUpdatedInterrupt:
+            # Raised by a commit: restoring it changes nothing, unless a
+            # callback of the user's checked for newcomers mid-epoch.
+            if fit_state is not None:
+                fit_state.restore()
             log.warning("elastic %s: workers wait to join; going on with them", kind)
         except Exception as exc:  # pylint: disable=broad-except
             if not (isinstance(exc, hvd_elastic.HorovodInternalError) or elastic_core.changed()):

@@ -12,7 +12,9 @@ of 20 that 3 workers share unevenly (7, 7, 6):
   call 2  fit(epochs=1)
   call 3  predict             worker 1 fails during it: 2 -> 1
   call 4  fit(epochs=8) with EarlyStopping, ReduceLROnPlateau,
-          ModelCheckpoint(save_best_only=True), BackupAndRestore(save_freq=3):
+          ModelCheckpoint(save_best_only=True), BackupAndRestore(save_freq=3) and
+          two callbacks of the user's that keep state (elastic_state_attributes,
+          get/set_elastic_state):
           at epoch 2 the two replacements join (1 -> 3 workers: each starts
           the script from the top and replays calls 0-3); at epoch 4, batch 1,
           worker 0 (rank 0, the checkpoints' writer) is SIGKILLed: 3 -> 2, a
@@ -124,6 +126,35 @@ class Plateau(keras.callbacks.Callback):
         logs["plateau"] = PLATEAU[epoch]
 
 
+class Counted(keras.callbacks.Callback):
+    """A user's callback whose state the commit keeps: named attributes."""
+    elastic_state_attributes = ("batches",)
+
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+class Seen(keras.callbacks.Callback):
+    """... or its own get/set methods."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+    def get_elastic_state(self):
+        return list(self.epochs)
+
+    def set_elastic_state(self, state):
+        self.epochs = list(state)
+
+
 class Plan(keras.callbacks.Callback):
     """What happens to this worker where (nothing in the reference), and
     each epoch's starting weights (rank 0, after the elastic commit)."""
@@ -191,8 +222,9 @@ def program(strategy, backup_dir, checkpoint):
     seen["predict3"] = np.asarray(model.predict(X_TEST, batch_size=16, verbose=0)).tolist()
     call[0] = 4
     stop = keras.callbacks.EarlyStopping(monitor="plateau", mode="min", patience=3)
+    counted, epochs_seen = Counted(), Seen()
     history = model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                        callbacks=[Plateau(), stop,
+                        callbacks=[Plateau(), stop, counted, epochs_seen,
                                    keras.callbacks.ReduceLROnPlateau(monitor="plateau",
                                                                      mode="min", patience=1),
                                    keras.callbacks.ModelCheckpoint(
@@ -201,7 +233,8 @@ def program(strategy, backup_dir, checkpoint):
                                    keras.callbacks.BackupAndRestore(backup_dir, save_freq=3),
                                    Plan(4, strategy)])
     seen["fit4"] = {"epoch": history.epoch, "loss": history.history["loss"],
-                    "stopped_epoch": stop.stopped_epoch,
+                    "stopped_epoch": stop.stopped_epoch, "batches": counted.batches,
+                    "epochs_seen": epochs_seen.epochs,
                     "learning_rate": float(np.asarray(model.optimizer.learning_rate))}
     call[0] = 5
     seen["evaluate5"] = model.evaluate(X, Y, batch_size=BATCH, verbose=0)
