@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from bps_tf.horovod.lifecycle import init  # noqa: F401  (no TensorFlow)
+from bps_tf.comm.lifecycle import init  # noqa: F401  (no TensorFlow)
 from bps_tf.runtime.basics import (cross_rank, cross_size,  # noqa: F401  (no TensorFlow)
                                    get_pushpull_speed, is_homogeneous, is_initialized, local_rank,
                                    local_size, rank, resume, shutdown, size, start_timeline,

@@ -11,7 +11,7 @@ from bps_tf.horovod.api import Adasum, Average, Max, Min, Product, Sum, allgathe
 from bps_tf.horovod.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                        mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                                        rocm_built, sycl_built)
-from bps_tf.horovod.lifecycle import init  # noqa: F401
+from bps_tf.comm.lifecycle import init  # noqa: F401
 from bps_tf.horovod.scatter_gather import alltoall, reducescatter
 from bps_tf.horovod.synchronization import (barrier, join, local_rank_op, local_size_op,
                                             process_set_included_op, rank_op, size_op)

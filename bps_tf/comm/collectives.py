@@ -79,13 +79,27 @@ def agreement_scope(**terms):
         _agreement.terms = previous
 
 
+@contextlib.contextmanager
+def membership_free():
+    """Ops created inside read the membership when they run (their averages
+    and rank-dependent rows come from :mod:`bps_tf.comm.membership`), so a
+    graph traced in one membership stays right in the next: they carry no
+    membership epoch. A process set's ops keep it: their ranks are fixed."""
+    previous = getattr(_agreement, "free", False)
+    _agreement.free = True
+    try:
+        yield
+    finally:
+        _agreement.free = previous
+
+
 def current_agreement() -> str:
     """The agreement text of the innermost :func:`agreement_scope` ("" if none)."""
     terms = getattr(_agreement, "terms", {})
     view = basics.membership_epoch()
-    if view is not None:
+    if view is not None and ("set" in terms or not getattr(_agreement, "free", False)):
         # Elastic: the membership epoch the op is built in; the core refuses
-        # to run it in another (its size and ranks would be stale constants).
+        # to run it in another (sizes and ranks traced into it would be stale).
         terms = dict(terms, view=view)
     return " ".join(f"{k}={terms[k]}" for k in sorted(terms))
 
@@ -102,6 +116,12 @@ def _ops():
     from bps_tf import ops
     from bps_tf.comm import gradients  # noqa: F401  (registers the ops' gradients)
     return ops
+
+
+def membership_op(query: str):
+    """An int32 scalar op that reads this worker's ``query`` ('rank',
+    'size', ...) when the graph runs (see bps_tf.comm.membership)."""
+    return _ops().membership(query)
 
 
 def load_op_library() -> None:
@@ -169,23 +189,29 @@ def scale(tensor, factor: float, what: str):
     return tensor * tf.cast(factor, dtype)
 
 
-def scale_gradient(tensor, factor: float):
+def scale_gradient(tensor, factor):
     """``tensor`` unchanged, its gradient multiplied by ``factor``: gives a
     collective built on the sum Horovod's gradient (an allgather's and a
     broadcast's gradient are averaged over the workers, a reducescatter's
-    summed). Integer and bool tensors, which carry no gradient, pass as is."""
-    if factor == 1.0 or not tensor.dtype.is_floating:
+    summed). Integer and bool tensors, which carry no gradient, pass as is.
+    ``factor`` is a number, or a callable that makes it when the gradient
+    is built (a size read at run time, see bps_tf.comm.membership)."""
+    if not tensor.dtype.is_floating or (not callable(factor) and factor == 1.0):
         return tensor
 
     @tf.custom_gradient
     def scaled(x):
-        return tf.identity(x), lambda dy: dy * tf.cast(factor, dy.dtype)
+        def grad(dy):
+            f = factor() if callable(factor) else factor
+            return dy * tf.cast(f, dy.dtype)
+        return tf.identity(x), grad
 
     return scaled(tensor)
 
 
-def divide(tensor, n: int):
-    """The average of a sum over ``n`` contributions (floor division for ints)."""
+def divide(tensor, n):
+    """The average of a sum over ``n`` contributions (floor division for
+    ints); ``n`` a number or a scalar tensor (a size read at run time)."""
     if tensor.dtype.is_integer:
         return tf.math.floordiv(tensor, tf.cast(n, tensor.dtype))
     return tensor / tf.cast(n, tensor.dtype)

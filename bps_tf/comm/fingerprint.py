@@ -24,7 +24,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import tensorflow as tf
 
-from bps_tf.comm import collectives, naming
+from bps_tf.comm import collectives, membership, naming
 from bps_tf.runtime import basics, config
 
 _SHOWN = 3      # variables named in full in the error
@@ -81,16 +81,21 @@ def compare(rows: np.ndarray, names: Sequence[str], what: str) -> None:
         f"one worker). Checked every {every()} steps (BYTEPS_FINGERPRINT_STEPS).")
 
 
-def _table(variables) -> tf.Tensor:
-    size, rank = basics.size(), basics.rank()
+def _exchange(variables, key: str) -> tf.Tensor:
+    """Every worker's fingerprints, one row per rank: this worker's row
+    placed by its rank, the rows summed. Rank and size are read when the
+    graph runs, so a traced step keeps checking after an elastic change."""
+    size, rank = membership.size(), membership.rank()
     mine = tf.reshape(values(variables), [1, -1])
-    return tf.scatter_nd([[rank]], mine, [size, len(variables)])
+    table = tf.scatter_nd([[rank]], mine, [size, len(variables)])
+    with collectives.membership_free():
+        return collectives.push_pull_sum(table, naming.part_key(key, "fingerprint"),
+                                         collectives.BLOCKING_PRIORITY)
 
 
 def check_now(variables: Sequence, key: str, what: str) -> None:
     """Eager: exchange and compare the fingerprints of ``variables`` now."""
-    rows = collectives.push_pull_sum(_table(variables), naming.part_key(key, "fingerprint"),
-                                     collectives.BLOCKING_PRIORITY).numpy()
+    rows = _exchange(variables, key).numpy()
     compare(rows, [naming.variable_name(v) for v in variables], what)
 
 
@@ -112,11 +117,9 @@ def checked(tensors: List, variables: Sequence, key: str, what: str) -> List:
             check_now(variables, key, what)
         return tensors
     names = [naming.variable_name(v) for v in variables]
-    fingerprint_key = naming.part_key(key, "fingerprint")
 
     def exchange():
-        rows = collectives.push_pull_sum(_table(variables), fingerprint_key,
-                                         collectives.BLOCKING_PRIORITY)
+        rows = _exchange(variables, key)
 
         def verify(found):
             compare(found.numpy(), names, what)

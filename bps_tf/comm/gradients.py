@@ -14,6 +14,15 @@ from bps_tf.comm import naming
 from bps_tf.runtime import basics
 
 
+def _now(query: str):
+    """This worker's ``query`` ('rank', 'size'): an int eagerly, read when
+    the graph runs otherwise (as bps_tf.comm.membership, which builds on
+    the collectives that load this module)."""
+    if tf.executing_eagerly():
+        return int(getattr(basics, query)())
+    return ops.membership(query)
+
+
 @tf.RegisterGradient("BytepsPushPullDebugHold")
 def _debug_hold_grad(op, grad, _log_grad):
     return [grad]   # y is x
@@ -37,13 +46,15 @@ def _push_pull_grad(op, grad):
 
 def _set_rank_size(agreement):
     """This worker's rank and the size of the process set an agreement names
-    ("set=0,2"), or of every worker when it names none."""
-    rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
+    ("set=0,2", fixed ranks), or of every worker when it names none (read
+    when the graph runs)."""
     for term in agreement.split():
         if term.startswith("set="):
             members = [int(r) for r in term[4:].split(",")]
-            return members.index(rank), len(members)
-    return rank, size
+            return members.index(basics.rank()), len(members)
+    if not basics.is_initialized():
+        return 0, 1
+    return _now("rank"), _now("size")
 
 
 def _reduce_op_grad(op, kind, summed, name, agreement):
@@ -74,10 +85,17 @@ def _broadcast_grad(op, grad):
     name = naming.gradient_key(op.get_attr("tensor_name").decode())
     summed = ops.push_pull_sum(grad, name, op.get_attr("priority"),
                            agreement=op.get_attr("agreement").decode())
-    if basics.is_initialized() and basics.rank() != op.get_attr("root_rank"):
+    if not basics.is_initialized():
+        return [summed]
+    rank, root_rank = _now("rank"), op.get_attr("root_rank")
+    root = rank == root_rank if isinstance(rank, int) else tf.equal(rank, root_rank)
+    if isinstance(root, bool):
+        if root:
+            return [summed]
         # The zeros must still wait for the push_pull: the root waits for
         # this worker's share, and in a TF1 session (or after Grappler folds
         # zeros of a known shape) nothing else would make it run.
         with tf.control_dependencies([summed]):
             return [tf.zeros_like(grad)]
-    return [summed]
+    # In a graph: whether this worker is the root is read when it runs.
+    return [tf.where(root, summed, tf.zeros_like(summed))]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.horovod import api
+from bps_tf.comm import exchange
 
 __all__ = ["broadcast_global_variables", "BroadcastGlobalVariablesHook"]
 
@@ -25,7 +25,7 @@ def broadcast_global_variables(root_rank):
             "broadcast_global_variables() needs a TF1 graph (eager code has no global "
             "variables): use bps_tf.broadcast_variables(model.variables, root_rank) or, "
             "with Keras, bps_tf.keras.callbacks.BroadcastGlobalVariablesCallback(root_rank).")
-    return api.broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+    return exchange.broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.comm import async_training, collectives
+from bps_tf.comm import allreduce as allreduce_lib
+from bps_tf.comm import async_training, collectives, reduction
+from bps_tf.comm.compression import Compression
 from bps_tf.compat.pass_aggregation import PassAggregator, passes_count
-from bps_tf.horovod import api
 from bps_tf.runtime import basics, process_sets
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
@@ -49,8 +50,8 @@ class DistributedOptimizer(_V1Optimizer):
     """
 
     def __init__(self, optimizer, name=None, use_locking=False, device_dense="",
-                 device_sparse="", compression=api.Compression.none, sparse_as_dense=False,
-                 op=api.Average, priority_fn=None, process_set=process_sets.global_process_set,
+                 device_sparse="", compression=Compression.none, sparse_as_dense=False,
+                 op=reduction.Average, priority_fn=None, process_set=process_sets.global_process_set,
                  gradient_predivide_factor=1.0, backward_passes_per_step=1,
                  average_aggregated_gradients=False):
         if not isinstance(optimizer, _V1Optimizer):
@@ -63,8 +64,8 @@ class DistributedOptimizer(_V1Optimizer):
         del device_dense, device_sparse
         process_sets.resolve(process_set, "DistributedOptimizer", members_only=False)
         self._optimizer = optimizer
-        op = api.resolve_op(None, op)
-        prescale, postscale = api.predivide_scales(op, gradient_predivide_factor,
+        op = reduction.resolve_op(None, op)
+        prescale, postscale = reduction.predivide_scales(op, gradient_predivide_factor,
                                                    "DistributedOptimizer")
         passes = passes_count(backward_passes_per_step)
         self._prefix = name or "DistributedOptimizer"
@@ -91,7 +92,7 @@ class DistributedOptimizer(_V1Optimizer):
         return list(zip(reduced, variables))
 
     def _reduce(self, grads, variables):
-        return api.reduce_gradients(grads, variables, self._prefix, **self._bps)
+        return allreduce_lib.reduce_gradients(grads, variables, self._prefix, **self._bps)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's update; with ``backward_passes_per_step``

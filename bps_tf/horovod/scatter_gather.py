@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.comm import collectives
-from bps_tf.comm import compression as compression_lib
-from bps_tf.comm import naming
+from bps_tf.comm import collectives, membership, naming
 from bps_tf.comm.collectives import require_init
-from bps_tf.horovod.api import Average, Compression, ReduceOp, Sum, allgather, sum_exact
-from bps_tf.runtime import basics, process_sets
+from bps_tf.comm.compression import Compression
+from bps_tf.comm.exchange import allgather, gather_rows
+from bps_tf.comm.reduction import Average, ReduceOp, Reduction, Sum
+from bps_tf.runtime import process_sets
 from bps_tf.runtime.process_sets import global_process_set
 
 __all__ = ["grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
@@ -45,15 +45,19 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 # --------------------------------------------------------------------------
 # reducescatter
 # --------------------------------------------------------------------------
-def scatter_rows(rows, rank: int, size: int):
+def scatter_rows(rows, rank, size):
     """(first row, row count) of ``rank``'s share of ``rows`` rows split as
     evenly as possible over ``size`` ranks, the lower ranks taking one row
-    more when ``rows`` does not divide (Horovod's split). Tensors or ints."""
-    base, extra = rows // size, rows % size
-    if isinstance(rows, int):
+    more when ``rows`` does not divide (Horovod's split). Ints, or tensors
+    (a rank and size read when the graph runs)."""
+    if all(isinstance(x, int) for x in (rows, rank, size)):
+        base, extra = rows // size, rows % size
         return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
-    start = rank * base + tf.minimum(tf.cast(rank, rows.dtype), extra)
-    count = base + tf.cast(rank < extra, rows.dtype)
+    rows = tf.cast(rows, tf.int64)
+    rank, size = tf.cast(rank, tf.int64), tf.cast(size, tf.int64)
+    base, extra = rows // size, rows % size
+    start = rank * base + tf.minimum(rank, extra)
+    count = base + tf.cast(rank < extra, tf.int64)
     return start, count
 
 
@@ -64,7 +68,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     returns this rank's rows of the result: the first dimension is split as
     evenly as possible, lower ranks getting one row more when it does not
     divide. ``prescale_factor`` multiplies before the reduction,
-    ``postscale_factor`` after it. Every worker must pass the same shape."""
+    ``postscale_factor`` after it. Every worker must pass the same shape.
+    Every worker receives the whole sum and keeps its rows (the servers only
+    sum); rank and size are read when the op runs."""
     ps = process_sets.resolve(process_set, "reducescatter")
     del ignore_name_scope
     require_init()
@@ -76,21 +82,14 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension.")
     key = naming.op_key("Reducescatter", name, tensor, ps.key_id)
-    rank, size = ps.rank(), ps.size()
     # Horovod's gradient: the gathered gradients, times size() for a Sum
     # (the sum's own gradient is the gathered ones, the average's 1/size).
-    tensor = collectives.scale_gradient(tensor, float(size))
-    with tf.device(device_dense), collectives.agreement_scope(
-            set=process_sets.set_agreement(ps), op=op.name.lower()):
-        sent = collectives.scale(tensor, prescale_factor, "prescale_factor")
-        if compression_lib.is_core(compression):
-            # Every worker receives the whole sum and slices it: the same
-            # compressed push_pull as push_pull's.
-            reduced = sum_exact(sent, key, op, compression=compression_lib.core_spec(compression),
-                                size=size)
-        else:
-            sent, ctx = compression.compress(sent)
-            reduced = compression.decompress(sum_exact(sent, key, op, size=size), ctx)
+    tensor = collectives.scale_gradient(
+        tensor, lambda: tf.cast(membership.set_size(ps), tf.float64))
+    with tf.device(device_dense):
+        reduced = Reduction(key, op, compression=compression, prescale=prescale_factor,
+                            process_set=ps).dense(tensor)
+        rank, size = membership.in_set(ps)
         rows = tensor.shape[0] if tensor.shape[0] is not None else \
             tf.shape(reduced, out_type=tf.int64)[0]
         start, count = scatter_rows(rows, rank, size)
@@ -118,6 +117,12 @@ def _checked_splits(tensor, splits, size):
     # Bad splits are InvalidArgumentError, as Horovod's op reports them.
     invalid = tf.errors.InvalidArgumentError
     if splits is None:
+        if not isinstance(size, int):   # read when the graph runs
+            with tf.control_dependencies([tf.debugging.assert_equal(
+                    rows % tf.cast(size, tf.int64), tf.constant(0, tf.int64),
+                    message="alltoall without splits needs a first dimension divisible "
+                            "by size()")]):
+                return tf.fill([size], rows // tf.cast(size, tf.int64))
         if tensor.shape[0] is not None and tensor.shape[0] % size:
             raise invalid(None, None, f"alltoall without splits needs a first dimension "
                                       f"divisible by size() ({size}); got {tensor.shape[0]}.")
@@ -160,17 +165,15 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     del ignore_name_scope
     require_init()
     tensor = collectives.row_tensor(tensor, "alltoall", collectives.GATHER_DTYPES)
-    rank, size = ps.rank(), ps.size()
+    rank, size = membership.in_set(ps)
     key = naming.op_key("Alltoall", name, tensor, ps.key_id)
     with_splits = splits is not None
     splits = _checked_splits(tensor, splits, size)
     expected = None if recv_splits is None else _checked_counts(recv_splits, size, "recv_splits")
-    with collectives.agreement_scope(set=process_sets.set_agreement(ps), op=""):
-        # matrix[s, d]: rows rank s sends to rank d (ranks within the set)
-        matrix, _ = collectives.allgather(tf.reshape(splits, [1, size]),
-                                          naming.part_key(key, "splits"), rank, size)
-        data, _ = collectives.allgather(tensor, naming.part_key(key, "data"), rank, size,
-                                        widen=True)
+    # matrix[s, d]: rows rank s sends to rank d (ranks within the set)
+    matrix, _ = gather_rows(tf.reshape(splits, [1, size]), naming.part_key(key, "splits"),
+                            process_set=ps)
+    data, _ = gather_rows(tensor, naming.part_key(key, "data"), process_set=ps)
     source_start = tf.cumsum(tf.reduce_sum(matrix, axis=1), exclusive=True)
     received_splits = matrix[:, rank]
     if expected is not None:
@@ -219,6 +222,12 @@ def _checked_counts(counts, size, what):
     """``counts`` as an int64 vector of ``size`` non-negative numbers."""
     counts = tf.cast(tf.convert_to_tensor(counts), tf.int64)
     invalid = tf.errors.InvalidArgumentError
+    if not isinstance(size, int) and counts.shape.rank == 1:   # size read when the graph runs
+        with tf.control_dependencies([
+                tf.debugging.assert_equal(tf.size(counts, out_type=tf.int32), size,
+                                          message=f"alltoall: {what} must have size() counts"),
+                tf.debugging.assert_non_negative(counts, message=f"alltoall: negative {what}")]):
+            return tf.identity(counts)
     if counts.shape.rank != 1 or (counts.shape[0] is not None and counts.shape[0] != size):
         raise invalid(None, None, f"alltoall: {what} must be a vector of size() = {size} "
                                   f"counts; got shape {counts.shape}.")

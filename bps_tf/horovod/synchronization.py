@@ -6,8 +6,9 @@
 * ``broadcast_(variables, root_rank)`` assigns ``root_rank``'s values to the
   variables in place (keys ``Broadcast_/<name or variable path>``).
 * ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``,
-  ``process_set_included_op``: int32
-  scalar tensors (the values are fixed once ``init`` has run).
+  ``process_set_included_op``: int32 scalar tensors; inside a graph they
+  are read when the graph runs (an elastic job's membership changes under
+  traced graphs), a process set's size and inclusion stay fixed.
 * ``join()``: a worker out of data joins; the others' reductions go on
   without it until every worker has joined (docs/engine.md, "Join").
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from bps_tf.comm import collectives, naming
+from bps_tf.comm import collectives, membership, naming
 from bps_tf.comm.collectives import BLOCKING_PRIORITY, require_init
 from bps_tf.runtime import basics, process_sets
 from bps_tf.runtime.process_sets import global_process_set
@@ -65,7 +66,8 @@ def barrier(name=None, process_set=global_process_set):
     if name is None and not tf.executing_eagerly():
         name = "barrier"
     key = naming.op_key("Barrier", name, None, ps.key_id)
-    with collectives.agreement_scope(set=process_sets.set_agreement(ps)):
+    with collectives.agreement_scope(set=process_sets.set_agreement(ps)), \
+            collectives.membership_free():
         arrived = collectives.push_pull_sum(tf.ones([1], tf.int32), key, BLOCKING_PRIORITY)
     if tf.executing_eagerly():
         count = int(arrived.numpy()[0])
@@ -92,7 +94,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
     def assign_all():
         out = []
-        with collectives.agreement_scope(set=process_sets.set_agreement(ps)):
+        with collectives.agreement_scope(set=process_sets.set_agreement(ps)), \
+                collectives.membership_free():
             for priority, (var, key) in enumerate(zip(targets, keys)):
                 value = collectives.broadcast(tf.convert_to_tensor(var), key, root_rank,
                                               priority=-priority)
@@ -107,35 +110,42 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return assigned[0] if single else assigned
 
 
-def _query_op(value_fn, name):
+def _query_op(query: str, name, fixed=None):
+    """An int32 scalar tensor: eagerly the value now; in a graph an op that
+    reads this worker's ``query`` ('rank', 'size', ...) when the graph runs,
+    so a traced function sees the membership it runs in (elastic jobs).
+    ``fixed``: a value that does not change with the membership."""
     require_init()
-    return tf.constant(value_fn(), dtype=tf.int32, name=name)
+    if fixed is not None or tf.executing_eagerly():
+        value = fixed if fixed is not None else getattr(basics, query)()
+        return tf.constant(int(value), dtype=tf.int32, name=name)
+    return tf.identity(getattr(membership, query)(), name=name)
 
 
 def size_op(process_set_id=0, name=None):
     """The number of workers (of the registered process set
-    ``process_set_id``), as an int32 scalar tensor."""
+    ``process_set_id``), as an int32 scalar tensor read when it runs."""
     ps = process_sets.process_set_by_id(process_set_id)
-    return _query_op(ps.size, name)
+    return _query_op("size", name, None if ps.ranks is None else ps.size())
 
 
 def process_set_included_op(process_set_id=0, name=None):
     """1 if this worker belongs to the registered process set
     ``process_set_id``, else 0, as an int32 scalar tensor (Horovod's)."""
     ps = process_sets.process_set_by_id(process_set_id)
-    return _query_op(lambda: int(bool(ps.included())), name)
+    return _query_op("size", name, int(bool(ps.included())))
 
 
 def rank_op(name=None):
-    """This worker's rank, as an int32 scalar tensor."""
-    return _query_op(basics.rank, name)
+    """This worker's rank, as an int32 scalar tensor read when it runs."""
+    return _query_op("rank", name)
 
 
 def local_size_op(name=None):
-    """The number of workers on this machine, as an int32 scalar tensor."""
-    return _query_op(basics.local_size, name)
+    """The number of workers on this machine, as an int32 scalar tensor read when it runs."""
+    return _query_op("local_size", name)
 
 
 def local_rank_op(name=None):
-    """This worker's rank on its machine, as an int32 scalar tensor."""
-    return _query_op(basics.local_rank, name)
+    """This worker's rank on its machine, as an int32 scalar tensor read when it runs."""
+    return _query_op("local_rank", name)

@@ -17,7 +17,7 @@ from bps_tf.horovod.api import broadcast, broadcast_object, broadcast_variables,
 from bps_tf.horovod.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                        mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                                        rocm_built)
-from bps_tf.horovod.lifecycle import init  # noqa: F401
+from bps_tf.comm.lifecycle import init  # noqa: F401
 from bps_tf.horovod.scatter_gather import reducescatter as _tensor_reducescatter
 from bps_tf.horovod.sync_batch_norm import SyncBatchNormalization
 from bps_tf.keras import callbacks

@@ -180,7 +180,37 @@ class BroadcastOp : public AsyncOpKernel {
   tensorflow::int64 priority_ = 0;
 };
 
+// Reads the membership when the graph runs, not when it was traced: an
+// elastic job's size and ranks change under graphs that outlive them.
+class MembershipOp : public tensorflow::OpKernel {
+ public:
+  explicit MembershipOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("query", &query_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES(ctx, bps_is_initialized(),
+                tensorflow::errors::FailedPrecondition(
+                    "bps_tf is not initialized: call bps_tf.init() before running a graph "
+                    "that reads this worker's ", query_));
+    int value = 0;
+    if (query_ == "rank") value = bps_rank();
+    else if (query_ == "size") value = bps_size();
+    else if (query_ == "local_rank") value = bps_local_rank();
+    else if (query_ == "local_size") value = bps_local_size();
+    else if (query_ == "cross_rank") value = bps_cross_rank();
+    else value = bps_cross_size();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({}), &out));
+    out->scalar<tensorflow::int32>()() = value;
+  }
+
+ private:
+  std::string query_;
+};
+
 REGISTER_KERNEL_BUILDER(Name("BytepsPushPull").Device(tensorflow::DEVICE_CPU), PushPullOp);
+REGISTER_KERNEL_BUILDER(Name("BytepsMembership").Device(tensorflow::DEVICE_CPU), MembershipOp);
 REGISTER_KERNEL_BUILDER(Name("BytepsBroadcast").Device(tensorflow::DEVICE_CPU), BroadcastOp);
 
 }  // namespace bps_tf

@@ -14,9 +14,11 @@ scheduler runs inside server 0) and N workers that run COMMAND, each with
 DMLC_WORKER_ID / BYTEPS_LOCAL_RANK set to its rank.
 
 Cluster mode (no -np): starts this host's one process of a larger job, whose
-place is read from TF_CONFIG (e.g. a Kubeflow TFJob) or from DMLC_ROLE and the
-other DMLC_* variables. Workers, chief and evaluator run COMMAND; ps, server
-and scheduler run the bps_tf server and ignore COMMAND.
+place is read from DMLC_ROLE and the other DMLC_* variables, from TF_CONFIG
+(e.g. a Kubeflow TFJob), or from a Kubernetes pod of a JobSet or Indexed Job
+(JOB_COMPLETION_INDEX and the job's name; docs/kubernetes.md). Workers, chief
+and evaluator run COMMAND; ps, server and scheduler run the bps_tf server and
+ignore COMMAND.
 
 Every line the processes print comes out tagged with its origin, e.g.
 "[worker 1] loss: 0.25" (--no-prefix: untouched, straight to the terminal).

@@ -5,7 +5,8 @@ Two modes:
 * local (``-np N``): a whole cluster on 127.0.0.1 -- servers, with the
   scheduler inside server 0, and N workers running the user's command;
 * cluster (no ``-np``): this machine's one process of a larger job, its role
-  read from ``TF_CONFIG`` or ``DMLC_*`` by ``bps_tf.runtime.cluster``.
+  read from ``TF_CONFIG``, ``DMLC_*`` or a Kubernetes pod's JobSet / Indexed
+  Job variables by ``bps_tf.runtime.cluster``.
 
 Either way the launcher owns its children: each runs in its own process group
 (so their own children are reached too), the first failure stops all of them,
@@ -368,7 +369,8 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
                 timeout: Optional[float] = None, grace: float = DEFAULT_GRACE_S,
                 environ: Optional[Mapping[str, str]] = None,
                 prefix_output: bool = False, health_port: Optional[int] = None) -> int:
-    """Run this host's one process of a cluster described by TF_CONFIG or DMLC_*.
+    """Run this host's one process of a cluster described by TF_CONFIG, DMLC_* or a
+    Kubernetes pod's variables (bps_tf.runtime.k8s_cluster).
 
     Workers and evaluators run ``command``; servers and schedulers run
     ``server_command`` (default ``python -m bps_tf.server``). The environment
@@ -385,7 +387,8 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
     LOG.info("%s", cluster.describe(cfg))
     if cfg.role == "local":
         say("no cluster is configured: pass -np N to start a local job, or set TF_CONFIG "
-            "(or DMLC_ROLE and the other DMLC_* variables) to give this process its place "
+            "(or DMLC_ROLE and the other DMLC_* variables, or a Kubernetes pod's JobSet or "
+            "Indexed Job variables: docs/kubernetes.md) to give this process its place "
             "in a cluster")
         return EXIT_USAGE
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
@@ -408,7 +411,8 @@ def run_cluster(command: Sequence[str], *, server_command: Optional[Sequence[str
                 f"options, e.g. bpslaunch python train.py")
             return EXIT_USAGE
         argv = list(command)
-        name = f"worker {cfg.rank}" if cfg.role == "worker" else cfg.role
+        # A newcomer of an elastic job has no rank until the scheduler admits it.
+        name = f"worker {cfg.rank}" if cfg.role == "worker" and cfg.rank >= 0 else cfg.role
         kind = "worker"
 
     deadline = time.monotonic() + timeout if timeout else None

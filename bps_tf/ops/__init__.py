@@ -74,6 +74,12 @@ def broadcast_raw(tensor, tensor_name: str, root_rank: int, priority: int = 0,
                                  priority=int(priority), agreement=agreement)
 
 
+def membership(query: str):
+    """This worker's `query` ('rank', 'size', 'local_rank', 'local_size',
+    'cross_rank', 'cross_size') as an int32 scalar read when the op runs."""
+    return _ops.byteps_membership(query=query)
+
+
 def push_pull_start(tensor, tensor_name: str, priority: int = 0):
     """Starts the sum of `tensor` under `tensor_name`; returns a token at once."""
     return _ops.byteps_push_pull_start(tensor, tensor_name=tensor_name, priority=int(priority))
@@ -95,5 +101,6 @@ def push_pull_debug_hold(x, command: str, tensor_name: str = "", timeout_ms: int
                                            timeout_ms=int(timeout_ms))
 
 
+tf.no_gradient("BytepsMembership")
 tf.no_gradient("BytepsPushPullStart")
 tf.no_gradient("BytepsPushPullWait")

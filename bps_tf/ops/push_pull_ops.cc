@@ -48,4 +48,21 @@ agreement: as BytepsPushPull's ("set=0,2": among those ranks; root_rank is a
   global rank).
 )doc");
 
+REGISTER_OP("BytepsMembership")
+    .Output("value: int32")
+    .Attr("query: {'rank', 'size', 'local_rank', 'local_size', 'cross_rank', 'cross_size'}")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+This worker's place in the current membership, read when the op runs.
+
+An elastic job's membership changes while traced graphs live on: a graph
+that averages by `size` or picks rows by `rank` reads them here, so it stays
+right after workers leave or join. Stateful, so it is never folded into a
+constant.
+
+query: which number: rank, size, local_rank, local_size, cross_rank or
+  cross_size.
+)doc");
+
 }  // namespace bps_tf

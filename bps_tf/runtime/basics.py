@@ -33,7 +33,7 @@ def core():
 
 def join(environ=None) -> None:
     """Joins the cluster described by DMLC_*/TF_CONFIG (or none: size 1),
-    unless joined already. ``bps_tf.init()`` (bps_tf.horovod.lifecycle) is
+    unless joined already. ``bps_tf.init()`` (bps_tf.comm.lifecycle) is
     the public call; it also registers the process sets.
 
     Blocks until every worker and server has met; raises with the reason if
@@ -50,7 +50,7 @@ def _join(c, environ, rank=None) -> None:
     spec = cluster.resolve(environ)
     if spec.role in ("server", "scheduler"):
         raise RuntimeError(
-            f"this process is a bps_tf {spec.role} (DMLC_ROLE/TF_CONFIG); servers run "
+            f"this process is a bps_tf {spec.role} (from {spec.source}); servers run "
             "`python -m bps_tf.server` or `bpslaunch`, not bps_tf.init()")
     security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN", environ),
                                 config.value("BYTEPS_ALLOW_INSECURE", environ), log)

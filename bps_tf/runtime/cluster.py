@@ -1,13 +1,15 @@
 """Where this process sits in a bps_tf job, read from the environment.
 
-A process learns its place from one of two sources:
+A process learns its place from one of three sources, in this order:
 
 * ``DMLC_*`` / ``BYTEPS_*`` variables (BytePS names), set by ``bpslaunch -np``
   or by hand; they win whenever ``DMLC_ROLE`` is set;
 * ``TF_CONFIG`` (TensorFlow's cluster description, written e.g. by Kubeflow's
-  TFJob), used when ``DMLC_ROLE`` is absent.
+  TFJob), used when ``DMLC_ROLE`` is absent;
+* a Kubernetes pod's own variables (a JobSet's or an Indexed Job's, see
+  k8s_cluster.py), when neither of the others is set.
 
-With neither, the process runs alone (role ``local``). ``resolve`` turns the
+With none, the process runs alone (role ``local``). ``resolve`` turns the
 environment into a ``ClusterConfig`` and rejects anything inconsistent with a
 ``ClusterSpecError`` that names the variable, the bad value and the fix, so a
 misconfigured pod fails at start-up instead of hanging at rendezvous.
@@ -18,77 +20,33 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
+
+from bps_tf.runtime import k8s_cluster
+from bps_tf.runtime.placement import (  # noqa: F401 (ClusterConfig & co. are this module's API)
+    DEFAULT_BIND_HOST, LOOPBACK_BIND_HOST, ClusterConfig, ClusterSpecError, is_loopback)
+from bps_tf.runtime.placement import choose_bind_host as _bind_host
+from bps_tf.runtime.placement import flag_var as _flag_var
+from bps_tf.runtime.placement import int_var as _int_var
+from bps_tf.runtime.placement import strip_brackets as _strip_brackets
 
 ROLES = ("local", "worker", "server", "scheduler", "evaluator")
 DMLC_ROLES = ("worker", "server", "scheduler")
 TF_TASK_TYPES = ("chief", "master", "worker", "ps", "evaluator")
-DEFAULT_BIND_HOST = "0.0.0.0"      # when the job spans hosts other than this one
-LOOPBACK_BIND_HOST = "127.0.0.1"   # when every address of the job is a loopback one
 _MAX_PORT = 65535
 _SHOWN_CHARS = 200   # how much of a bad TF_CONFIG an error message quotes
 
 
-class ClusterSpecError(ValueError):
-    """The environment does not describe a valid place in a bps_tf job."""
-
-
-@dataclass
-class ClusterConfig:
-    role: str
-    rank: int = -1                  # worker rank; -1 for other roles
-    num_workers: int = 1
-    num_servers: int = 0
-    scheduler_host: str = ""
-    scheduler_port: int = 0
-    server_id: int = -1             # -1: the scheduler assigns one
-    advertise_host: str = ""        # the host other nodes reach this one at
-    port: int = 0                   # the port a server/scheduler binds; 0: the OS picks
-    bind_host: str = DEFAULT_BIND_HOST
-    host_scheduler: bool = False    # this server also runs the scheduler
-    ready_file: str = ""            # where the scheduler host writes its port
-    local_rank: int = -1            # -1: the scheduler groups workers by host
-    local_size: int = -1
-    hostname: str = field(default_factory=socket.gethostname)
-    source: str = "none"            # "DMLC", "TF_CONFIG" or "none"
-
-    def core_values(self) -> Dict[str, object]:
-        """The placement keys the C++ core reads (see docs/contracts.md)."""
-        return {
-            "role": self.role,
-            "rank": self.rank,
-            "num_workers": self.num_workers,
-            "num_servers": self.num_servers,
-            "scheduler_host": self.scheduler_host,
-            "scheduler_port": self.scheduler_port,
-            "server_id": self.server_id,
-            "advertise_host": self.advertise_host,
-            "port": self.port,
-            "bind_host": self.bind_host,
-            "host_scheduler": 1 if self.host_scheduler else 0,
-            "ready_file": self.ready_file,
-            "local_rank": self.local_rank,
-            "local_size": self.local_size,
-            "hostname": self.hostname,
-            # Where the scheduler's address and the cluster's size come
-            # from: the core's waiting lines and errors name them.
-            "scheduler_origin": {"TF_CONFIG": "TF_CONFIG's ps task 0"}.get(
-                self.source, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"),
-            "members_origin": {"TF_CONFIG": "TF_CONFIG's cluster (its chief, worker and ps "
-                                            "tasks)"}.get(
-                self.source, "DMLC_NUM_WORKER/DMLC_NUM_SERVER"),
-        }
-
-
 def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterConfig:
-    """This process's place in the job, from ``DMLC_*``, ``TF_CONFIG`` or neither."""
+    """This process's place in the job, from ``DMLC_*``, ``TF_CONFIG``, Kubernetes or none."""
     environ = os.environ if environ is None else environ
     if environ.get("DMLC_ROLE", "").strip():
         cfg = _resolve_dmlc(environ)
     elif environ.get("TF_CONFIG", "").strip():
         cfg = _resolve_tf_config(environ["TF_CONFIG"], environ)
+    elif k8s_cluster.configured(environ):
+        cfg = k8s_cluster.resolve(environ)
     else:
         cfg = _alone("local", source="none")
     _apply_local_overrides(cfg, environ)
@@ -104,7 +62,8 @@ def describe(cfg: ClusterConfig) -> str:
     if cfg.role == "evaluator":
         return f"bps_tf evaluator: runs alone, outside the training cluster {origin}"
     if cfg.role == "worker":
-        return (f"bps_tf worker rank {cfg.rank} of {cfg.num_workers}, "
+        rank = f"rank {cfg.rank}" if cfg.rank >= 0 else "(newcomer: joins the running job)"
+        return (f"bps_tf worker {rank} of {cfg.num_workers}, "
                 f"{cfg.num_servers} server(s), scheduler {scheduler} {origin}")
     binds = join_host_port(cfg.bind_host, cfg.port) if cfg.port else f"{cfg.bind_host}:<free port>"
     if cfg.role == "scheduler":
@@ -412,73 +371,10 @@ def _apply_local_overrides(cfg: ClusterConfig, environ: Mapping[str, str]) -> No
             f"(or set BYTEPS_LOCAL_SIZE to match)")
 
 
-def _int_var(environ: Mapping[str, str], name: str, *, default: Optional[int] = None,
-             minimum: Optional[int] = None, maximum: Optional[int] = None,
-             fix: str = "") -> int:
-    text = environ.get(name, "").strip()
-    hint = f"; {fix}" if fix else ""
-    if not text:
-        if default is None:
-            raise ClusterSpecError(f"{name} is not set{hint}")
-        return default
-    try:
-        number = int(text, 10)
-    except ValueError:
-        raise ClusterSpecError(f"{name}={text!r} is not an integer{hint}") from None
-    if minimum is not None and number < minimum or maximum is not None and number > maximum:
-        low = "" if minimum is None else str(minimum)
-        high = "" if maximum is None else str(maximum)
-        span = f"from {low} to {high}" if low and high else (f"at least {low}" if low else f"at most {high}")
-        raise ClusterSpecError(f"{name}={text!r} is out of range: it must be {span}{hint}")
-    return number
-
-
-def _flag_var(environ: Mapping[str, str], name: str) -> bool:
-    text = environ.get(name, "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
-        return False
-    if text in ("1", "true", "yes", "on"):
-        return True
-    raise ClusterSpecError(f"{name}={environ[name]!r} is not a flag; set it to 0 or 1")
-
-
 def _host_var(environ: Mapping[str, str], name: str) -> str:
     host = _strip_brackets(environ.get(name, "").strip())
     if not host:
         raise ClusterSpecError(f"{name} is not set; set it to the scheduler's host name or IP")
-    return host
-
-
-def _bind_host(environ: Mapping[str, str], hosts: List[str], own: str = "") -> str:
-    """BYTEPS_BIND_HOST, else a loopback address when every address of the
-    job is a loopback one (a cluster on one machine is not reachable from
-    others): this node's own (e.g. 127.0.0.2) when it is an IPv4 literal,
-    else 127.0.0.1; else every address of this host."""
-    chosen = _strip_brackets(environ.get("BYTEPS_BIND_HOST", "").strip())
-    if chosen:
-        return chosen
-    known = [h for h in hosts if h]
-    if known and all(is_loopback(h) for h in known):
-        return own if own.count(".") == 3 and is_loopback(own) else LOOPBACK_BIND_HOST
-    return DEFAULT_BIND_HOST
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and localhost (names are not resolved otherwise)."""
-    import ipaddress
-    host = _strip_brackets(host.strip()).lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _strip_brackets(host: str) -> str:
-    # "[::1]" and "::1" name the same host; keep the bare form, join_host_port re-adds them.
-    if host.startswith("[") and host.endswith("]"):
-        return host[1:-1]
     return host
 
 

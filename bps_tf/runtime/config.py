@@ -302,6 +302,10 @@ SETTINGS = (
             "the cluster has met, SERVING while healthy, NOT_SERVING after a "
             "lost peer. 0: off. bpslaunch -np gives server i this port + i."),
     # -- for tests and tuning --
+    Setting("BYTEPS_K8S_TEST_HOSTS", "", "", str,
+            "TESTS ONLY, never set in production: name=127.0.0.x,... maps Kubernetes pod "
+            "DNS names to loopback addresses, so a job rendered from the manifests runs on one "
+            "machine (tests/test_k8s_jobs.py); any other address is refused."),
     Setting("BYTEPS_DEBUG_SEND_LOG", "send_log", "0", _bool,
             "Record the order partitions leave a worker (read with "
             "bps_tf.runtime.basics.debug_send_log()); for tests and tuning."),

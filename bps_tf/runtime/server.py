@@ -38,7 +38,8 @@ def main(argv=None) -> int:
         return 2
     if spec.role not in ("server", "scheduler"):
         print(f"bps_tf server: this node's role is '{spec.role}', not server or scheduler "
-              "(set DMLC_ROLE=server or a TF_CONFIG task of type 'ps')", file=sys.stderr)
+              "(set DMLC_ROLE=server, a TF_CONFIG task of type 'ps', or run it in a pod "
+              "of a Kubernetes job named server)", file=sys.stderr)
         return 2
     try:
         security.refuse_unprotected(spec, config.value("BYTEPS_JOB_TOKEN"),

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from bps_tf.comm import collectives, naming
 from bps_tf.comm import compression as compression_lib
-from bps_tf.horovod import api
+from bps_tf.comm import exchange
 from bps_tf.runtime import hooks
 from bps_tf.strategy.identity import multi_worker, of_model
 
@@ -152,7 +152,7 @@ def _restore_from_rank0(original):
                 state["epoch"] = getattr(model, "_initial_epoch", None)
             except Exception as exc:  # pylint: disable=broad-except
                 state["error"] = f"{type(exc).__name__}: {exc}"
-        state = api.broadcast_object(state, root_rank=0,
+        state = exchange.broadcast_object(state, root_rank=0,
                                      name=naming.strategy_key("backup", "state"))
         if state["error"]:
             raise RuntimeError(f"BackupAndRestore failed on rank 0: {state['error']}")

@@ -7,7 +7,8 @@ that placed the process in the job (``bps_tf.runtime.cluster.resolve``):
 
 * TF_CONFIG: its own ``cluster`` and ``task``, as TensorFlow would report them
   (``chief``/``worker``/``ps``/``evaluator`` with TF_CONFIG's indexes).
-* BytePS ``DMLC_*`` variables (``bpslaunch`` sets them): task type ``worker``
+* BytePS ``DMLC_*`` variables (``bpslaunch`` sets them), or a Kubernetes
+  pod's JobSet / Indexed Job variables: task type ``worker``
   (or ``ps`` for a server) with the worker rank (server id) as the index. The
   other tasks' addresses are not known to this process, so the cluster spec
   holds this task alone (a sparse ClusterSpec), plus the scheduler's address
@@ -32,10 +33,10 @@ def make_cluster_resolver(environ: Optional[Mapping[str, str]] = None):
     cfg = cluster.resolve(environ)
     if cfg.source == "TF_CONFIG":
         return _from_tf_config((os.environ if environ is None else environ)["TF_CONFIG"])
-    if cfg.source == "DMLC":
+    if cfg.source in ("DMLC", "Kubernetes"):
         is_worker = cfg.role == "worker"
         task_type = "worker" if is_worker else "ps"
-        task_id = cfg.rank if is_worker else max(cfg.server_id, 0)
+        task_id = max(cfg.rank if is_worker else cfg.server_id, 0)   # newcomer: -1
         jobs = {task_type: {task_id: cluster.join_host_port(cfg.advertise_host or cfg.hostname, 0)}}
         if cfg.scheduler_host and cfg.scheduler_port and (is_worker or task_id != 0):
             jobs.setdefault("ps", {})[0] = cluster.join_host_port(cfg.scheduler_host,

@@ -41,24 +41,19 @@ from tensorflow.python.framework import indexed_slices
 
 from bps_tf.comm import async_training, collectives
 from bps_tf.comm import compression as compression_lib
-from bps_tf.comm import naming
+from bps_tf.comm import exchange, naming, reduction
+from bps_tf.runtime import elastic_core
 
 # Tensors smaller than this travel uncompressed: they gain nothing, and they
 # are the scalars (metrics, loss) whose exact values users read.
 FP16_MIN_ELEMENTS = 1024
 
 
-def _push_pull(tensor, key: str, priority: int = collectives.BLOCKING_PRIORITY):
-    """Cross-worker sum of any numeric tensor (sent first by default);
-    returns (sum, op)."""
-    summed = collectives.push_pull_sum(tensor, key, priority, widen=True)
-    return summed, collectives.push_pull_op(summed)
-
-
-def allgather_rows(tensor, key: str, rank: int, size: int):
-    """Rows of all workers in rank order, sent first; returns (rows, ops)."""
-    return collectives.allgather(tensor, key, rank, size, collectives.BLOCKING_PRIORITY,
-                                 widen=True, key_per_size=True)
+def allgather_rows(tensor, key: str):
+    """Rows of all workers in rank order, sent first; returns (rows, ops).
+    Rank and size are read when the graph runs."""
+    return exchange.gather_rows(tensor, key, priority=collectives.BLOCKING_PRIORITY,
+                                key_per_size=True)
 
 
 # --------------------------------------------------------------------------
@@ -73,7 +68,9 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         self._rank = rank
         compression_lib.check_supported(compression, "BytePSStrategy")
         self._fp16 = compression_lib.is_fp16(compression)
-        self._core_spec = compression_lib.core_spec(compression)
+        # core_spec refuses what elastic training cannot roll back, at creation.
+        self._core = compression if compression_lib.core_spec(compression) else None
+        self._elastic = elastic_core.enabled()
         self._namer = naming.StrategyNamer()
         collectives.load_op_library()   # fail at strategy creation if the library is missing
         # graph -> {output tensor name: [push_pull op names]}, to find the
@@ -85,8 +82,9 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
     @property
     def _num_between_graph_workers(self):
         # > 1 disables CrossDeviceOps' shortcut for a single local value,
-        # which would skip the cross-worker sum.
-        return self._num_workers
+        # which would skip the cross-worker sum (an elastic job's graphs
+        # must reduce even when traced with one worker left).
+        return max(self._num_workers, 2) if self._elastic else self._num_workers
 
     # -- tf.distribute entry points ------------------------------------
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -103,9 +101,9 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
         name = self._namer.batch(1)[0]
         with tf.device(values[0].device):
             local = values[0] if len(values) == 1 else tf.concat(values, axis=axis)
-            if self._num_workers > 1:
+            if self._crosses_workers():
                 moved = _move_axis_first(local, axis)
-                gathered, _ = allgather_rows(moved, name, self._rank, self._num_workers)
+                gathered, _ = allgather_rows(moved, name)
                 local = _move_axis_back(gathered, axis)
         return self.broadcast(local, _destinations_or_devices(destinations, per_replica_value))
 
@@ -122,81 +120,82 @@ class PushPullCrossDeviceOps(cdo_lib.CrossDeviceOps):
     def broadcast_state(self, tensor):
         """Rank 0's value of ``tensor`` (ONLY_FIRST_REPLICA updates)."""
         name = self._namer.batch(1)[0]
-        with collectives.keep_priority(True):
+        with collectives.keep_priority(True), collectives.membership_free():
             return collectives.broadcast(tf.convert_to_tensor(tensor), name, root_rank=0,
                                          priority=collectives.STATE_PRIORITY)
 
     # -- the work ------------------------------------------------------
     def _reduce_all(self, reduce_op, pairs, priority=None):
         names = self._namer.batch(len(pairs))
+        if reduce_op == reduce_util.ReduceOp.MEAN:
+            op = reduction.Average
+        elif reduce_op == reduce_util.ReduceOp.SUM:
+            op = reduction.Sum
+        else:
+            raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
         results = []
         for (value, destinations), name in zip(pairs, names):
             values = list(value.values) if isinstance(value, values_lib.DistributedValues) \
                 else [value]
-            total = len(values) * self._num_workers
             dests = _destinations_or_devices(destinations, value)
-            if any(isinstance(v, indexed_slices.IndexedSlices) for v in values):
-                reduced, pp_ops = self._reduce_sparse(reduce_op, values, name, total)
-            else:
-                reduced, pp_ops = self._reduce_dense(reduce_op, values, name, total, priority)
+            request = self._request(name, op, len(values), priority)
+            with tf.device(values[0].device):
+                if all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
+                    reduced = self._reduce_sparse(request, values)
+                else:
+                    # SyncOnRead variables arrive as their per-replica variables;
+                    # mixed dense and sparse replicas: the dense sum is exact.
+                    tensors = [tf.convert_to_tensor(v) for v in values]
+                    local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
+                    request.compression = self._compression_for(local, priority)
+                    reduced = request.dense(local)
             result = self.broadcast(reduced, dests)
             if priority is None:   # state updates are not gradients
-                self._remember(result, pp_ops)
+                self._remember(result, request.ops)
             results.append(result)
         return results
 
-    def _reduce_dense(self, reduce_op, values, name, total, priority=None):
-        with tf.device(values[0].device):
-            # SyncOnRead variables arrive as their per-replica variables.
-            tensors = [tf.convert_to_tensor(v) for v in values]
-            local = tensors[0] if len(tensors) == 1 else tf.math.add_n(tensors)
-            if self._compresses(local, priority):
-                summed, op = collectives.push_pull_sum_fp16(
-                    local, name, collectives.BLOCKING_PRIORITY, with_op=True)
-            elif self._core_spec and priority is None and _gradients_now():
-                # The engine leaves tensors under BYTEPS_MIN_COMPRESS_BYTES
-                # and other dtypes uncompressed.
-                summed = collectives.push_pull_sum(local, name, collectives.BLOCKING_PRIORITY,
-                                                   widen=True, compression=self._core_spec)
-                op = collectives.push_pull_op(summed)
-            else:
-                summed, op = _push_pull(local, name, collectives.BLOCKING_PRIORITY
-                                        if priority is None else priority)
-            if reduce_op == reduce_util.ReduceOp.MEAN:
-                summed = collectives.divide(summed, total)
-            elif reduce_op != reduce_util.ReduceOp.SUM:
-                raise ValueError(f"BytePSStrategy reduces with SUM or MEAN, not {reduce_op}.")
-        return summed, [op] if op is not None else []
+    def _request(self, name, op, replicas, priority):
+        """The reduction of one value: blocking unless ``priority`` says
+        otherwise (state updates go last), averaged over every replica of
+        every worker of the membership the step runs in."""
+        return reduction.Reduction(
+            name, op, replicas=replicas, keep_priority=priority is not None,
+            priority=collectives.BLOCKING_PRIORITY if priority is None else priority)
 
-    def _compresses(self, tensor, priority) -> bool:
-        """fp16 for the gradients only (reduced inside an optimizer's apply),
-        and only the large floating ones: state updates (``priority`` set),
-        metrics, counts and a user's own reductions stay exact."""
-        size = tensor.shape.num_elements()
-        return (self._fp16 and priority is None and _gradients_now()
-                and tensor.dtype in (tf.float32, tf.float64)
-                and size is not None and size >= FP16_MIN_ELEMENTS)
+    def _compression_for(self, tensor, priority):
+        """The gradients only (reduced inside an optimizer's apply) are
+        compressed; state updates (``priority`` set), metrics, counts and a
+        user's own reductions stay exact. fp16 takes the large floating ones;
+        the engine leaves tensors under BYTEPS_MIN_COMPRESS_BYTES and other
+        dtypes uncompressed by itself."""
+        if priority is not None or not _gradients_now():
+            return None
+        if self._fp16:
+            size = tensor.shape.num_elements()
+            if (tensor.dtype in (tf.float32, tf.float64) and size is not None
+                    and size >= FP16_MIN_ELEMENTS):
+                return compression_lib.FP16Compressor
+            return None
+        return self._core or None
 
-    def _reduce_sparse(self, reduce_op, values, name, total):
-        if not all(isinstance(v, indexed_slices.IndexedSlices) for v in values):
-            # Mixed dense and sparse replicas: the dense sum is exact.
-            return self._reduce_dense(reduce_op, values, name, total)
-        slices = values
-        with tf.device(values[0].device):
-            rows = tf.concat([s.values for s in slices], axis=0)
-            indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
-            pp_ops = []
-            if self._num_workers > 1:
-                rows, rows_ops = allgather_rows(rows, naming.part_key(name, "values"),
-                                            self._rank, self._num_workers)
-                indices, index_ops = allgather_rows(indices, naming.part_key(name, "indices"),
-                                                self._rank, self._num_workers)
-                pp_ops = rows_ops + index_ops
-            if reduce_op == reduce_util.ReduceOp.MEAN:
-                rows = collectives.divide(rows, total)
-            indices = tf.cast(indices, slices[0].indices.dtype)
-            result = indexed_slices.IndexedSlices(rows, indices, slices[0].dense_shape)
-        return result, pp_ops
+    def _reduce_sparse(self, request, slices):
+        """Values and indices of the local replicas concatenated, then gathered
+        from every worker: exactly the sum a single process computes."""
+        if self._crosses_workers():
+            return request.sparse(list(slices))
+        rows = tf.concat([s.values for s in slices], axis=0)
+        indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
+        if request.op == reduction.Average:
+            rows = collectives.divide(rows, request.replicas)
+        return indexed_slices.IndexedSlices(rows, tf.cast(indices, slices[0].indices.dtype),
+                                            slices[0].dense_shape)
+
+    def _crosses_workers(self) -> bool:
+        """Whether reductions go through the servers: with other workers, and
+        always in an elastic job (a graph traced alone must still reduce when
+        workers join: the membership is read when it runs)."""
+        return self._num_workers > 1 or self._elastic
 
     # -- which push_pulls serve which gradient --------------------------
     # Priorities are not set here: the C++ priority pass in the op library

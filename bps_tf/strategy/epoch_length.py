@@ -23,7 +23,7 @@ import logging
 
 import tensorflow as tf
 
-from bps_tf.horovod import api
+from bps_tf.comm import exchange
 from bps_tf.runtime import hooks
 
 log = logging.getLogger("bps_tf")
@@ -73,7 +73,7 @@ def unsized(iterator, is_bps) -> bool:
         return False
     local = iterator._num_batches   # pylint: disable=protected-access
     mine = _OWN if _own_data(iterator) else -1 if local is None else int(local)
-    counts = api.allgather(tf.constant([mine], tf.int64), name=COUNTS_NAME).numpy().tolist()
+    counts = exchange.allgather(tf.constant([mine], tf.int64), name=COUNTS_NAME).numpy().tolist()
     if _OWN in counts:
         # AutoShardPolicy.OFF: each worker's batch is a global batch, split
         # over every replica, so a worker takes several steps per batch of its

@@ -19,7 +19,7 @@ from tensorflow.python.trackable import base as trackable_base
 
 from bps_tf.comm import async_training, collectives, naming
 from bps_tf.comm.compression import Compression
-from bps_tf.horovod import lifecycle
+from bps_tf.comm import lifecycle
 from bps_tf.runtime import basics, cluster
 from bps_tf.strategy import batch_share, keras_hooks
 from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps

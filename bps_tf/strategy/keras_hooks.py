@@ -32,7 +32,7 @@ import warnings
 import tensorflow as tf
 
 from bps_tf.comm import async_training, fingerprint, naming
-from bps_tf.horovod import optimizer_variables
+from bps_tf.comm import optimizer_variables
 from bps_tf.overlap import fit as overlap_fit
 from bps_tf.runtime import basics, config, hooks
 from bps_tf.strategy import batch_share  # noqa: F401  (declares the batch-share hooks)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from bps_tf.horovod import api
+from bps_tf.comm.allreduce import allreduce
+from bps_tf.comm.reduction import Sum
 from bps_tf.runtime import basics
 from bps_tf.runtime.process_sets import global_process_set
 
@@ -53,5 +54,5 @@ def _summer(optimizer, is_bps):
     process_set = inner._bps_process_set or global_process_set   # pylint: disable=protected-access
     if process_set.size() <= 1 or not process_set.included():
         return None
-    return lambda count: api.allreduce(count, op=api.Sum, name=NONFINITE_NAME,
-                                       process_set=process_set)
+    return lambda count: allreduce(count, op=Sum, name=NONFINITE_NAME,
+                                   process_set=process_set)

@@ -146,13 +146,21 @@ void WorkerEngine::Enqueue(const std::string& name, int dtype, const std::vector
   if (!invalid.empty()) return refuse(invalid);
   long view = ViewOf(agreement);
   if (view >= 0 && view != epoch_) {
-    // A graph traced before the workers changed holds the old size (its
-    // averages) and ranks as constants: running it would be silently wrong.
+    // Only ops whose graph holds ranks as constants carry their epoch (a
+    // process set's, and code built on the rank it was traced with); the
+    // collectives of both faces read size and rank when they run and carry
+    // none. Running such an op in another membership would be silently wrong.
+    const bool in_set = agreement.find("set=") != std::string::npos;
     return refuse("built in membership epoch " + std::to_string(view) + ", but the workers "
                   "changed since (epoch " + std::to_string(epoch_) + ", " + std::to_string(size_) +
-                  " workers): its averages and ranks are stale. Build it again after the "
-                  "reset (Keras: bps_tf.elastic's KerasState does it for model.fit; a "
-                  "tf.function of your own: create it again in a reset callback)");
+                  " workers), and " +
+                  (in_set ? std::string("it belongs to a process set, whose ranks are those of "
+                                        "the old membership: register the set again in a reset "
+                                        "callback (state.register_reset_callbacks) and build "
+                                        "the function that uses it again there")
+                          : std::string("its graph holds the ranks of the old membership: "
+                                        "build it again after the reset (a tf.function of your "
+                                        "own: create it again in a reset callback)")));
   }
   std::string sig = Signature(dtype, shape, agreement, reduce_op, contributors);
   const bool compress = Compresses(spec, dtype, bytes);

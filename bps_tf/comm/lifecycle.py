@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from bps_tf.horovod import optimizer_variables
+from bps_tf.comm import optimizer_variables
 from bps_tf.runtime import basics, process_sets
 
 
