@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "dependencies.md")
 BEGIN, END = "<!-- hooks:begin -->", "<!-- hooks:end -->"
 # Every module that declares hooks (importing it declares them).
-DECLARING = ("bps_tf.ops", "bps_tf.horovod.optimizer_variables", "bps_tf.overlap.guard",
+DECLARING = ("bps_tf.ops", "bps_tf.comm.optimizer_variables", "bps_tf.overlap.guard",
              "bps_tf.overlap.fit", "bps_tf.strategy.keras_hooks",
              "bps_tf.strategy.checkpoint_hooks", "bps_tf.strategy.data_check",
              "bps_tf.strategy.batch_share", "bps_tf.strategy.callback_state")

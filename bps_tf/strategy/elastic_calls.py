@@ -36,8 +36,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from bps_tf.comm import collectives, naming
-from bps_tf.horovod import api
+from bps_tf.comm import collectives, exchange, naming
 from bps_tf.horovod import elastic as hvd_elastic
 from bps_tf.runtime import basics, elastic_core
 from bps_tf.strategy import choices as strategy_choices
@@ -179,7 +178,7 @@ def _meet(kind, number, fit_state) -> None:
     lowest = int(min(rows[:, 0]))
     if lowest < target:
         wanted = {i: _job.results.get(i) for i in range(lowest, target)} if rank == root else None
-        _job.results.update(api.broadcast_object(
+        _job.results.update(exchange.broadcast_object(
             wanted, root_rank=root, name=naming.strategy_key("elastic", "results")))
     _job.target, _job.root, _job.met = target, root, elastic_core.epoch()
     if number < target:

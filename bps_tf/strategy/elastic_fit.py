@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import keras
 
-from bps_tf.comm import naming
-from bps_tf.horovod import api
+from bps_tf.comm import exchange, naming
 from bps_tf.horovod import elastic as hvd_elastic
 from bps_tf.strategy import callback_state, checkpoint_hooks, elastic_calls
 
@@ -82,7 +81,7 @@ class FitState(hvd_elastic.State):
         state (None: nothing to take, the workers start this call alike);
         then this is the commit to roll back to."""
         if root is not None:
-            theirs = api.broadcast_object(
+            theirs = exchange.broadcast_object(
                 {"epoch": self.epoch, "begun": self.begun, "callbacks": self.callback_states,
                  "logs": self.epoch_logs}, root_rank=root, name=name)
             self.epoch, self.begun = int(theirs["epoch"]), bool(theirs["begun"])
