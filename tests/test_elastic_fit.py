@@ -24,8 +24,9 @@ from cluster_runner import ROOT, TIMEOUT_SCALE, launch  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "workers", "elastic_shapes.py")
 # Float sums in another order (2 or 3 workers against one process), through
-# a few dozen Adam steps: measured below 2e-6.
-ATOL = 2e-5
+# a few dozen Adam steps: measured 1.2e-7 at most.
+ATOL = 1e-6
+RTOL = 1e-5   # losses and metrics (up to 8 here) sum the batches in another order too
 
 
 def _tail(proc):
@@ -104,13 +105,12 @@ def test_every_call_a_survivor_saw_equals_one_process(job, rank):
     predict before it are replays of what the job returned; the rest they ran."""
     _, out, _ = job
     got, want = _seen(out, rank), _seen(out, "ref")
-    for name in ("evaluate0", "evaluate5"):
-        assert abs(got[name] - want[name]) < ATOL, (name, got[name], want[name])
-    for name in ("predict3", "predict6"):
-        assert np.allclose(got[name], want[name], rtol=0, atol=ATOL), name
+    for name in ("evaluate0", "evaluate5", "predict3", "predict6"):
+        assert np.allclose(got[name], want[name], rtol=RTOL, atol=ATOL), (name, got[name],
+                                                                         want[name])
     for name in ("fit1", "fit2", "fit4"):
         assert got[name]["epoch"] == want[name]["epoch"], (name, got[name], want[name])
-        assert np.allclose(got[name]["loss"], want[name]["loss"], rtol=0, atol=ATOL), name
+        assert np.allclose(got[name]["loss"], want[name]["loss"], rtol=RTOL, atol=ATOL), name
 
 
 @pytest.mark.parametrize("rank", ["r0", "r1"])
