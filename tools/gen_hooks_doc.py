@@ -20,7 +20,8 @@ DECLARING = ("bps_tf.ops", "bps_tf.hooks.keras_shared", "bps_tf.hooks.tf_interna
              "bps_tf.overlap.guard", "bps_tf.overlap.engine", "bps_tf.overlap.fit",
              "bps_tf.overlap.fit_entries", "bps_tf.overlap.loop", "bps_tf.strategy.keras_hooks",
              "bps_tf.strategy.epoch_length", "bps_tf.strategy.checkpoint_hooks",
-             "bps_tf.strategy.data_check", "bps_tf.keras.optimizer_entries")
+             "bps_tf.strategy.data_check", "bps_tf.keras.optimizer_entries",
+             "bps_tf.strategy.batch_share", "bps_tf.strategy.callback_state")
 
 
 def declare_all():

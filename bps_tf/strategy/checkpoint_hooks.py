@@ -17,11 +17,13 @@ callback's directory), not by Keras' private attribute names.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shutil
 import tempfile
+import weakref
 
 import tensorflow as tf
 
@@ -35,6 +37,8 @@ from bps_tf.strategy.identity import multi_worker, of_model
 
 log = logging.getLogger("bps_tf")
 _warned: list = []
+# Models whose elastic fit runs a resumed attempt (elastic_fit.py).
+_resumed: "weakref.WeakSet" = weakref.WeakSet()
 
 _WHY = ("Keras 3 callbacks write on every worker; only TensorFlow's own multi-worker "
         "strategy is special-cased, and no callback option names a writer")
@@ -133,6 +137,8 @@ _register_saves("keras.callbacks.BackupAndRestore", _backup_paths,
 def _restore_from_rank0(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
+        if self.model in _resumed:
+            return None   # the elastic commit is newer than any backup (resuming())
         if any(tf.io.gfile.exists(path) for path in _backup_files(self).values()):
             _warn_if_compression_restarts(self.model)
         strategy = multi_worker(self.model)
@@ -179,6 +185,25 @@ def _cleanup_on_rank0(original):
             return original(self, logs)
         return None
     return on_train_end
+
+
+@contextlib.contextmanager
+def resuming(model, resumed: bool):
+    """An elastic fit's attempt. A *resumed* one (after a membership change,
+    or a newcomer joining a fit under way) goes on from the elastic commit:
+    BackupAndRestore loads nothing (its backup may be older than the commit:
+    with ``save_freq=<int>`` it is labelled with the epoch in progress), and
+    the epoch a backup restored earlier in this fit (Keras keeps it on the
+    model for every later fit) gives way to the committed one."""
+    if not resumed:
+        yield
+        return
+    model._initial_epoch = None  # pylint: disable=protected-access
+    _resumed.add(model)
+    try:
+        yield
+    finally:
+        _resumed.discard(model)
 
 
 def _warn_if_compression_restarts(model) -> None:

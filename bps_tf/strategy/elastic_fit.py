@@ -2,128 +2,151 @@
 membership changes (docs/elastic.md).
 
 The strategy's ``fit`` hook (keras_hooks.py) hands an elastic strategy's fit
-here. Each ``fit`` call keeps a ``KerasState`` of the model (weights,
-optimizer slots and iterations) and of the next epoch to train, committed at
-the end of every epoch, and runs the original ``fit`` inside Horovod's
-elastic loop (bps_tf.horovod.elastic.run's steps):
+here; elastic_calls.py runs it in its loop, like every other Keras call. A
+fit keeps a ``FitState``: the model's and optimizer's variables, the epoch to
+train next and the state of the callbacks (callback_state.py), committed
+when each epoch begins, before any other callback runs.
 
-- a membership change in the middle of an epoch fails the step on every
-  survivor; each restores the last commit (the end of the last epoch),
-  restarts its membership, the strategy takes the new worker count and
-  rank (``num_replicas_in_sync``, the input shards, the cross-device ops),
-  Keras' traced functions are dropped, and ``fit`` goes on from the
-  committed epoch with the new replica count;
-- workers waiting to join are admitted at an epoch's end: every worker
-  leaves ``fit`` at the same commit, restarts its membership keeping the
-  state, and the newcomer (whose own ``fit`` call waits in the same loop)
-  receives the committed state before anyone trains on.
+- A membership change in the middle of an epoch fails the step on every
+  survivor; each restores the commit of that epoch's start, restarts its
+  membership, and fit runs again from the committed epoch with the new
+  replica count. That attempt is *resumed*: BackupAndRestore does not load
+  its backup (the commit is newer; checkpoint_hooks.py), and the callbacks
+  get their committed state back when its first epoch begins, after Keras
+  has called their ``on_train_begin``.
+- Workers waiting to join are admitted at an epoch's start: every worker
+  leaves fit at the same commit, restarts its membership keeping the state,
+  and the newcomer's fit (or, when its script is still before it, its
+  replayed calls, then this fit) receives the committed state.
 
 The rollback goes to an epoch's start because an unchanged ``fit`` cannot
-start from the middle of an epoch of its dataset. The per-worker batch is
-kept: the global batch follows the worker count.
+start from the middle of an epoch of its dataset. The global batch is kept:
+each worker trains on its share of it (batch_share.py weights the shares).
 """
 from __future__ import annotations
 
-import logging
-
 import keras
 
+from bps_tf.comm import exchange, naming
 from bps_tf.horovod import elastic as hvd_elastic
-from bps_tf.runtime import basics, elastic_core, messages
-from bps_tf.strategy import choices as strategy_choices
-from bps_tf.strategy import phases
+from bps_tf.strategy import callback_state, checkpoint_hooks, elastic_calls
 
-log = logging.getLogger("bps_tf")
+
+class FitState(hvd_elastic.State):
+    """One fit call's commit: variables, the epoch to train next, whether
+    the call has begun (its first epoch started) and its callbacks' state."""
+
+    def __init__(self, model, callbacks, epoch: int):
+        super().__init__()
+        self.model = model
+        self.callbacks = list(callbacks)
+        self.epoch = int(epoch)
+        self.begun = False
+        self.callback_states = None
+        self.epoch_logs = {}        # epoch -> its logs, for the History fit returns
+        self._saved = None
+
+    def _variables(self):
+        return naming.model_variables(self.model)
+
+    def save(self):
+        self._saved = {"values": [v.numpy() for v in self._variables()], "epoch": self.epoch,
+                       "begun": self.begun, "callbacks": self.callback_states,
+                       "logs": dict(self.epoch_logs)}
+
+    def commit(self):
+        """At an epoch's start: the callbacks' state, the variables, then the
+        check for workers waiting to join (every worker at once)."""
+        self.callback_states = callback_state.capture(self.callbacks)
+        self.save()
+        self.check_host_updates()
+
+    def restore(self):
+        if self._saved is None:
+            return
+        variables = self._variables()
+        if len(variables) != len(self._saved["values"]):
+            raise RuntimeError(
+                f"BytePSStrategy(elastic=True): the model and optimizer have {len(variables)} "
+                f"variables but the commit holds {len(self._saved['values'])}; a callback that "
+                f"creates variables during fit cannot be rolled back.")
+        for variable, value in zip(variables, self._saved["values"]):
+            variable.assign(value)
+        self.epoch, self.begun = self._saved["epoch"], self._saved["begun"]
+        self.callback_states = self._saved["callbacks"]
+        self.epoch_logs = dict(self._saved["logs"])
+
+    def synced(self, root, name):
+        """After the variables' sync: ``root``'s epoch, progress and callback
+        state (None: nothing to take, the workers start this call alike);
+        then this is the commit to roll back to."""
+        if root is not None:
+            theirs = exchange.broadcast_object(
+                {"epoch": self.epoch, "begun": self.begun, "callbacks": self.callback_states,
+                 "logs": self.epoch_logs}, root_rank=root, name=name)
+            self.epoch, self.begun = int(theirs["epoch"]), bool(theirs["begun"])
+            self.callback_states, self.epoch_logs = theirs["callbacks"], dict(theirs["logs"])
+        self.save()
 
 
 class _EpochCommit(keras.callbacks.Callback):
-    """state.epoch = the next epoch; committed when it begins (after every
-    other callback saw the epoch end) and when training ends."""
+    """First in fit's callbacks: commits when each epoch begins (after every
+    other callback saw the epoch before end); in a resumed attempt, first
+    gives the callbacks their committed state back."""
 
-    def __init__(self, state, strategy):
+    def __init__(self, state: FitState, resumed: bool):
         super().__init__()
         self.state = state
-        self.strategy = strategy
-        self._due = False
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = epoch + 1
-        self._due = True
+        self._restore = resumed
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._due:
-            self._due = False
-            self.state.commit()
-
-    def on_train_end(self, logs=None):
-        if self._due:
-            self._due = False
-            self.state.save()   # the end: no one waits for a commit any more
+        if self._restore:
+            self._restore = False
+            callback_state.restore(self.state.callbacks, self.state.callback_states)
+        self.state.epoch = epoch
+        self.state.begun = True
+        self.state.commit()
 
 
 class _EpochLogs(keras.callbacks.Callback):
-    """Each epoch's logs, so the History fit returns covers every attempt
-    (an epoch rolled back and trained again counts once, as trained last)."""
+    """Each epoch's logs into the state, so the History fit returns covers
+    every epoch of the call once, as trained last, on every worker (a
+    newcomer receives those before it joined with the state). After the
+    user's callbacks, as Keras' History: it sees what they add."""
 
-    def __init__(self):
+    def __init__(self, state: FitState):
         super().__init__()
-        self.logs = {}
+        self.state = state
 
     def on_epoch_end(self, epoch, logs=None):
-        self.logs[epoch] = dict(logs or {})
-
-    def drop_from(self, epoch):
-        self.logs = {e: v for e, v in self.logs.items() if e < epoch}
+        self.state.epoch_logs[epoch] = dict(logs or {})
 
     def into(self, history):
-        epochs = sorted(self.logs)
+        found = self.state.epoch_logs
+        epochs = sorted(found)
         history.epoch = epochs
-        keys = sorted({k for e in epochs for k in self.logs[e]})
-        history.history = {k: [self.logs[e].get(k) for e in epochs] for k in keys}
+        keys = sorted({k for e in epochs for k in found[e]})
+        history.history = {k: [found[e].get(k) for e in epochs] for k in keys}
         return history
 
 
-def refresh(strategy) -> None:
-    """The strategy takes the new membership: worker count, rank, and the
-    choices every worker must share (agreed again, with any newcomer)."""
-    extended = strategy.extended
-    extended._num_workers = basics.size()     # pylint: disable=protected-access
-    extended._rank = basics.rank()            # pylint: disable=protected-access
-    ops = extended._push_pull_ops              # pylint: disable=protected-access
-    ops._num_workers, ops._rank = basics.size(), basics.rank()  # pylint: disable=protected-access
-    strategy._bps_cluster_resolver = None      # pylint: disable=protected-access
-    strategy.overlap, early = strategy_choices.agreed(False, False,
-                                                      len(extended.worker_devices))
-    extended.bps_early_data_check = early and extended._in_multi_worker_mode()  # pylint: disable=protected-access
-
-
 def run_fit(model, strategy, arguments, start):
-    """``start(initial_epoch, extra_callbacks)`` runs one attempt of the
-    original fit; returns its History."""
+    """``start(initial_epoch, first, last)`` runs one attempt of the original
+    fit with the callbacks ``first`` before the user's and ``last`` after
+    them; returns its History."""
+    callback_state.install()
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built:
         with strategy.scope():
             optimizer.build(model.trainable_variables)   # its slots take part in every sync
-    state = hvd_elastic.TensorFlowKerasState(model, epoch=int(arguments.get("initial_epoch") or 0))
-    commit = _EpochCommit(state, strategy)
-    logs = _EpochLogs()
-    while True:
-        try:
-            state.sync()   # rank 0's committed state: a newcomer's first, everyone's after a change
-            logs.drop_from(state.epoch)
-            return logs.into(start(state.epoch, [commit, logs]))
-        except hvd_elastic.HostsUpdatedInterrupt:
-            log.warning("elastic fit: workers wait to join; going on with them from epoch %d",
-                        state.epoch + 1)
-        except Exception as exc:  # pylint: disable=broad-except
-            if not (isinstance(exc, hvd_elastic.HorovodInternalError) or elastic_core.changed()):
-                raise
-            state.restore()
-            log.warning("elastic fit: the workers changed; back to the commit of epoch %d (%s)",
-                        state.epoch, messages.one_line(exc))
-        hvd_elastic.reset()
-        phases.restart_count()
-        refresh(strategy)
-        state.on_reset()
-        log.warning("elastic fit: rank %d of %d, %d replicas in sync", basics.rank(),
-                    basics.size(), strategy.num_replicas_in_sync)
+    state = FitState(model, arguments.get("callbacks") or [],
+                     int(arguments.get("initial_epoch") or 0))
+    logs = _EpochLogs(state)
+
+    def attempt():
+        resumed = state.begun
+        with checkpoint_hooks.resuming(model, resumed):
+            history = start(state.epoch, [_EpochCommit(state, resumed)], [logs])
+        return logs.into(history)
+
+    return elastic_calls.run(elastic_calls.FIT, model, strategy, attempt, fit_state=state)

@@ -17,7 +17,7 @@ from bps_tf.comm.compression import Compression
 from bps_tf.comm import lifecycle
 from bps_tf.hooks import tf_internals
 from bps_tf.runtime import basics, cluster
-from bps_tf.strategy import keras_hooks
+from bps_tf.strategy import batch_share, keras_hooks
 from bps_tf.strategy.cross_device_ops import PushPullCrossDeviceOps
 
 __all__ = ["BytePSExtended", "AsyncBytePSExtended"]
@@ -42,6 +42,19 @@ class BytePSExtended(tf_internals.MIRRORED.MirroredExtended):
 
     def _make_cross_device_ops(self, compression):
         return PushPullCrossDeviceOps(self._num_workers, self._rank, compression)
+
+    def bps_follow_membership(self) -> None:
+        """Elastic: the worker count and rank of the membership just joined."""
+        self._num_workers, self._rank = basics.size(), basics.rank()
+        ops = self._push_pull_ops
+        ops._num_workers, ops._rank = self._num_workers, self._rank  # pylint: disable=protected-access
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        # Each replica's share of the batch, for the loss weighting
+        # (bps_tf.strategy.batch_share); a tf.function keeps its own path.
+        if self._num_replicas_in_sync > 1:
+            fn = batch_share.recording(fn)
+        return super()._call_for_each_replica(fn, args, kwargs)
 
     # -- who we are ------------------------------------------------------
     @property
@@ -82,6 +95,12 @@ class BytePSExtended(tf_internals.MIRRORED.MirroredExtended):
         return self._cross_device_ops
 
     def _reduce_to(self, reduce_op, value, destinations, options):
+        if batch_share.symbolic_build():
+            # Keras' first batch, reduced only for its shapes: this worker's
+            # first replica's (the replicas' shares may differ in size).
+            return tf.nest.map_structure(
+                lambda v: self._local_results(v)[0]
+                if isinstance(v, values_lib.DistributedValues) else v, value)
         # Keras passes nested structures (its first batch) to reduce().
         state = _is_state_variable(destinations)
 

@@ -38,6 +38,7 @@ from bps_tf.hooks import registry as hooks
 from bps_tf.hooks import tf_internals  # noqa: F401  (declares the strategy's TF internals)
 from bps_tf.overlap import fit as overlap_fit
 from bps_tf.runtime import basics
+from bps_tf.strategy import batch_share  # noqa: F401  (declares the batch-share hooks)
 from bps_tf.strategy import checkpoint_hooks  # noqa: F401  (declares the callbacks' hooks)
 from bps_tf.strategy import drift_check, epoch_length, loss_scale, phases, predictions
 from bps_tf.strategy.identity import async_mode, is_bps_strategy, multi_worker, of_model
@@ -80,27 +81,39 @@ def _jit_compile(original):
 def _predict(original):
     @functools.wraps(original)
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        overlap_fit.flush_model(self)
-        phases.boundary(multi_worker(self), phases.PREDICT, steps)
         args = dict(batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
-        strategy = async_mode(self)
-        if strategy is not None:
-            # Nothing to gather: every worker predicts all of x itself.
-            with strategy.extended.local_input():
-                return original(self, x, **args)
-        strategy = multi_worker(self)
-        if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
-            return original(self, x, **args)
-        if steps is not None or not predictions.is_row_data(x):
-            warnings.warn("BytePSStrategy: model.predict on a dataset, a generator or with "
-                          "steps= returns this worker's shard only; pass arrays (or use "
-                          "bps_tf.gather_predictions) for every row.", stacklevel=2)
-            return original(self, x, **args)
-        if callbacks:
-            warnings.warn("BytePSStrategy: model.predict(x) gathers the predictions of every "
-                          "worker; callbacks are not called.", stacklevel=2)
-        return predictions.gather_predictions(self, x, batch_size=batch_size)
+        elastic = of_model(self)
+        if getattr(elastic, "elastic", False):
+            from bps_tf.strategy import elastic_calls
+            gathered = (steps is None and predictions.is_row_data(x)
+                        and getattr(elastic, "predict_mode", "all") == "all")
+            return elastic_calls.run(elastic_calls.PREDICT, self, elastic,
+                                     lambda: _predict_once(original, self, x, args),
+                                     keep=gathered)
+        return _predict_once(original, self, x, args)
     return predict
+
+
+def _predict_once(original, model, x, args):
+    overlap_fit.flush_model(model)
+    phases.boundary(multi_worker(model), phases.PREDICT, args["steps"])
+    strategy = async_mode(model)
+    if strategy is not None:
+        # Nothing to gather: every worker predicts all of x itself.
+        with strategy.extended.local_input():
+            return original(model, x, **args)
+    strategy = multi_worker(model)
+    if strategy is None or getattr(strategy, "predict_mode", "all") != "all":
+        return original(model, x, **args)
+    if args["steps"] is not None or not predictions.is_row_data(x):
+        warnings.warn("BytePSStrategy: model.predict on a dataset, a generator or with "
+                      "steps= returns this worker's shard only; pass arrays (or use "
+                      "bps_tf.gather_predictions) for every row.", stacklevel=3)
+        return original(model, x, **args)
+    if args["callbacks"]:
+        warnings.warn("BytePSStrategy: model.predict(x) gathers the predictions of every "
+                      "worker; callbacks are not called.", stacklevel=3)
+    return predictions.gather_predictions(model, x, batch_size=args["batch_size"])
 
 
 class _StartAndPull:
@@ -220,7 +233,7 @@ def _elastic_fit(original, signature, model, strategy, args, kwargs):
         raise ValueError("BytePSStrategy(elastic=True): fit(callbacks=...) must be a list "
                          "(the elastic commit joins it).")
 
-    def start(initial_epoch, extra):
+    def start(initial_epoch, first, last):
         arguments = dict(bound.arguments)
         arguments["initial_epoch"] = initial_epoch
         epochs = int(arguments.get("epochs") or 1)
@@ -233,7 +246,7 @@ def _elastic_fit(original, signature, model, strategy, args, kwargs):
             added += drift_check.callbacks(model)
         # The commit first: an epoch's commit is taken before any callback of
         # the next epoch runs (one that raises must not leave it uncommitted).
-        arguments["callbacks"] = list(extra) + list(user_callbacks or []) + added
+        arguments["callbacks"] = list(first) + list(user_callbacks or []) + list(last) + added
         del arguments["self"]
         return original(model, **arguments)
 
@@ -248,29 +261,39 @@ def _evaluate(original):
 
     @functools.wraps(original)
     def evaluate(self, *args, **kwargs):
-        overlap_fit.flush_model(self)
-        strategy = multi_worker(self)
-        if strategy is not None:
-            bound = signature.bind(self, *args, **kwargs)
-            phases.boundary(strategy, phases.EVALUATE, bound.arguments.get("steps"))
-            callbacks = bound.arguments.get("callbacks")
-            if (strategy.mode != "async" and bound.arguments.get("steps") is None
-                    and (callbacks is None or isinstance(callbacks, (list, tuple)))
-                    and not epoch_length.sized_by_hooks()):
-                # A call of the user's (fit's validation passes its own
-                # CallbackList, and fit compared those counts).
-                import keras
-                check = keras.callbacks.Callback()
-                check.on_test_begin = lambda logs=None: epoch_length.check_counts(
-                    (check.params or {}).get("steps"), "evaluate")
-                bound.arguments["callbacks"] = list(callbacks or []) + [check]
-                args, kwargs = bound.args[1:], bound.kwargs
-        strategy = async_mode(self)
-        if strategy is None:
-            return original(self, *args, **kwargs)
-        with strategy.extended.local_input():
-            return original(self, *args, **kwargs)
+        elastic = of_model(self)
+        if getattr(elastic, "elastic", False):
+            from bps_tf.strategy import elastic_calls
+            return elastic_calls.run(elastic_calls.EVALUATE, self, elastic,
+                                     lambda: _evaluate_once(original, signature, self, args,
+                                                            kwargs))
+        return _evaluate_once(original, signature, self, args, kwargs)
     return evaluate
+
+
+def _evaluate_once(original, signature, model, args, kwargs):
+    overlap_fit.flush_model(model)
+    strategy = multi_worker(model)
+    if strategy is not None:
+        bound = signature.bind(model, *args, **kwargs)
+        phases.boundary(strategy, phases.EVALUATE, bound.arguments.get("steps"))
+        callbacks = bound.arguments.get("callbacks")
+        if (strategy.mode != "async" and bound.arguments.get("steps") is None
+                and (callbacks is None or isinstance(callbacks, (list, tuple)))
+                and not epoch_length.sized_by_hooks()):
+            # A call of the user's (fit's validation passes its own
+            # CallbackList, and fit compared those counts).
+            import keras
+            check = keras.callbacks.Callback()
+            check.on_test_begin = lambda logs=None: epoch_length.check_counts(
+                (check.params or {}).get("steps"), "evaluate")
+            bound.arguments["callbacks"] = list(callbacks or []) + [check]
+            args, kwargs = bound.args[1:], bound.kwargs
+    strategy = async_mode(model)
+    if strategy is None:
+        return original(model, *args, **kwargs)
+    with strategy.extended.local_input():
+        return original(model, *args, **kwargs)
 
 
 @_register("keras.optimizers.Optimizer.apply",
