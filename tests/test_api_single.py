@@ -650,8 +650,9 @@ def test_keras_distributed_optimizer_takes_gradient_predivide_factor():
 
 def test_horovod_tf2_scripts_call_optimizer_variables():
     """Horovod's TF2 examples broadcast ``opt.variables()`` (Keras 2 made it a
-    method; Keras 3 a list). After ``bps_tf.init()``, in a script that never
-    imports bps_tf.keras, it is both."""
+    method; Keras 3 a list), and its elastic scripts set ``opt.lr`` (Keras 3
+    has no such alias). After ``bps_tf.init()``, in a script that never
+    imports bps_tf.keras, both work."""
     script = (
         "import tensorflow as tf, bps_tf\n"
         "bps_tf.init()\n"
@@ -661,11 +662,17 @@ def test_horovod_tf2_scripts_call_optimizer_variables():
         "called = opt.variables()\n"
         "assert [id(x) for x in called] == [id(x) for x in opt.variables], called\n"
         "bps_tf.broadcast_variables(opt.variables(), root_rank=0)\n"
-        "print('variables', len(called))\n")
+        "print('variables', len(called))\n"
+        # Horovod's elastic scripts reset the rate with Keras 2's alias.
+        "opt.lr.assign(0.25)\n"
+        "print('lr', float(opt.learning_rate), float(opt.lr))\n"
+        "opt.lr = 0.5\n"
+        "print('lr set', float(opt.learning_rate))\n")
     proc = _run_alone(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The step count, the learning rate and Adam's two slots.
     assert "variables 4" in proc.stdout, proc.stdout
+    assert "lr 0.25 0.25" in proc.stdout and "lr set 0.5" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("make,reason", [

@@ -1,9 +1,12 @@
-"""Keras 2's ``optimizer.variables()`` on Keras 3 optimizers.
+"""Keras 2's ``optimizer.variables()`` and ``optimizer.lr`` on Keras 3
+optimizers.
 
 Horovod's TF2 examples broadcast the optimizer's state with
 ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; in Keras 3
-``variables`` is a property holding a list, so the call fails. No
-TensorFlow at import: ``bps_tf.init()`` installs it once Keras is loaded.
+``variables`` is a property holding a list, so the call fails. Horovod's
+elastic scripts set the learning rate after a membership change with
+``optimizer.lr.assign(...)``; Keras 3 dropped the ``lr`` alias. No
+TensorFlow at import: ``bps_tf.init()`` installs both once Keras is loaded.
 """
 from __future__ import annotations
 
@@ -34,6 +37,23 @@ def _callable_variables(original):
     return property(variables, doc=original.__doc__)
 
 
+@hooks.register("keras.optimizers.Optimizer._get_current_learning_rate", GROUP,
+                hooks.attribute_of("keras.optimizers.Optimizer", "_get_current_learning_rate",
+                                   defined_by_role=True),
+                changes="optimizer.lr: Keras 2's alias of learning_rate (read through this "
+                        "method, as learning_rate reads it; set as learning_rate is set)",
+                why="Horovod's elastic scripts call optimizer.lr.assign(); Keras 3 has no lr",
+                when_missing="cosmetic", private=True, kind="uses")
+def _lr_alias(original):
+    owner = hooks.public("keras.optimizers.Optimizer")
+    if "lr" not in dir(owner):     # a Keras that has its own lr keeps it
+        current = hooks.public("keras.optimizers.Optimizer").learning_rate
+        owner.lr = property(lambda self: original(self), current.fset,
+                            doc="Keras 2's name of learning_rate (bps_tf's Horovod face).")
+    return original
+
+
 def install() -> None:
-    """Makes ``optimizer.variables()`` work on Keras 3 optimizers (once)."""
+    """Makes ``optimizer.variables()`` and ``optimizer.lr`` work on Keras 3
+    optimizers (once)."""
     hooks.install(GROUP)
