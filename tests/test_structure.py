@@ -31,8 +31,9 @@ LAYERS = (
     ("hooks", ("bps_tf.hooks",)),
     ("ops", ("bps_tf.ops",)),
     ("comm", ("bps_tf.comm",)),
-    ("faces", ("bps_tf.horovod", "bps_tf.overlap", "bps_tf.launch")),
-    ("integrations", ("bps_tf.strategy", "bps_tf.compat")),
+    ("engines", ("bps_tf.overlap", "bps_tf.launch")),
+    # The two faces (and TF1's) are siblings: each builds on comm/ alone.
+    ("faces", ("bps_tf.horovod", "bps_tf.strategy", "bps_tf.compat")),
     ("keras", ("bps_tf.keras",)),
     ("public", ("bps_tf", "bps_tf.server", "bps_tf.distribute", "bps_tf.util",
                 "bps_tf.elastic", "bps_tf.mpi_ops", "bps_tf.launcher", "bps_tf.op_build")),

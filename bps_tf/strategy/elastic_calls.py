@@ -36,9 +36,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from bps_tf.comm import collectives, exchange, naming
-from bps_tf.horovod import elastic as hvd_elastic
-from bps_tf.runtime import basics, elastic_core
+from bps_tf.comm import collectives, elastic_tf, exchange, naming
+from bps_tf.runtime import basics, elastic_core, elastic_state
 from bps_tf.strategy import choices as strategy_choices
 from bps_tf.strategy import phases
 
@@ -113,14 +112,14 @@ def _loop(kind, number, model, strategy, attempt, fit_state, keep):
             result = attempt()
             _record(kind, number, result if keep else None)
             return result
-        except hvd_elastic.HostsUpdatedInterrupt:
+        except elastic_state.HostsUpdatedInterrupt:
             # Raised by a commit: restoring it changes nothing, unless a
             # callback of the user's checked for newcomers mid-epoch.
             if fit_state is not None:
                 fit_state.restore()
             log.warning("elastic %s: workers wait to join; going on with them", kind)
         except Exception as exc:  # pylint: disable=broad-except
-            if not (isinstance(exc, hvd_elastic.HorovodInternalError) or elastic_core.changed()):
+            if not (isinstance(exc, elastic_state.HorovodInternalError) or elastic_core.changed()):
                 raise
             if fit_state is not None:
                 fit_state.restore()
@@ -135,7 +134,7 @@ def _loop(kind, number, model, strategy, attempt, fit_state, keep):
 def restart(strategy) -> None:
     """Leaves this membership and joins the next one; the strategy takes the
     new worker count and rank, traced functions are dropped."""
-    hvd_elastic.reset()
+    elastic_tf.reset()
     phases.restart_count()
     refresh(strategy)
     for model in list(_job.models):

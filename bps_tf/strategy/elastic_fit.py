@@ -28,11 +28,11 @@ from __future__ import annotations
 import keras
 
 from bps_tf.comm import exchange, naming
-from bps_tf.horovod import elastic as hvd_elastic
+from bps_tf.runtime import elastic_state
 from bps_tf.strategy import callback_state, checkpoint_hooks, elastic_calls
 
 
-class FitState(hvd_elastic.State):
+class FitState(elastic_state.State):
     """One fit call's commit: variables, the epoch to train next, whether
     the call has begun (its first epoch started) and its callbacks' state."""
 
