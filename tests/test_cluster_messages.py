@@ -166,12 +166,14 @@ def test_bpslaunch_jobs_are_described_by_its_options():
     -np and --servers (and the scheduler as its server 0) instead."""
     from bps_tf.launch import launcher
     from bps_tf.runtime import cluster
+    from bps_tf.launch import hosts
     shared = launcher._job_env({"DMLC_NUM_WORKER": "9"}, 2, 1)
-    worker = cluster.resolve(launcher._worker_env(shared, 1, 2, 4000)).core_values()
+    slot = hosts.Slot("localhost", 1, 1, 2, 2, 0, 1)
+    worker = cluster.resolve(launcher._worker_env(shared, slot, 4000)).core_values()
     server = cluster.resolve(launcher._server_env(shared, 0, 0, "/tmp/ready")).core_values()
     for values in (worker, server):
         assert values["members_origin"] == "bpslaunch -np 2 --servers 1"
-        assert values["scheduler_origin"] == "bpslaunch's server 0"
+        assert values["scheduler_origin"] == "bpslaunch's scheduler"
     # Set by hand, DMLC_* are named as such; a stale launcher value in the
     # caller's shell is not passed on.
     hand = dict(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0",

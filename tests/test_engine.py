@@ -168,7 +168,7 @@ def test_zmq_constants_match_pyzmq():
              "CurvePublicKey": zmq.CURVE_PUBLICKEY, "CurveSecretKey": zmq.CURVE_SECRETKEY,
              "CurveServerKey": zmq.CURVE_SERVERKEY, "ZapDomain": zmq.ZAP_DOMAIN,
              "EventConnected": zmq.EVENT_CONNECTED, "EventAccepted": zmq.EVENT_ACCEPTED,
-             "EventClosed": zmq.EVENT_CLOSED,
+             "EventClosed": zmq.EVENT_CLOSED, "EventDisconnected": zmq.EVENT_DISCONNECTED,
              "EventHandshakeFailedNoDetail": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
              "EventHandshakeSucceeded": zmq.EVENT_HANDSHAKE_SUCCEEDED,
              "EventHandshakeFailedProtocol": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

@@ -22,7 +22,7 @@ def scheduler(source: str, launched_by: str = "") -> str:
     if source == "Kubernetes":
         return "server 0's pod name (DMLC_PS_ROOT_URI overrides it)"
     if launched_by:
-        return "bpslaunch's server 0"
+        return "bpslaunch's scheduler"
     return "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"
 
 
