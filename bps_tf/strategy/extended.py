@@ -100,7 +100,7 @@ class BytePSExtended(tf_internals.MIRRORED.MirroredExtended):
             # first replica's (the replicas' shares may differ in size).
             return tf.nest.map_structure(
                 lambda v: self._local_results(v)[0]
-                if isinstance(v, values_lib.DistributedValues) else v, value)
+                if isinstance(v, tf.distribute.DistributedValues) else v, value)
         # Keras passes nested structures (its first batch) to reduce().
         state = _is_state_variable(destinations)
 
