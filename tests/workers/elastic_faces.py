@@ -14,7 +14,9 @@ Each phase, with deterministic data:
   train on with 2 workers; they hear of the replacement when that
   membership starts, and at their next commit (epoch 2's start) every
   worker restarts and waits for it; it joins there, receives the committed
-  state through sync(), and 3 workers train to epoch EPOCHS.
+  state through sync(), and 3 workers train to epoch EPOCHS. Phase B's
+  elastic fit admits the replacement (announced by bpslaunch when it saw
+  the SIGKILL) at the first commit after the rollback, epoch 1's again.
 The newcomer of phase B skips phase A.
 
 Saved, per phase ("a_", "b_"): each commit rank 0 takes
