@@ -1,8 +1,10 @@
 """model.fit under BytePSStrategy(elastic=True) in the shapes scripts take,
 run by tests/test_elastic_fit.py under `bpslaunch -np 3 --min-np 1
---max-np 3` with a discovery script that always offers 3 slots (so bpslaunch
-starts a replacement after each death; a replacement waits for a file
-before it joins, or, past the two this plan needs, for the end).
+--max-np 3` with a discovery script that lists hosts of one slot each:
+127.0.0.1-3 at the start (a failed worker blacklists its host, so nobody
+replaces it), and 127.0.0.4-5 once the plan wants its two newcomers (rank 0
+adds them to the list; bpslaunch starts a worker on each, and announces
+them, so the next commit admits them).
 
 The script (PROGRAM below) is an ordinary Keras script with a global batch
 of 20 that 3 workers share unevenly (7, 7, 6):
@@ -95,9 +97,6 @@ import bps_tf  # noqa: E402
 from bps_tf.runtime import elastic_core  # noqa: E402
 from bps_tf.strategy import predictions  # noqa: E402
 
-if NEWCOMER:
-    _wait_for("go_join")   # TensorFlow is loaded: ask to join now
-
 BATCH = 20
 EPOCHS = 8
 PLATEAU = [5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
@@ -170,7 +169,8 @@ class Plan(keras.callbacks.Callback):
             tag = "ref" if REF else f"n{size}_t{time.time():.6f}"
             np.savez(_path(f"start_c{self.call}_e{epoch}_{tag}.npz"), *weights(self.model))
         if not REF and self.call == 4 and epoch == 2 and size == 1:
-            _note("go_join")
+            with open(_path("hosts"), "a") as f:     # bpslaunch's discovery reads it
+                f.write("127.0.0.4:1\n127.0.0.5:1\n")
             deadline = time.time() + 240
             while time.time() < deadline:
                 if elastic_core.workers_waiting() >= JOINERS:
