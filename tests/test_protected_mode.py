@@ -70,7 +70,7 @@ def test_a_worker_without_a_token_refuses_with_the_fix():
     assert "refusing to start without a job token" in message
     assert "BYTEPS_JOB_TOKEN" in message and "every node" in message
     assert "BYTEPS_ALLOW_INSECURE=1" in message and "from TF_CONFIG" in message
-    security.refuse_unprotected(spec, "a-token", False, logging.getLogger("bps_tf"))
+    security.refuse_unprotected(spec, "a-job-token-of-24-chars", False, logging.getLogger("bps_tf"))
 
 
 def test_a_server_on_the_network_without_a_token_refuses_to_start():

@@ -413,6 +413,7 @@ def test_a_hello_of_an_earlier_release_is_refused_by_name(old):
         _core().LinkEnd(key).answer(bytes(hello))
 
 
+@pytest.mark.parametrize("size", [1, 4096, 4 << 20])
 def test_a_payload_sealed_once_for_several_links_opens_on_each_and_nowhere_else(
         size, cipher_threads):
     """A server's sum goes to every worker: it is encrypted once (under a
