@@ -99,14 +99,17 @@ class _HostMessages(queue.Queue):
 
     def __init__(self):
         super().__init__()
-        # The core keeps the updates of this membership only (numbered by the
-        # scheduler, rising across memberships): a queue made at a reset sees
-        # those that came with or after the new membership's start.
-        self._seen = 0
+        # The core keeps the updates of this membership only: a queue made at
+        # a reset sees those that came with or after the new membership's
+        # start. Each is taken once, known by its number and time together: a
+        # restarted scheduler numbers its updates from 1 again.
+        self._seen = set()
 
     def _pull(self):
-        for seq, time_ms, flags in elastic_core.host_updates(self._seen):
-            self._seen = max(self._seen, seq)
+        for seq, time_ms, flags in elastic_core.host_updates():
+            if (seq, time_ms) in self._seen:
+                continue
+            self._seen.add((seq, time_ms))
             self.put((time_ms / 1000.0, HostUpdateResult(flags & 3)))
 
     def empty(self):

@@ -109,6 +109,7 @@ class Plan(keras.callbacks.Callback):
         self.killed = {}        # what -> time of the kill
         self.restarted = set()  # kills whose rollback came (an epoch began again since)
         self.back = {}          # what -> time of the first batch after its rollback
+        self.updates_before = 0  # the scheduler's host updates before the SIGTERM
 
     def on_epoch_begin(self, epoch, logs=None):
         self.attempts.append([epoch, 0, strategy.num_workers])
@@ -131,6 +132,7 @@ class Plan(keras.callbacks.Callback):
         elif (epoch, batch) == (4, 2) and "worker" in PLAN and _once("term_worker"):
             with open(_path("hosts"), "w") as f:
                 f.write("localhost:1\n")     # no replacement for the worker that leaves
+            self.updates_before = len(elastic_core.host_updates())
             self._kill("worker", "1", signal.SIGTERM)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -140,8 +142,11 @@ class Plan(keras.callbacks.Callback):
         # handlers run in the main thread): by this epoch's end it asked to
         # leave. Rank 0 waits for the scheduler's word of it, so the leave
         # lands at the next commit whatever the machine's speed.
+        # (An update of this membership may already be there: the scheduler's
+        # restart is one; wait for one more than before the SIGTERM.)
         deadline = time.time() + 120
-        while not elastic_core.host_updates() and time.time() < deadline:
+        while (len(elastic_core.host_updates()) <= self.updates_before
+               and time.time() < deadline):
             time.sleep(0.02)
 
     def _kill(self, what, launch_id, signum):
