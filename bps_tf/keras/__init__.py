@@ -29,10 +29,16 @@ from bps_tf.runtime.basics import (cross_rank, cross_size, is_homogeneous, is_in
 from bps_tf.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                          remove_process_set)
 from bps_tf.hooks import keras_shared
+from bps_tf.hooks import registry as _registry
+from bps_tf.strategy import keras_hooks as _strategy_hooks
 
 # Rank-0-only progress bar, compile()'s Keras 2 argument, variable labels;
 # tf.keras.__version__ under TF_USE_LEGACY_KERAS=1.
 keras_shared.install()
+# A LossScaleOptimizer around a DistributedOptimizer (Keras 3 under
+# mixed_float16) agrees on inf/nan across workers, so an overflow on one
+# worker skips the step on all of them instead of desynchronising the rounds.
+_registry.locate_entry(_strategy_hooks.CHECK_FINITE)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
