@@ -6,7 +6,8 @@
 //
 // It is pure logic: the node that hosts it feeds it messages and sends what
 // it returns, so it is easy to test and to place (server 0 or alone).
-// scheduler.cc holds the meeting (hello, welcome, barrier, heartbeats),
+// scheduler.cc holds the meeting (hello, barrier, heartbeats, goodbyes),
+// scheduler_welcome.cc the first WELCOME and the wait for it,
 // scheduler_declare.cc the tensor declarations, join and the stall check,
 // scheduler_elastic.cc the membership epochs of elastic training
 // (docs/elastic.md): a lost worker starts a new epoch instead of failing
@@ -120,6 +121,7 @@ class Scheduler {
                std::vector<Outgoing>* out);
   void OnDeclare(const Peer& from, const FrameHeader& h, const Config& kv,
                  std::vector<Outgoing>* out);
+  // Once every node joined: the first WELCOME (scheduler_welcome.cc).
   void MaybeWelcome(std::vector<Outgoing>* out);
   // MaybeWelcome's steps: gives servers without an id the free ones and
   // lists the servers by id (false: the job failed); groups the workers by
@@ -150,6 +152,12 @@ class Scheduler {
   void Fail(const std::string& message, std::vector<Outgoing>* out);
   // A worker's goodbye: tells the others, and ends the job with the last one.
   void OnBye(Node* node, const std::string& reason, std::vector<Outgoing>* out);
+  // OnBye's steps: an elastic worker's goodbye with a reason (it leaves at
+  // a commit, restarts its membership or failed) starts a new epoch; the
+  // last worker's goodbye sends waiting newcomers away, tells the launcher
+  // and shuts the servers down.
+  void OnElasticBye(Node* node, const std::string& reason, std::vector<Outgoing>* out);
+  void FinishJob(std::vector<Outgoing>* out);
   Outgoing Reply(const Peer& to, MsgType type, const std::string& payload,
                  uint64_t request_id = 0);
   std::string Describe(const Node& n) const;
@@ -186,6 +194,11 @@ class Scheduler {
   // Once the survivors are back (or BYTEPS_TIMEOUT passed): dense ranks,
   // the servers start the epoch, then the workers' WELCOME.
   void MaybeFinishEpoch(std::vector<Outgoing>* out);
+  // MaybeFinishEpoch's steps: the first `newcomers` waiting workers become
+  // members (in the launcher's planned order, then by arrival); every
+  // member gets its dense rank and the worker count follows.
+  void AdmitNewcomers(int newcomers);
+  void RankWorkers();
   void OnEpochStarted(const Node& server, const Config& kv, std::vector<Outgoing>* out);
   void WelcomeWorkers(std::vector<Outgoing>* out);
   void TellWaiting(std::vector<Outgoing>* out);  // kHostsUpdated to the workers

@@ -208,6 +208,22 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     expected_.clear();
   }
   expected_ids_.clear();
+  AdmitNewcomers(newcomers);
+  RankWorkers();
+  SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
+  servers_starting_ = true;
+  servers_started_.clear();
+  Config start;
+  start.Set("epoch", std::to_string(epoch_));
+  start.Set("num_workers", std::to_string(num_workers_));
+  for (const auto& kv : nodes_) {
+    if (kv.second.role == Role::kServer) {
+      out->push_back(Reply(kv.first, MsgType::kEpoch, start.Serialize()));
+    }
+  }
+}
+
+void Scheduler::AdmitNewcomers(int newcomers) {
   // Newcomers in the order the launcher planned their ranks (its hosts in
   // order, as Horovod's), then in the order they came.
   std::stable_sort(waiting_order_.begin(), waiting_order_.end(), [this](const Peer& a, const Peer& b) {
@@ -222,6 +238,9 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     nodes_[p] = waiting_[p];
     waiting_.erase(p);
   }
+}
+
+void Scheduler::RankWorkers() {
   // Dense ranks: survivors by old rank, then newcomers by their planned
   // rank (the launcher's host order), then by arrival.
   std::vector<Node*> workers;
@@ -242,17 +261,6 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     workers[i]->local_size = -1;
   }
   num_workers_ = static_cast<int>(workers.size());
-  SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
-  servers_starting_ = true;
-  servers_started_.clear();
-  Config start;
-  start.Set("epoch", std::to_string(epoch_));
-  start.Set("num_workers", std::to_string(num_workers_));
-  for (const auto& kv : nodes_) {
-    if (kv.second.role == Role::kServer) {
-      out->push_back(Reply(kv.first, MsgType::kEpoch, start.Serialize()));
-    }
-  }
 }
 
 void Scheduler::OnEpochStarted(const Node& server, const Config& kv, std::vector<Outgoing>* out) {

@@ -1,32 +1,28 @@
+// A server node's data path: listening and saying HELLO, the pushes and
+// their summed replies (fused when small), the main loop and the close.
+// Its link to the scheduler is in server_control.cc.
 #include "server/server_node.h"
 
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <map>
-#include <memory>
-#include <mutex>
-#include <unordered_map>
 
 #include "common/limits.h"
 #include "common/stats.h"
-#include "scheduler/membership.h"
-#include "scheduler/scheduler.h"
-#include "server/reply_scheduler.h"
-#include "server/server_parts.h"
-#include "server/sum_engine.h"
-#include "transport/channel.h"
+#include "server/server_node_impl.h"
 #include "transport/cipher_pool.h"
 #include "transport/fusion.h"
 #include "transport/local_links.h"
 
 namespace bps {
 
-namespace {
+using namespace server_parts;  // NOLINT: this node's own parts
 
-using namespace server_parts;  // NOLINT: this file's own parts
+namespace {
 
 // SIGTERMs received (elastic servers only, see ServerNode::Run). The first
 // asks to leave at the workers' next commit; the handler then restores the
@@ -38,97 +34,34 @@ extern "C" void OnTerm(int) {
   signal(SIGTERM, SIG_DFL);
 }
 
+}  // namespace
 
-
-class ServerNode {
- public:
-  explicit ServerNode(const Config& cfg)
-      : cfg_(cfg),
-        is_server_(cfg.Get("role") == "server"),
-        hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
-        num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
-        // The workers' cap (worker_engine.cc), so both directions agree.
-        fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
-            std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
-            std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
-        timeout_s_(cfg.GetDouble("timeout_s", 30)),
-        rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
-        elastic_(cfg.GetInt("elastic", 0) != 0),
-        recovery_s_(cfg.GetDouble("scheduler_recovery_s", 120)),
-        // Elastic: ranks up to the largest worker count the job may reach.
-        schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
-                                                                   ? cfg.GetInt("elastic_max_workers", 0)
-                                                                   : 0)),
-                  ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
-        channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
-                                &replies_.wake(), LinkSecurity::FromConfig(cfg),
-                                static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
-        membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
-                    static_cast<int>(cfg.GetInt("server_id", -1)),
-                    cfg.GetDouble("heartbeat_s", 1)) {
-    SetCipherThreads(static_cast<int>(cfg.GetInt("cipher_threads", 0)));
-  }
-
-  int Run(std::string* error);
-
- private:
-  // Run's steps: listen, host the scheduler if asked and say HELLO (returns
-  // the listening link; *scheduler_at names the scheduler for messages);
-  // the hosted scheduler's periodic checks; the scheduler's silence, a
-  // refused link or a rendezvous that takes too long; the last replies and
-  // the close.
-  Peer Start(std::string* scheduler_at);
-  void TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since);
-  void WatchScheduler(const std::string& scheduler_at, Clock::time_point started);
-  // Elastic: re-registers with a scheduler that was lost (restarted at the
-  // same address; scheduler_recover.cc); true when it did or gave up.
-  bool RelinkIfLost(const std::string& scheduler_at);
-  double JoinTimeout() const;
-  void AskToLeave();
-  int Finish(const Peer& listener, std::string* error);
-  void Handle(Message& m);
-  void HandlePush(Message& m);
-  void HandleControl(const Message& m);
-  void OnWelcome(const Config& layout);
-  // Elastic: a new membership epoch (scheduler_elastic.cc): every round of
-  // the old one is dropped, unanswered, and the worker count changes.
-  void StartEpoch(const Config& kv);
-  void SendOutgoing(std::vector<Outgoing>* out);
-  void SendReplies(bool ignore_credit = false);
-  void SendReply(int worker, const FrameHeader& header, Msg&& payload, uint64_t reserved,
-                 SharedSealSlot* shared = nullptr);
-  void SubmitFused(Message& m);
-  void Stop(const std::string& error);
-  std::string Who() const {
-    if (!is_server_) return "scheduler";
-    // Before the WELCOME a server without BYTEPS_SERVER_ID has no id yet.
-    return membership_.id() >= 0 ? "server " + std::to_string(membership_.id()) : "server";
-  }
-
-  Config cfg_;
-  bool is_server_;
-  bool hosts_scheduler_;
-  int num_workers_;
-  uint16_t epoch_ = 0;  // pushes of another epoch are dropped
-  uint64_t fusion_bytes_;  // largest fused reply; 0: none
-  double timeout_s_;
-  double rendezvous_timeout_s_;
-  bool elastic_;
-  double recovery_s_;  // BYTEPS_SCHEDULER_RECOVERY_TIMEOUT
-  ReplyQueue replies_;  // before channel_: the channel waits on its Wakeup
-  // Before channel_ too: libzmq hands the replies' credit back to it until
-  // the channel is gone.
-  ReplyScheduler schedule_;
-  std::unique_ptr<Channel> channel_;
-  Membership membership_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::unique_ptr<SumEngine> engine_;
-  std::unordered_map<int, Peer> worker_peer_;
-  bool done_ = false;
-  bool leave_asked_ = false;  // elastic: a SIGTERM asked to leave (docs/elastic.md)
-  int exit_code_ = 0;
-  std::string error_;
-};
+ServerNode::ServerNode(const Config& cfg)
+    : cfg_(cfg),
+      is_server_(cfg.Get("role") == "server"),
+      hosts_scheduler_(cfg.Get("role") == "scheduler" || cfg.GetInt("host_scheduler", 0) != 0),
+      num_workers_(static_cast<int>(cfg.GetInt("num_workers", 1))),
+      // The workers' cap (worker_engine.cc), so both directions agree.
+      fusion_bytes_(static_cast<uint64_t>(std::min<int64_t>(
+          std::max<int64_t>(0, cfg.GetInt("fusion_threshold", 0)),
+          std::max<int64_t>(cfg.GetInt("partition_bytes", kDefaultPartitionBytes), 1 << 20)))),
+      timeout_s_(cfg.GetDouble("timeout_s", 30)),
+      rendezvous_timeout_s_(cfg.GetDouble("rendezvous_timeout_s", 120)),
+      elastic_(cfg.GetInt("elastic", 0) != 0),
+      recovery_s_(cfg.GetDouble("scheduler_recovery_s", 120)),
+      // Elastic: ranks up to the largest worker count the job may reach.
+      schedule_(std::max<int>(num_workers_, static_cast<int>(cfg.GetInt("elastic", 0) != 0
+                                                                 ? cfg.GetInt("elastic_max_workers", 0)
+                                                                 : 0)),
+                ReplyCredit(cfg), [this] { replies_.wake().Notify(); }),
+      channel_(MakeZmqChannel(static_cast<int>(cfg.GetInt("zmq_io_threads", 1)),
+                              &replies_.wake(), LinkSecurity::FromConfig(cfg),
+                              static_cast<int>(cfg.GetInt("tcp_notsent_lowat", 0)))),
+      membership_(channel_.get(), is_server_ ? Role::kServer : Role::kScheduler,
+                  static_cast<int>(cfg.GetInt("server_id", -1)),
+                  cfg.GetDouble("heartbeat_s", 1)) {
+  SetCipherThreads(static_cast<int>(cfg.GetInt("cipher_threads", 0)));
+}
 
 void ServerNode::Stop(const std::string& error) {
   error_ = error;
@@ -304,60 +237,6 @@ void ServerNode::SubmitFused(Message& m) {
   }
 }
 
-void ServerNode::OnWelcome(const Config& layout) {
-  SetLogIdentity(Who());
-  Stats::Get().node_state = 1;  // the cluster met (read by the health service)
-  if (!is_server_) return;
-  // A server that joins a running elastic job serves its current workers.
-  num_workers_ = static_cast<int>(layout.GetInt("num_workers", num_workers_));
-  engine_.reset(new SumEngine(membership_.id(), num_workers_,
-                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
-                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
-}
-
-void ServerNode::StartEpoch(const Config& kv) {
-  int epoch = static_cast<int>(kv.GetInt("epoch", 0));
-  int workers = static_cast<int>(kv.GetInt("num_workers", 0));
-  if (!is_server_ || !engine_ || workers < 1 || epoch <= epoch_ || epoch > 0xffff) return;
-  // The old engine's threads stop first; what they posted is dropped with
-  // what waits for credit: no sum of the old epoch reaches anyone.
-  engine_.reset();
-  replies_.Take();
-  schedule_.DropQueued();
-  worker_peer_.clear();
-  num_workers_ = workers;
-  epoch_ = static_cast<uint16_t>(epoch);
-  engine_.reset(new SumEngine(membership_.id(), num_workers_,
-                              static_cast<int>(cfg_.GetInt("engine_threads", 4)),
-                              [this](std::vector<ServerReply>&& r) { replies_.Post(std::move(r)); }));
-  BPS_LOG(kInfo, "membership epoch " << epoch_ << ": " << num_workers_ << " workers");
-  membership_.Send(MsgType::kEpoch, "epoch=" + std::to_string(epoch_));
-}
-
-void ServerNode::HandleControl(const Message& m) {
-  if (membership_.Handle(m, [this](const Config& layout) { OnWelcome(layout); })) return;
-  switch (static_cast<MsgType>(m.header.type)) {
-    case MsgType::kEpoch:
-      StartEpoch(Config::Parse(m.payload.str()));
-      break;
-    case MsgType::kShutdown:
-      // A job that a worker left with a reason (interrupted, failed) ends
-      // with that reason and a non-zero exit: it did not succeed.
-      if (m.payload.size() != 0) {
-        Stop(m.payload.str());
-        break;
-      }
-      Stats::Get().node_state = 2;
-      done_ = true;
-      break;
-    case MsgType::kError:
-      if (!scheduler_) Stop(m.payload.str());  // else our own scheduler decides when we stop
-      break;
-    default:
-      break;
-  }
-}
-
 int ServerNode::Run(std::string* error) {
   if (is_server_ && cfg_.GetInt("malloc_keep_buffers", 1)) {
     Stats::Get().heap_keeps_buffers = KeepFreedBuffersInHeap();
@@ -461,84 +340,6 @@ Peer ServerNode::Start(std::string* scheduler_at) {
   return listener;
 }
 
-void ServerNode::TickScheduler(std::vector<Outgoing>* out, Clock::time_point* fatal_since) {
-  scheduler_->Tick(out);
-  SendOutgoing(out);
-  if (scheduler_->finished() && !is_server_ && !done_) Stop(scheduler_->failure());
-  if (!is_server_ && scheduler_->welcomed() && Stats::Get().node_state == 0) {
-    Stats::Get().node_state = 1;  // a scheduler-only node: the cluster met
-  }
-  if (!scheduler_->fatal().empty()) {
-    Stats::Get().node_state = 3;
-    // Stay a little to tell late joiners why the job failed.
-    if (*fatal_since == Clock::time_point{}) *fatal_since = Clock::now();
-    if (SecondsSince(*fatal_since) > 3) Stop(scheduler_->fatal());
-  }
-}
-
-void ServerNode::WatchScheduler(const std::string& scheduler_at, Clock::time_point started) {
-  membership_.Tick();
-  if (elastic_ && is_server_ && !hosts_scheduler_ && RelinkIfLost(scheduler_at)) return;
-  if (membership_.joined() && membership_.welcomed() && membership_.Silent(timeout_s_)) {
-    Stop(Who() + " lost contact with the scheduler at " + scheduler_at + " for " +
-         std::to_string(static_cast<int>(timeout_s_)) + " s (BYTEPS_TIMEOUT)");
-  }
-  std::string refusal = channel_->Refusal();  // of its one link, to the scheduler
-  if (!refusal.empty()) {
-    Stop(Who() + (membership_.welcomed() ? ": " : " could not meet the cluster: ") + refusal);
-  } else if (!membership_.welcomed() && !hosts_scheduler_ &&
-             SecondsSince(started) > JoinTimeout()) {
-    Stop(Who() + " " + membership_.RendezvousFailure(JoinTimeout()));
-  }
-}
-
-void ServerNode::AskToLeave() {
-  leave_asked_ = true;
-  if (!membership_.welcomed()) {
-    Stop("");  // not serving yet: nothing to hand over
-    return;
-  }
-  // The scheduler tells this server to shut down (exit 0) at the epoch in
-  // which the workers no longer use it.
-  BPS_LOG(kWarning, Who() << " got SIGTERM: it leaves the job at the workers' next commit "
-                             "(a second SIGTERM ends it at once)");
-  membership_.Send(MsgType::kLeave, "");
-}
-
-double ServerNode::JoinTimeout() const {
-  // A server joining a running elastic job waits for the workers' next
-  // commit, as a newcomer worker does.
-  return elastic_ ? std::max(rendezvous_timeout_s_, cfg_.GetDouble("elastic_timeout_s", 600))
-                  : rendezvous_timeout_s_;
-}
-
-bool ServerNode::RelinkIfLost(const std::string& scheduler_at) {
-  if (!membership_.joined()) return false;
-  bool lost = membership_.Dropped() ||
-              ((membership_.welcomed() || membership_.relinking()) &&
-               membership_.Silent(timeout_s_));
-  if (!lost) return false;
-  if (membership_.relinking() && SecondsSince(membership_.relink_started()) > recovery_s_) {
-    Stop(Who() + " lost contact with the scheduler at " + scheduler_at +
-         ", and it did not come back within " + std::to_string(static_cast<int>(recovery_s_)) +
-         " s (BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
-    return true;
-  }
-  // This server keeps summing the rounds of its epoch meanwhile; a
-  // restarted scheduler takes it in as it is (scheduler_recover.cc).
-  Config report;
-  report.Set("recover", "1");
-  report.Set("epoch", std::to_string(epoch_));
-  report.Set("welcomed", membership_.welcomed() ? "1" : "0");
-  BPS_LOG(kWarning, (membership_.relinking() ? "still no answer from" : "lost")
-                        << " the scheduler at " << scheduler_at
-                        << "; re-registering (it may be restarting; up to "
-                        << static_cast<int>(recovery_s_)
-                        << " s, BYTEPS_SCHEDULER_RECOVERY_TIMEOUT)");
-  membership_.Relink(report);
-  return true;
-}
-
 int ServerNode::Finish(const Peer& listener, std::string* error) {
   Stats::Get().node_state = exit_code_ != 0 ? 3 : 2;
   // Flush the last replies (e.g. the shutdown notices) before closing.
@@ -564,8 +365,6 @@ int ServerNode::Finish(const Peer& listener, std::string* error) {
   *error = error_;
   return exit_code_;
 }
-
-}  // namespace
 
 int RunServerNode(const Config& cfg, std::string* error) {
   SetLogLevel(cfg.Get("log_level", "WARNING"));

@@ -1,6 +1,7 @@
 // The server node's small parts (server_node.cc): a push's job from its
 // header fields, the queue of replies the engine threads post, the ready
-// file, the reply credit. Header-only, included by server_node.cc alone.
+// file, the reply credit. Header-only, included by the server node alone
+// (server_node_impl.h).
 #ifndef BPS_TF_CORE_SERVER_SERVER_PARTS_H_
 #define BPS_TF_CORE_SERVER_SERVER_PARTS_H_
 
