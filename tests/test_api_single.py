@@ -680,8 +680,14 @@ def test_horovod_tf2_scripts_call_optimizer_variables():
     (lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0), "global_clipnorm"),
     (lambda: keras.optimizers.Adam(0.01, use_ema=True), "EMA"),
     (lambda: keras.optimizers.RMSprop(0.01), None),
-    (lambda: keras.optimizers.Adafactor(0.01), None)], ids=["nadam", "global_clipnorm", "ema",
-                                                            "rmsprop", "adafactor"])
+    (lambda: keras.optimizers.Adafactor(0.01), None),
+    (lambda: keras.optimizers.Adagrad(0.05), None),
+    (lambda: keras.optimizers.Adadelta(1.0), None),
+    (lambda: keras.optimizers.Adamax(0.01), None),
+    (lambda: keras.optimizers.Ftrl(0.05), None),
+    (lambda: keras.optimizers.Lion(0.001, weight_decay=0.01), None)],
+    ids=["nadam", "global_clipnorm", "ema", "rmsprop", "adafactor", "adagrad", "adadelta",
+         "adamax", "ftrl", "lion"])
 def test_overlapped_apply_refuses_optimizers_it_cannot_defer_per_variable(make, reason):
     # Nadam advances one product per apply(): applying variable by variable
     # would advance it once per variable, a silently wrong schedule.

@@ -42,7 +42,7 @@ class Cluster:
             "BYTEPS_JOB_TOKEN": secrets.token_hex(16), "BYTEPS_ELASTIC": "1",
             "BYTEPS_ELASTIC_MIN_WORKERS": "1", "BYTEPS_ELASTIC_MAX_WORKERS": str(workers),
             "BYTEPS_TIMEOUT": "3", "BYTEPS_PARTITION_BYTES": "4096",
-            "BYTEPS_LOG_LEVEL": "INFO", "PYTHONPATH": ROOT,
+            "BYTEPS_LOG_LEVEL": "INFO",
         })
         self.start_scheduler()
         for i in range(servers):

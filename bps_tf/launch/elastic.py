@@ -2,7 +2,10 @@
 options (``--min-np``/``--max-np``, ``-H``, ``--host-discovery-script``,
 ``--reset-limit``, ``--blacklist-cooldown-range``, ``--elastic-timeout``).
 
-The servers start as in a fixed job, the workers with ``BYTEPS_ELASTIC=1``,
+The scheduler runs in a process of its own and the servers beside it
+(keeper.py restarts the scheduler in place and replaces lost servers; see
+docs/elastic.md, "No single point of failure"); the workers start with
+``BYTEPS_ELASTIC=1``,
 on the slots of the hosts (hosts.py): every slot the hosts offer, up to
 ``--max-np``, once they offer at least ``-np``. Each worker gets Horovod's
 ``HOROVOD_*`` variables as at its start (its host's name, its start rank)
@@ -23,9 +26,10 @@ reports it to the scheduler over an authenticated link (control.py):
 
 The job ends when its training finished (a worker exited 0 and the
 scheduler ended the job; workers still waiting to join are stopped, which
-is no failure), and fails when a server fails, the scheduler stops it
-(``--min-np`` not met within ``--elastic-timeout``, ``--reset-limit``), every
-host is blacklisted, or every worker is gone.
+is no failure), and fails when the scheduler stops it (``--min-np`` or no
+server within ``--elastic-timeout``, ``--reset-limit``), when the scheduler
+or a server keeps dying right after its start, when every host is
+blacklisted, or when every worker is gone.
 """
 from __future__ import annotations
 

@@ -133,12 +133,6 @@ CASES = {
                     lambda: keras.optimizers.SGD(0.05, momentum=0.9), 1),
     "rmsprop_bn_spe2": (lambda: dense_model(bn=True), lambda: keras.optimizers.RMSprop(
         0.01, momentum=0.5, centered=True), 2),
-    "adagrad": (dense_model, lambda: keras.optimizers.Adagrad(0.05), 1),
-    "adadelta": (dense_model, lambda: keras.optimizers.Adadelta(1.0), 1),
-    "adamax": (dense_model, lambda: keras.optimizers.Adamax(0.01), 1),
-    "ftrl": (dense_model, lambda: keras.optimizers.Ftrl(
-        0.05, l1_regularization_strength=0.001, l2_regularization_strength=0.01), 1),
-    "lion": (dense_model, lambda: keras.optimizers.Lion(0.001, weight_decay=0.01), 1),
     "adafactor": (dense_model, lambda: keras.optimizers.Adafactor(0.01), 1),
     "nadam_fallback": (dense_model, lambda: keras.optimizers.Nadam(0.01), 1),
     "global_clipnorm": (dense_model, lambda: keras.optimizers.SGD(
