@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
@@ -22,6 +23,20 @@ PYTHON = VENV / "bin" / "python"
 HOROVODRUN = VENV / "bin" / "horovodrun"
 WORKER = common.WORKERS_DIR / "hvd_allreduce.py"
 SETUP = "benchmarks/setup_horovod.sh"
+
+
+def column(skipped: bool, tool: str, notes: list) -> bool:
+    """Whether a benchmark's Horovod column runs: not when the user skipped it
+    (``--no-horovod``) or Horovod cannot run here; the reason goes to
+    ``notes`` (and, for the latter, to stderr under the ``tool``'s name)."""
+    if skipped:
+        notes.append("Horovod skipped (--no-horovod)")
+        return False
+    reason = unavailable_reason()
+    if reason:
+        notes.append(f"Horovod column left out: {reason}")
+        print(f"{tool}: {reason}; measuring the others", file=sys.stderr, flush=True)
+    return reason is None
 
 
 def unavailable_reason() -> Optional[str]:

@@ -306,16 +306,8 @@ def main(argv=None) -> int:
         ap.error(f"--netns: {exc} (format: RATE/MTU,..., e.g. 1gbit/1500,500mbit/9000)")
     steps = args.steps or (2 if args.quick else 5)
 
-    horovod = False
     notes = []
-    if args.no_horovod:
-        notes.append("Horovod skipped (--no-horovod)")
-    else:
-        reason = hvd_peer.unavailable_reason()
-        horovod = reason is None
-        if reason:
-            notes.append(f"Horovod column left out: {reason}")
-            print(f"peers: {reason}; measuring the others", file=sys.stderr, flush=True)
+    horovod = hvd_peer.column(args.no_horovod, "peers", notes)
     cxx_echo.build()   # a compile error stops the run here, not in round 1
 
     failures: dict = {}

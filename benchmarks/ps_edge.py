@@ -163,15 +163,7 @@ def main() -> int:
     sizes = [int(x) for x in args.sizes.split(",") if x]
     args.bps_env = dict(item.split("=", 1) for item in args.bps_env)
     notes = []
-    horovod = False
-    if args.no_horovod:
-        notes.append("Horovod skipped (--no-horovod)")
-    else:
-        reason = hvd_peer.unavailable_reason()
-        horovod = reason is None
-        if reason:
-            notes.append(f"Horovod column left out: {reason}")
-            print(f"ps_edge: {reason}; measuring the others", file=sys.stderr, flush=True)
+    horovod = hvd_peer.column(args.no_horovod, "ps_edge", notes)
     cxx_echo.build()
     rows, failures = [], {}
     try:

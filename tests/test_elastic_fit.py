@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_runner import ROOT, TIMEOUT_SCALE, launch  # noqa: E402
+from saved_arrays import load as _load  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "workers", "elastic_shapes.py")
 # Float sums in another order (2 or 3 workers against one process), through
@@ -31,11 +32,6 @@ RTOL = 1e-5   # losses and metrics (up to 8 here) sum the batches in another ord
 
 def _tail(proc):
     return f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-
-
-def _load(path):
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
 
 
 def _close(a, b):

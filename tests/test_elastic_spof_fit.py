@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_runner import TIMEOUT_SCALE, launch  # noqa: E402
+from saved_arrays import load as _load, identical as _identical  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_spof_fit.py")
 EPOCHS = 6
@@ -27,15 +28,6 @@ STEPS = 10   # 240 rows, global batch 24
 
 def _tail(proc):
     return f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-
-
-def _load(path):
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
-def _identical(a, b):
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

@@ -46,9 +46,8 @@ def _callable_variables(original):
                 when_missing="cosmetic", private=True, kind="uses")
 def _lr_alias(original):
     owner = hooks.public("keras.optimizers.Optimizer")
-    if "lr" not in dir(owner):     # a Keras that has its own lr keeps it
-        current = hooks.public("keras.optimizers.Optimizer").learning_rate
-        owner.lr = property(lambda self: original(self), current.fset,
+    if not hasattr(owner, "lr"):     # a Keras that has its own lr keeps it
+        owner.lr = property(original, owner.learning_rate.fset,
                             doc="Keras 2's name of learning_rate (bps_tf's Horovod face).")
     return original
 

@@ -54,12 +54,13 @@ def workers_waiting() -> int:
     return int(_stats()["elastic_waiting"])
 
 
-def host_updates(since: int = 0) -> list:
-    """The scheduler's host updates of this membership numbered above
-    ``since``: ``(number, time in ms, flags)``, flags 1 removed, 2 added."""
+def host_updates() -> list:
+    """The scheduler's host updates of this membership: ``(number, time in
+    ms, flags)``, flags 1 removed, 2 added. A restarted scheduler numbers
+    its updates from 1 again: number and time together tell one apart."""
     if not basics.is_initialized():
         return []
-    return [tuple(u) for u in _stats()["elastic_updates"] if int(u[0]) > since]
+    return [tuple(u) for u in _stats()["elastic_updates"]]
 
 
 def leaving() -> str:
