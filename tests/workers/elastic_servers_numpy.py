@@ -16,6 +16,7 @@ OUT/done_<launch>.json (the final step, every step trained with its size,
 the restarts: "changed" after a rollback, "updates" without one) and
 OUT/w_<launch>.npy. A worker that leaves on SIGTERM writes its done file
 when its state is committed for the last time (it exits 0 in the reset).
+OUT/slow_<launch> delays that worker's next membership restart.
 """
 import json
 import os
@@ -88,7 +89,20 @@ class Weights(elastic_state.ObjectState):
         np.save(os.path.join(OUT, f"w_{LAUNCH}.npy"), self.w)
 
 
-@elastic_state.run
+def restart_membership():
+    """The membership restart, late when the test asks for it (OUT/slow_<launch>
+    holds the seconds): the core keeps sending heartbeats meanwhile, as a worker
+    slowed down by a loaded machine or a long step does."""
+    slow = os.path.join(OUT, f"slow_{LAUNCH}")
+    if os.path.exists(slow):
+        with open(slow) as f:
+            seconds = float(f.read())
+        os.remove(slow)
+        time.sleep(seconds)
+    elastic_state.reset_membership()
+
+
+@lambda func: elastic_state.run_fn(func, restart_membership)
 def train(state):
     while True:
         rank, size = basics.rank(), basics.size()

@@ -194,6 +194,9 @@ class Scheduler {
   // Once the survivors are back (or BYTEPS_TIMEOUT passed): dense ranks,
   // the servers start the epoch, then the workers' WELCOME.
   void MaybeFinishEpoch(std::vector<Outgoing>* out);
+  // Whether an expected survivor may still come back: heard of within
+  // BYTEPS_TIMEOUT, for at most half the rendezvous timeout in all.
+  bool SurvivorsOnTheirWay() const;
   // MaybeFinishEpoch's steps: the first `newcomers` waiting workers become
   // members (in the launcher's planned order, then by arrival); every
   // member gets its dense rank and the worker count follows.
@@ -309,6 +312,9 @@ class Scheduler {
   std::vector<Peer> waiting_order_;
   int next_arrival_ = 0;
   std::map<int, std::string> expected_ids_;  // survivors not back yet: old rank -> key
+  // Survivors' old links, and when each was last heard of there (a heartbeat,
+  // or the goodbye of a restart): one still heard of is on its way back.
+  std::map<Peer, std::pair<int, Clock::time_point>> coming_back_;
   Peer launcher_;  // the launcher's link (bpslaunch), once it said hello
   std::map<std::string, Clock::time_point> announced_;  // newcomers the launcher started
   std::set<std::string> awaited_;   // ... that the forming epoch waits for

@@ -59,6 +59,9 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
   }
   if (n.id >= 0 && changing_ && expected_.count(n.id)) {
     expected_.erase(n.id);
+    for (auto c = coming_back_.begin(); c != coming_back_.end();) {
+      c = c->second.first == n.id ? coming_back_.erase(c) : std::next(c);
+    }
     nodes_[from] = n;
     BPS_LOG(kInfo, "worker " << n.id << " (host " << n.hostname << ", pid " << n.pid
                              << ") is back for membership epoch " << epoch_);
@@ -120,6 +123,7 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
   change_why_ = why;
   expected_.clear();
   expected_ids_.clear();
+  coming_back_.clear();
   // Newcomers the members were told of: this epoch waits for them.
   awaited_.clear();
   for (const auto& a : announced_) awaited_.insert(a.first);
@@ -140,6 +144,7 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
       if (!it->second.leaving) {
         expected_.insert(it->second.id);
         expected_ids_[it->second.id] = KeyOf(it->second);
+        coming_back_[it->first] = {it->second.id, Clock::now()};
       }
     }
     it = nodes_.erase(it);
@@ -162,8 +167,7 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
   if (!changing_ || servers_starting_ || !fatal_.empty()) return;
   if (!ReadyToForm(out)) return;  // scheduler_servers.cc
   int back = WorkerCount();
-  bool overdue = SecondsSince(change_since_) > timeout_s_;
-  if (!expected_.empty() && !overdue) return;
+  if (SurvivorsOnTheirWay()) return;
   // A failure the launcher has not reported yet: its report names the
   // workers removed with it (the rest of a blacklisted host), which must
   // not be part of this epoch.
@@ -204,10 +208,12 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     std::string missing;
     for (int r : expected_) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     BPS_LOG(kWarning, "membership epoch " << epoch_ << ": worker(s) " << missing
-                                          << " did not come back within BYTEPS_TIMEOUT; going on without them");
+                                          << " did not come back (silent for BYTEPS_TIMEOUT, or not back within half of "
+                                             "BYTEPS_RENDEZVOUS_TIMEOUT); going on without them");
     expected_.clear();
   }
   expected_ids_.clear();
+  coming_back_.clear();
   AdmitNewcomers(newcomers);
   RankWorkers();
   SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
@@ -261,6 +267,23 @@ void Scheduler::RankWorkers() {
     workers[i]->local_size = -1;
   }
   num_workers_ = static_cast<int>(workers.size());
+}
+
+bool Scheduler::SurvivorsOnTheirWay() const {
+  if (expected_.empty()) return false;
+  // A survivor restarts when its program reaches the change (the end of a
+  // step, a commit): on a loaded machine that takes longer than BYTEPS_TIMEOUT
+  // although its heartbeats say it is alive. Only silence drops it early.
+  double limit = rendezvous_s_ > 0 ? rendezvous_s_ / 2 : elastic_timeout_s_;
+  if (SecondsSince(change_since_) > limit) return false;
+  for (int id : expected_) {
+    Clock::time_point heard = change_since_;
+    for (const auto& c : coming_back_) {
+      if (c.second.first == id && c.second.second > heard) heard = c.second.second;
+    }
+    if (SecondsSince(heard) <= timeout_s_) return true;
+  }
+  return false;
 }
 
 void Scheduler::OnEpochStarted(const Node& server, const Config& kv, std::vector<Outgoing>* out) {
