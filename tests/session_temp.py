@@ -25,6 +25,11 @@ _session_tmp = {}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # A pytest-xdist worker (`pytest -n 2`): the controlling session made
+        # the folder (TMPDIR, inherited) and pytest's base folder in it, and
+        # checks and removes both when every worker is done.
+        return
     real = tempfile.gettempdir()
     # Caches a test keeps between runs on purpose (Bazel's output root).
     os.environ.setdefault("BPS_TEST_CACHE_TMPDIR", real)

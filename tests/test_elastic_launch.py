@@ -16,6 +16,7 @@ Hosts are hosts: 127.0.0.1, 127.0.0.2 and localhost are three of them here.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,29 @@ def test_reset_limit_fails_the_job_naming_the_limit(tmp_path):
     assert "the number of resets exceeded the limit of 1" in proc.stderr, _tail(proc)
     assert "job failed" in proc.stderr.strip().splitlines()[-1]
     assert len(rows) == 2, rows    # the first reset (hosts added) was allowed
+
+
+SIGTERM_PROBE = """
+import os, signal, sys
+from bps_tf.runtime import basics
+basics._handle_sigterm_as_leave()
+if sys.argv[1] == "leaving":
+    basics.leaving_on_purpose()
+os.kill(os.getpid(), signal.SIGTERM)
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("state,code", [("leaving", 0), ("not_a_member", -signal.SIGTERM)])
+def test_a_sigterm_after_the_order_to_leave_does_not_end_the_worker_by_the_signal(state, code):
+    # bpslaunch tells the scheduler that a blacklisted host's workers go and
+    # sends them SIGTERM at once: a worker the scheduler's order reached first
+    # is leaving with exit code 0 and keeps it. The control: a SIGTERM to a
+    # worker that is no member ends it as SIGTERM does.
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_PROBE, state], capture_output=True,
+                          text=True, timeout=60, cwd=tempfile.gettempdir())
+    assert proc.returncode == code, proc.stderr
+    assert ("still here" in proc.stdout) == (code == 0), proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -138,12 +138,21 @@ def _leave_if_told(c) -> None:
     it was removed) instead of admitting it: it ends with exit code 0."""
     why = json.loads(c.stats_json()).get("elastic_leave", "")
     if why:
+        leaving_on_purpose()
         print(f"bps_tf: this worker leaves the elastic job without joining it: {why}",
               file=sys.stderr, flush=True)
         raise SystemExit(0)
 
 
-_sigterm = {"installed": False, "asked": False, "pending": False}
+_sigterm = {"installed": False, "asked": False, "pending": False, "leaving": False}
+
+
+def leaving_on_purpose() -> None:
+    """Elastic: this worker leaves the job now, with exit code 0 (removed, or
+    asked to): a SIGTERM from here on is the launcher saying the same and must
+    not end it by the signal. The launcher tells the scheduler and signals the
+    worker at once, so the two orders arrive in either order."""
+    _sigterm["leaving"] = True
 
 
 def _handle_sigterm_as_leave() -> None:
@@ -158,6 +167,8 @@ def _handle_sigterm_as_leave() -> None:
         return   # the program handles SIGTERM itself
 
     def on_sigterm(signum, _frame):
+        if _sigterm["leaving"]:
+            return   # it is on its way out with exit code 0 already
         if not _sigterm["asked"]:
             if is_initialized() and core().elastic_request_leave():
                 _sigterm["asked"] = True

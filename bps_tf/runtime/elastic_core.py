@@ -73,6 +73,7 @@ def leave() -> None:
     """Leaves the job on purpose, at a commit where the others restart: says
     goodbye (the others go on without a rollback) and exits with 0."""
     why = leaving()
+    basics.leaving_on_purpose()
     basics.shutdown(LEAVE_REASON)
     log.warning("elastic: this worker leaves the job (%s)", why or "asked to")
     raise SystemExit(0)

@@ -4,6 +4,7 @@ so the others fail fast on the missing peer instead of waiting."""
 import json
 import os
 import sys
+import time
 import traceback
 
 
@@ -14,9 +15,12 @@ class Checks:
         self.results = {}
 
     def run(self, name, fn):
+        start = time.monotonic()
         try:
             detail = fn()
-            self.results[name] = {"ok": True, "detail": detail or ""}
+            # seconds: what each check costs, for whoever trims a long file
+            self.results[name] = {"ok": True, "detail": detail or "",
+                                  "seconds": round(time.monotonic() - start, 2)}
         except Exception as exc:  # recorded, asserted by the test
             self.results[name] = {"ok": False,
                                   "detail": f"{exc}\n{traceback.format_exc()[-3000:]}"}
