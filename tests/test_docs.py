@@ -30,7 +30,7 @@ def test_ci_runs_exactly_the_readmes_test_instructions():
     assert ci == _commands(block.splitlines())
     # The one step that installs system packages is there, in plain sight...
     assert ci[0].startswith("apt-get update && apt-get install -y bazel-bootstrap")
-    assert ci[-1].endswith("pytest -q tests")
+    assert ci[-1].endswith("pytest -q -n 2 tests")
 
 
 PACKAGE_MANAGERS = ("apt-get", "apt", "dpkg", "yum", "dnf", "apk")

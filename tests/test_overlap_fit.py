@@ -18,11 +18,12 @@ pytest.importorskip("tensorflow")
 WORKERS, SERVERS = 2, 2
 CHECKS = os.path.join(ROOT, "tests", "workers", "overlap_fit_checks.py")
 # One optimizer per kind of update the deferred apply must keep exact: plain,
-# a slot, two slots and the step count, weight decay with a schedule, moving
-# statistics, a global norm, sparse rows, factored slots. Keras' other
+# a slot (momentum, with BatchNormalization), two slots and the step count,
+# weight decay with a schedule, moving statistics, a global norm, sparse rows,
+# factored slots. Keras' other
 # per-variable optimizers (Adagrad, Adadelta, Adamax, Ftrl, Lion) take the
 # same path; tests/test_api_single.py checks that the overlap accepts them.
-EXACT = ["sgd", "momentum", "adam", "adamw_schedule_spe3", "momentum_bn", "global_clipnorm",
+EXACT = ["sgd", "adam", "adamw_schedule_spe3", "momentum_bn", "global_clipnorm",
          "embedding_adam", "graph_probe", "rmsprop_bn_spe2", "adafactor"]
 
 
