@@ -191,7 +191,7 @@ class Scheduler {
   // (WORKERS_CHANGED), which fails its pending operations.
   void StartEpoch(const std::string& why, const Peer* lost, std::vector<Outgoing>* out,
                   bool agreed = false);
-  // Once the survivors are back (or BYTEPS_TIMEOUT passed): dense ranks,
+  // Once the survivors are back (or gone: see SurvivorsOnTheirWay): dense ranks,
   // the servers start the epoch, then the workers' WELCOME.
   void MaybeFinishEpoch(std::vector<Outgoing>* out);
   // Whether an expected survivor may still come back: heard of within
