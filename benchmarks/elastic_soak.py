@@ -92,23 +92,20 @@ class Place:
 @contextlib.contextmanager
 def place(choice: str):
     why = "--place loopback"
-    if choice != "loopback":
-        net = NetnsHosts(1)
-        try:
-            net.__enter__()
-        except NetnsUnavailable as exc:
-            if choice == "netns":
-                raise JobFailed(f"--place netns: {exc}") from None
-            why = f"no namespace: {exc}"
-        else:
+    with contextlib.ExitStack() as stack:
+        if choice != "loopback":
             try:
+                net = stack.enter_context(NetnsHosts(1))
+            except NetnsUnavailable as exc:
+                if choice == "netns":
+                    raise JobFailed(f"--place netns: {exc}") from None
+                why = f"no namespace: {exc}"
+            else:
                 yield Place("netns", net.hosts[0].prefix,
-                            f"network namespace {net.names[0]} (the whole job; its own loopback), "
-                            f"hosts 127.0.0.N in it")
-            finally:
-                net.remove()
-            return
-    yield Place("loopback", (), f"the machine's loopback, hosts 127.0.0.N ({why})")
+                            f"network namespace {net.names[0]} (the whole job; its own "
+                            f"loopback), hosts 127.0.0.N in it")
+                return
+        yield Place("loopback", (), f"the machine's loopback, hosts 127.0.0.N ({why})")
 
 
 class Hosts:

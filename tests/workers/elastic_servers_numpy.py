@@ -102,7 +102,6 @@ def restart_membership():
     elastic_state.reset_membership()
 
 
-@lambda func: elastic_state.run_fn(func, restart_membership)
 def train(state):
     while True:
         rank, size = basics.rank(), basics.size()
@@ -128,6 +127,6 @@ def train(state):
 
 basics.join()
 weights = Weights()
-train(weights)
+elastic_state.run_fn(train, restart_membership)(weights)
 weights.record(f"done_{LAUNCH}")
 basics.shutdown()

@@ -151,15 +151,15 @@ void Scheduler::Handle(const Peer& from, const FrameHeader& h,
         joining_servers_[from].last_seen = Clock::now();
         out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       }
-      if (coming_back_.count(from)) {
-        coming_back_[from].second = Clock::now();
+      if (old_links_.count(from)) {
+        heard_from_[old_links_[from]] = Clock::now();
         out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
       }
       return;
     case MsgType::kBye:
       if (it != nodes_.end()) OnBye(&it->second, kv.Get("reason"), out);
-      if (coming_back_.count(from) && kv.Get("reason") == kElasticRestart) {
-        coming_back_[from].second = Clock::now();   // its HELLO follows at once
+      if (old_links_.count(from) && kv.Get("reason") == kElasticRestart) {
+        heard_from_[old_links_[from]] = Clock::now();   // its HELLO follows at once
       }
       if (waiting_.erase(from)) {
         waiting_order_.erase(std::find(waiting_order_.begin(), waiting_order_.end(), from));

@@ -312,9 +312,11 @@ class Scheduler {
   std::vector<Peer> waiting_order_;
   int next_arrival_ = 0;
   std::map<int, std::string> expected_ids_;  // survivors not back yet: old rank -> key
-  // Survivors' old links, and when each was last heard of there (a heartbeat,
-  // or the goodbye of a restart): one still heard of is on its way back.
-  std::map<Peer, std::pair<int, Clock::time_point>> coming_back_;
+  // Survivors' old links (-> old rank), and when each survivor was last
+  // heard of there (a heartbeat, or the goodbye of its restart): one still
+  // heard of is on its way back.
+  std::map<Peer, int> old_links_;
+  std::map<int, Clock::time_point> heard_from_;
   Peer launcher_;  // the launcher's link (bpslaunch), once it said hello
   std::map<std::string, Clock::time_point> announced_;  // newcomers the launcher started
   std::set<std::string> awaited_;   // ... that the forming epoch waits for

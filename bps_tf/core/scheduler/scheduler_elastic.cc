@@ -59,9 +59,6 @@ void Scheduler::OnElasticHello(const Peer& from, const Node& node, const Config&
   }
   if (n.id >= 0 && changing_ && expected_.count(n.id)) {
     expected_.erase(n.id);
-    for (auto c = coming_back_.begin(); c != coming_back_.end();) {
-      c = c->second.first == n.id ? coming_back_.erase(c) : std::next(c);
-    }
     nodes_[from] = n;
     BPS_LOG(kInfo, "worker " << n.id << " (host " << n.hostname << ", pid " << n.pid
                              << ") is back for membership epoch " << epoch_);
@@ -123,7 +120,8 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
   change_why_ = why;
   expected_.clear();
   expected_ids_.clear();
-  coming_back_.clear();
+  old_links_.clear();
+  heard_from_.clear();
   // Newcomers the members were told of: this epoch waits for them.
   awaited_.clear();
   for (const auto& a : announced_) awaited_.insert(a.first);
@@ -144,7 +142,8 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
       if (!it->second.leaving) {
         expected_.insert(it->second.id);
         expected_ids_[it->second.id] = KeyOf(it->second);
-        coming_back_[it->first] = {it->second.id, Clock::now()};
+        old_links_[it->first] = it->second.id;
+        heard_from_[it->second.id] = Clock::now();
       }
     }
     it = nodes_.erase(it);
@@ -213,7 +212,8 @@ void Scheduler::MaybeFinishEpoch(std::vector<Outgoing>* out) {
     expected_.clear();
   }
   expected_ids_.clear();
-  coming_back_.clear();
+  old_links_.clear();
+  heard_from_.clear();
   AdmitNewcomers(newcomers);
   RankWorkers();
   SettleServers(out);  // scheduler_servers.cc: servers that leave or join, keys placed again
@@ -277,11 +277,10 @@ bool Scheduler::SurvivorsOnTheirWay() const {
   double limit = rendezvous_s_ > 0 ? rendezvous_s_ / 2 : elastic_timeout_s_;
   if (SecondsSince(change_since_) > limit) return false;
   for (int id : expected_) {
-    Clock::time_point heard = change_since_;
-    for (const auto& c : coming_back_) {
-      if (c.second.first == id && c.second.second > heard) heard = c.second.second;
+    auto heard = heard_from_.find(id);   // none after a scheduler restart: since the change
+    if (SecondsSince(heard == heard_from_.end() ? change_since_ : heard->second) <= timeout_s_) {
+      return true;
     }
-    if (SecondsSince(heard) <= timeout_s_) return true;
   }
   return false;
 }

@@ -34,7 +34,8 @@ void Scheduler::BeginRecovery() {
   servers_starting_ = false;
   servers_started_.clear();
   expected_.clear();
-  coming_back_.clear();
+  old_links_.clear();
+  heard_from_.clear();
   change_since_ = Clock::now();
   change_why_ = "the scheduler restarted";
   // Processes that said a first HELLO before any report are new: workers
