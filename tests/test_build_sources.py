@@ -46,9 +46,7 @@ def _setup_lists():
     which setup.py and the build at first import share."""
     core = _literal(os.path.join(ROOT, "setup.py"), {"CORE_SOURCES"})
     assert "CORE_SOURCES" in core, "setup.py no longer names its sources"
-    ops = _literal(os.path.join(PACKAGE, "ops", "op_build.py"), {"OP_SOURCES"})
-    assert "OP_SOURCES" in ops, "bps_tf/ops/op_build.py no longer names the op sources"
-    return core["CORE_SOURCES"], ["bps_tf/" + s for s in ops["OP_SOURCES"]]
+    return core["CORE_SOURCES"], ["bps_tf/" + s for s in _op_build().OP_SOURCES]
 
 
 def _core_files(ext=".cc"):
@@ -182,3 +180,10 @@ def test_op_library_cache_key_hashes_every_header_it_includes():
                           for h in _included(path, roots) - hashed)
         assert not unhashed, (f"{src} includes {unhashed}, which the op library's cache key "
                               "does not hash (bps_tf/ops/op_build.py)")
+
+
+def test_each_op_source_compiles_in_exactly_one_unit():
+    op_build = _op_build()
+    sources = [src for unit in op_build.OP_UNITS for src in unit]
+    assert len(sources) == len(set(sources)), sources
+    assert tuple(sources) == op_build.OP_SOURCES

@@ -42,9 +42,15 @@ from typing import Dict, List, Sequence
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The op library's sources, relative to the package directory. They ship
 # with the package so the library can be compiled where it is used.
-OP_SOURCES = ("ops/push_pull_ops.cc", "ops/priority_pass.cc", "ops/priority_pass_stats.cc",
-              "ops/graph_rewrite.cc", "ops/sparse_gather.cc", "ops/overlap_ops.cc",
-              "kernels/push_pull_kernels.cc", "kernels/overlap_kernels.cc")
+#
+# They compile as two units, each one generated file that includes its
+# sources (compile_commands): parsing TensorFlow's headers costs the compiler
+# ~10 s per unit, more than most of our files, so eight units took 118 core-s
+# and two take ~50. Two, not one, so that both cores of a small machine work.
+OP_UNITS = (("ops/priority_pass.cc", "ops/priority_pass_stats.cc", "ops/graph_rewrite.cc"),
+            ("ops/push_pull_ops.cc", "ops/overlap_ops.cc", "ops/sparse_gather.cc",
+             "kernels/push_pull_kernels.cc", "kernels/overlap_kernels.cc"))
+OP_SOURCES = tuple(src for unit in OP_UNITS for src in unit)
 # Include roots. Of the core, the op library includes only the contract at
 # the root of core/ (bps_api.h, dtypes.h; tests/test_structure_native.py),
 # never the engine's folders: the key hashes the headers directly in each
@@ -53,6 +59,9 @@ INCLUDE_DIRS = ("core", "kernels", "ops")
 LIBRARY_NAME = "libbps_tf_ops.so"
 STAMP_SUFFIX = ".key"
 WARNINGS = ("-Wall", "-Wno-sign-compare")
+# A source included by a unit is no longer the main file, so GCC would warn
+# about its own classes that hold a type of its anonymous namespace.
+UNIT_QUIET = ("-Wno-subobject-linkage",)
 # TensorFlow's headers are full of deprecations that are not ours to fix.
 TF_HEADER_QUIET = ("-Wno-deprecated-declarations", "-Wno-interference-size")
 BUILD_TIMEOUT_S = 900
@@ -130,7 +139,7 @@ def build_key(tf_info: Dict, package_dir: str = PACKAGE_DIR) -> str:
     # for it in the flags), bps_tf's and the core library's; sources are
     # hashed by their names inside the package.
     h = hashlib.sha256()
-    h.update(json.dumps([tf_info["version"], *portable_flags(tf_info)]).encode())
+    h.update(json.dumps([tf_info["version"], *portable_flags(tf_info), OP_UNITS]).encode())
     for path in _source_paths(package_dir):
         h.update(os.path.relpath(path, package_dir).encode())
         with open(path, "rb") as f:
@@ -140,16 +149,22 @@ def build_key(tf_info: Dict, package_dir: str = PACKAGE_DIR) -> str:
 
 def compile_commands(tf_info: Dict, package_dir: str, obj_dir: str, out_path: str,
                      core_lib_dir: str, cxx: str = None) -> List[List[str]]:
-    """One compile command per source, then the link; objects go to obj_dir."""
+    """One compile command per unit (OP_UNITS), then the link. Each unit's
+    source, which includes its files, is written to obj_dir with its object."""
     cxx = cxx or compiler()
     base = [cxx, "-std=c++17", "-O3", "-fPIC", "-pthread", "-DNDEBUG", *WARNINGS]
     cflags = [f for f in tf_info["cflags"] if not f.startswith("--std")]
     includes = ["-I" + os.path.join(package_dir, d) for d in INCLUDE_DIRS]
     cmds, objs = [], []
-    for src in OP_SOURCES:
-        obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
-        cmds.append(base + cflags + includes + list(TF_HEADER_QUIET)
-                    + ["-c", os.path.join(package_dir, src), "-o", obj])
+    for i, unit in enumerate(OP_UNITS):
+        unit_src = os.path.join(obj_dir, f"op_unit{i}.cc")
+        with open(unit_src, "w") as f:
+            f.write("// Written by bps_tf/ops/op_build.py: one compile for these sources.\n")
+            f.writelines(f'#include "{src}"\n' for src in unit)
+        obj = os.path.join(obj_dir, f"op_unit{i}.o")
+        # -iquote: the package folder serves the unit's own includes only.
+        cmds.append(base + cflags + includes + list(TF_HEADER_QUIET) + list(UNIT_QUIET)
+                    + ["-iquote", package_dir, "-c", unit_src, "-o", obj])
         objs.append(obj)
     cmds.append(base + ["-shared", "-o", out_path] + objs + link_flags(tf_info, core_lib_dir))
     return cmds
@@ -370,7 +385,7 @@ def ensure_op_library(package_dir: str = PACKAGE_DIR, tf_info: Dict = None,
         why = ("was built for another TensorFlow"
                if os.path.exists(installed) else "was not built at install")
         log(f"bps_tf: the installed op library {why}; compiling it for TensorFlow "
-            f"{tf_info['version']} into {target_dir} (once; about a minute)...")
+            f"{tf_info['version']} into {target_dir} (once; about half a minute)...")
         start = time.time()
         _remove_abandoned_builds(target_dir)
         with stops_cleanly():
