@@ -43,9 +43,11 @@ def _check(ranks, name):
 @pytest.mark.parametrize("case", EXACT)
 def test_fit_with_overlap_is_bit_identical_to_the_barrier(ranks, case):
     # In the worker: weights (BatchNormalization's moving statistics too),
-    # optimizer variables, iterations, history (loss, val_loss), weights read
-    # by a callback after batch 2, a mid-epoch ModelCheckpoint file, evaluate()
-    # and predict() after fit are equal bit for bit, and nothing is pending.
+    # optimizer variables, iterations, history, weights read by a callback
+    # after batch 2 are equal bit for bit, and nothing is pending; in the
+    # cases of FLUSH_CHECKED (tests/workers/overlap_fit_checks.py) also the
+    # validation loss, a mid-epoch ModelCheckpoint file, evaluate() and
+    # predict() after fit.
     for detail in _check(ranks, case).values():
         assert detail["overlapped"], detail
 
