@@ -161,8 +161,9 @@ class BuildNative(build_ext):
         py_obj = os.path.join(tmp, "pybind_module.o")
         stale = [unit for unit, srcs in units if _newer(unit[:-3] + ".o", [unit] + srcs + headers)]
         if stale or _newer(py_obj, [py_src] + headers):
+            took = " (about a minute on 2 cores)" if len(stale) > len(units) // 2 else ""
             _announce(f"bps_tf: compiling its C++ engine ({len(stale)} of {len(units)} parts) and "
-                      f"Python module with {cxx} (about a minute on 2 cores)...")
+                      f"Python module with {cxx}{took}...")
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             for unit, srcs in units:
