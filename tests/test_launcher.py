@@ -339,12 +339,23 @@ def test_cannot_start_the_command(job, capsys):
     (["-np", "2"], "no command"),
     (["--servers", "2", "python"], "only applies with -np"),
     (["--timeout", "-1", "-np", "1", "python"], "must be more than 0"),
+    (["--shutdown-timeout", "0", "-np", "1", "python"], "must be more than 0"),
     (["-np", "two", "python"], "expected a number, got 'two'"),
     (["-np", "2", "--health-port", "70000", "python"], "at most 65535"),
 ])
 def test_cli_usage_errors(argv, needle, capsys):
     assert launcher.main(argv) == launcher.EXIT_USAGE
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], launcher.DEFAULT_SHUTDOWN_TIMEOUT_S), (["--shutdown-timeout", "7.5"], 7.5)])
+def test_the_shutdown_timeout_reaches_the_supervisor(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr(launcher, "run_local",
+                        lambda *args, **kwargs: seen.update(kwargs) or 0)
+    assert launcher.main(["-np", "2", *argv, "python", "x.py"]) == 0
+    assert seen["shutdown_timeout"] == want
 
 
 def test_ignored_signals_stay_ignored():

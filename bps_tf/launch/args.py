@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "is 1; 0 with N = 1 runs COMMAND alone with no cluster)")
     parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                         help="stop the whole job and fail if it runs longer than this")
+    parser.add_argument("--shutdown-timeout", type=_positive_float, metavar="SECONDS",
+                        help="local mode: at the end, how long the workers may take to exit "
+                             "once the servers have (or the servers once the workers have) "
+                             "before the job counts as stuck (default 120)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="do not tag output lines with [worker N] / [server N]: the "
                              "processes write straight to this terminal")

@@ -44,7 +44,10 @@ from bps_tf.runtime import basics, cluster, config, origins
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_READY_TIMEOUT_S = 60.0     # for server 0 to report the scheduler port
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # for one side to follow the other out at the end
+# For one side to follow the other out at the end: a worker that said goodbye
+# may still be saving its model, or tearing TensorFlow down (30 s was too
+# short for that on a loaded 2-core machine). --shutdown-timeout changes it.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 120.0
 DEFAULT_GRACE_S = 5.0              # between SIGTERM and SIGKILL
 OUTPUT_DRAIN_S = 5.0               # for the last output of the children at the end
 
@@ -485,6 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elastic = dict(elastic_options(args), min_np=low, max_np=high)
     try:
         return run_local(args.num_proc, args.servers, args.command, timeout=args.timeout,
+                         shutdown_timeout=args.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S,
                          prefix_output=args.prefix, health_port=args.health_port,
                          elastic=elastic, hosts=args.hosts, environ=environ)
     except UsageError as exc:
