@@ -59,18 +59,6 @@ def core_units():
     return units
 
 
-def _write_unit(tmp, folder, srcs):
-    """The unit's source in `tmp`, rewritten only when its list changes (its
-    time then says when the list last changed)."""
-    path = os.path.join(tmp, f"core_unit_{folder}.cc")
-    text = "// Written by setup.py: one compile for bps_tf/core/%s.\n%s" % (
-        folder, "".join(f'#include "{s}"\n' for s in srcs))
-    if not os.path.exists(path) or open(path).read() != text:
-        with open(path, "w") as f:
-            f.write(text)
-    return path
-
-
 def _load_op_build():
     # By path: importing the bps_tf package here would need its native parts.
     spec = importlib.util.spec_from_file_location(
@@ -155,20 +143,23 @@ class BuildNative(build_ext):
                 _run(base + extra + ["-c", src, "-o", obj])
             return obj
 
-        units = [(_write_unit(tmp, folder, srcs), [os.path.join(core_dir, s) for s in srcs])
-                 for folder, srcs in core_units().items()]
+        units = []    # (unit source, its object, the sources it includes)
+        for folder, srcs in core_units().items():
+            unit = op_build.write_unit(os.path.join(tmp, f"core_unit_{folder}.cc"), srcs)
+            units.append((unit, unit[:-len(".cc")] + ".o",
+                          [os.path.join(core_dir, s) for s in srcs]))
         py_src = os.path.join(core_dir, "pybind_module.cc")
         py_obj = os.path.join(tmp, "pybind_module.o")
-        stale = [unit for unit, srcs in units if _newer(unit[:-3] + ".o", [unit] + srcs + headers)]
+        stale = [unit for unit, obj, srcs in units if _newer(obj, [unit] + srcs + headers)]
         if stale or _newer(py_obj, [py_src] + headers):
             took = " (about a minute on 2 cores)" if len(stale) > len(units) // 2 else ""
             _announce(f"bps_tf: compiling its C++ engine ({len(stale)} of {len(units)} parts) and "
                       f"Python module with {cxx}{took}...")
         jobs = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            for unit, srcs in units:
-                jobs.append(("core", pool.submit(compile_obj, unit, unit[:-3] + ".o",
-                                                 core_include + list(UNIT_WARNINGS), srcs)))
+            for unit, obj, srcs in units:
+                jobs.append(("core", pool.submit(compile_obj, unit, obj,
+                                                 core_include + UNIT_WARNINGS, srcs)))
             jobs.append(("py", pool.submit(
                 compile_obj, py_src, py_obj,
                 core_include + ["-I" + pybind11.get_include(),

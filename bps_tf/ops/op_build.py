@@ -157,17 +157,26 @@ def compile_commands(tf_info: Dict, package_dir: str, obj_dir: str, out_path: st
     includes = ["-I" + os.path.join(package_dir, d) for d in INCLUDE_DIRS]
     cmds, objs = [], []
     for i, unit in enumerate(OP_UNITS):
-        unit_src = os.path.join(obj_dir, f"op_unit{i}.cc")
-        with open(unit_src, "w") as f:
-            f.write("// Written by bps_tf/ops/op_build.py: one compile for these sources.\n")
-            f.writelines(f'#include "{src}"\n' for src in unit)
-        obj = os.path.join(obj_dir, f"op_unit{i}.o")
+        unit_src = write_unit(os.path.join(obj_dir, f"op_unit{i}.cc"), unit)
+        obj = unit_src[:-len(".cc")] + ".o"
         # -iquote: the package folder serves the unit's own includes only.
         cmds.append(base + cflags + includes + list(TF_HEADER_QUIET) + list(UNIT_QUIET)
                     + ["-iquote", package_dir, "-c", unit_src, "-o", obj])
         objs.append(obj)
     cmds.append(base + ["-shared", "-o", out_path] + objs + link_flags(tf_info, core_lib_dir))
     return cmds
+
+
+def write_unit(path: str, includes: Sequence[str]) -> str:
+    """Writes `path`, a unit that includes `includes` (one compile for them),
+    unless it already says exactly that: its time then tells when the list
+    last changed, which an incremental build compares with its object's."""
+    text = "// Written by bps_tf's build: one compile for these sources.\n" + "".join(
+        f'#include "{src}"\n' for src in includes)
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+    return path
 
 
 def link_flags(tf_info: Dict, core_lib_dir: str) -> List[str]:
