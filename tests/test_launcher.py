@@ -340,6 +340,7 @@ def test_cannot_start_the_command(job, capsys):
     (["--servers", "2", "python"], "only applies with -np"),
     (["--timeout", "-1", "-np", "1", "python"], "must be more than 0"),
     (["--shutdown-timeout", "0", "-np", "1", "python"], "must be more than 0"),
+    (["--shutdown-timeout", "60", "python"], "only applies with -np"),
     (["-np", "two", "python"], "expected a number, got 'two'"),
     (["-np", "2", "--health-port", "70000", "python"], "at most 65535"),
 ])

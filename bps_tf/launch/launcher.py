@@ -470,6 +470,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say("--servers only applies with -np (local mode); in cluster mode the servers "
                 "come from TF_CONFIG or DMLC_NUM_SERVER")
             return EXIT_USAGE
+        if args.shutdown_timeout is not None:
+            say("--shutdown-timeout only applies with -np (local mode): in cluster mode each "
+                "process is launched on its own host and ends by itself")
+            return EXIT_USAGE
         return run_cluster(args.command, timeout=args.timeout, prefix_output=args.prefix,
                            health_port=args.health_port, environ=environ)
     elastic = None
