@@ -164,13 +164,13 @@ def test_a_newcomer_says_it_waits_to_be_admitted():
 def test_bpslaunch_jobs_are_described_by_its_options():
     """A local job's DMLC_* variables come from bpslaunch: its messages name
     -np and --servers (and the scheduler as its server 0) instead."""
-    from bps_tf.launch import launcher
+    from bps_tf.launch import environments
     from bps_tf.runtime import cluster
     from bps_tf.launch import hosts
-    shared = launcher._job_env({"DMLC_NUM_WORKER": "9"}, 2, 1)
+    shared = environments.job_env({"DMLC_NUM_WORKER": "9"}, 2, 1)
     slot = hosts.Slot("localhost", 1, 1, 2, 2, 0, 1)
-    worker = cluster.resolve(launcher._worker_env(shared, slot, 4000)).core_values()
-    server = cluster.resolve(launcher._server_env(shared, 0, 0, "/tmp/ready")).core_values()
+    worker = cluster.resolve(environments.worker_env(shared, slot, 4000)).core_values()
+    server = cluster.resolve(environments.server_env(shared, 0, 0, "/tmp/ready")).core_values()
     for values in (worker, server):
         assert values["members_origin"] == "bpslaunch -np 2 --servers 1"
         assert values["scheduler_origin"] == "bpslaunch's scheduler"
@@ -180,7 +180,7 @@ def test_bpslaunch_jobs_are_described_by_its_options():
                 DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="4000")
     assert cluster.resolve(hand).core_values()["members_origin"] == \
         "DMLC_NUM_WORKER/DMLC_NUM_SERVER"
-    assert "BYTEPS_LAUNCHED_BY" not in launcher._clean_env({"BYTEPS_LAUNCHED_BY": "x"})
+    assert "BYTEPS_LAUNCHED_BY" not in environments.clean_env({"BYTEPS_LAUNCHED_BY": "x"})
 
 
 def test_a_scheduler_nobody_reaches_fails_after_the_rendezvous_timeout():

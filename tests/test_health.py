@@ -22,7 +22,7 @@ import time
 import pytest
 
 from bps_tf.runtime import health
-from bps_tf.launch import launcher
+from bps_tf.launch import environments
 
 # Looked up, not imported: see above.
 if importlib.util.find_spec("grpc_health") is None:
@@ -149,7 +149,7 @@ def test_health_server_follows_a_state_and_rejects_a_taken_port(tmp_path):
 def cluster(tmp_path):
     """Starts processes for one job and kills whatever is left at the end."""
     procs = []
-    base = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    base = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     base.update({"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
                  "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_NODE_HOST": "127.0.0.1",
                  "BYTEPS_BIND_HOST": "127.0.0.1", "BYTEPS_JOB_TOKEN": secrets.token_hex(16),
@@ -218,7 +218,7 @@ def test_a_finished_job_closes_the_health_port(cluster, tmp_path):
                            str(script), str(tmp_path / "go")],
                           capture_output=True, text=True, timeout=90, cwd=tempfile.gettempdir(),
                           env={k: v for k, v in os.environ.items()
-                               if k not in launcher.PLACEMENT_VARIABLES})
+                               if k not in environments.PLACEMENT_VARIABLES})
     assert proc.returncode == 0, proc.stderr
     assert f"gRPC health on port {port}" in proc.stderr.splitlines()[0]
     assert "[worker 0] JOINED" in proc.stdout

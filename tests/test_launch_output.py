@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from bps_tf.launch import launcher, output as launch_output, procs
+from bps_tf.launch import environments, output as launch_output, procs
 
 LINES = 400
 LONG = 6000      # longer than a pipe's atomic write (4096): must still stay whole
@@ -48,7 +48,7 @@ END = re.compile(r"^bpslaunch: job finished after [\d.]+ s: server 0 exit 0 \([\
 def _bpslaunch(args, tmp_path, **env):
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
-    full = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    full = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     full.pop("BYTEPS_JOB_TOKEN", None)
     full.pop("TF_CPP_MIN_LOG_LEVEL", None)
     full.update(env)
@@ -112,7 +112,7 @@ def test_a_failure_is_named_in_the_end_line(tmp_path):
                       "print('rank', os.environ['DMLC_WORKER_ID'], flush=True)\n"
                       "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
                       "time.sleep(30)\n")
-    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     env["BYTEPS_JOB_TOKEN"] = "secret-value-never-shown"
     proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "2", "--timeout",
                            "60", sys.executable, str(script)], env=env, capture_output=True,
@@ -144,7 +144,7 @@ bps_tf.shutdown()
 def test_the_verdict_names_the_worker_that_failed_first_not_the_server(tmp_path):
     script = tmp_path / "slow_failure.py"
     script.write_text(SLOW_FAILURE)
-    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     proc = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "2", "--timeout",
                            "60", sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=90, cwd=tempfile.gettempdir())

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bps_tf.launch import launcher
+from bps_tf.launch import environments, launcher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -381,7 +381,7 @@ def test_cli_parsing_keeps_the_command_intact():
 
 
 def test_cli_as_a_module(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     env["PYTHONPATH"] = str(REPO)
     check = "import os, sys; sys.exit(7 if 'DMLC_ROLE' not in os.environ else 9)"
     done = subprocess.run([sys.executable, "-m", "bps_tf.launch", "-np", "1", "--",
@@ -399,7 +399,7 @@ TF_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0
 
 
 def tf_env(task_type, index=0):
-    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     env["TF_CONFIG"] = json.dumps({"cluster": TF_CLUSTER, "task": {"type": task_type, "index": index}})
     return env
 
@@ -430,7 +430,7 @@ def test_cluster_mode_evaluator_runs_the_command(job):
 
 
 def test_cluster_mode_dmlc_scheduler_runs_the_server(job):
-    env = {k: v for k, v in os.environ.items() if k not in launcher.PLACEMENT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in environments.PLACEMENT_VARIABLES}
     env.update({"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
                 "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "0",
                 "BYTEPS_READY_FILE": str(job.dir / "port")})

@@ -13,8 +13,8 @@ Either way the launcher owns its children: each runs in its own process group
 and the launcher's exit code says what happened. Their output is tagged line by
 line with the process it came from (output.py). See docs/launcher.md.
 
-procs.py holds the children and how they are stopped, args.py
-the command line.
+procs.py holds the children and how they are stopped, environments.py
+what each child's environment holds, args.py the command line.
 
 No TensorFlow here: the launcher must start quickly and run on server hosts.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -31,6 +30,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from bps_tf.launch import elastic as elastic_launch
+from bps_tf.launch import environments
 from bps_tf.launch import hosts as launch_hosts
 from bps_tf.launch.keeper import Keeper
 from bps_tf.launch.args import build_parser, elastic_options, parse_args  # noqa: F401 (the CLI's API)
@@ -40,9 +40,8 @@ from bps_tf.launch.procs import (EXIT_CANNOT_START, EXIT_TIMEOUT, LOG,  # noqa: 
                                  POLL_INTERVAL_S, STOP_SIGNALS, Child, Job, Stop,
                                  catch_stop_signals, ensure_open_files, exit_code_of,
                                  run_to_end, signal_name, supervise_fixed)
-from bps_tf.runtime import basics, cluster, config, origins
+from bps_tf.runtime import basics, cluster, config
 
-LOCALHOST = "127.0.0.1"
 DEFAULT_READY_TIMEOUT_S = 60.0     # for server 0 to report the scheduler port
 # For one side to follow the other out at the end: a worker that said goodbye
 # may still be saving its model, or tearing TensorFlow down (30 s was too
@@ -53,86 +52,12 @@ OUTPUT_DRAIN_S = 5.0               # for the last output of the children at the 
 
 EXIT_USAGE = 2
 
-# What horovodrun (Gloo) tells each worker, for scripts and tests that read
-# their place from the environment; a local job is one host.
-HOROVOD_PLACEMENT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
-                     "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
-
-# Variables that place a process in a cluster. A child gets only those the
-# launcher sets for it, so a stale value in the caller's shell cannot leak in.
-PLACEMENT_VARIABLES = (
-    "TF_CONFIG", "DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_WORKER_ID",
-    "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST", "BYTEPS_SERVER_ID",
-    "BYTEPS_SERVER_PORT", "BYTEPS_BIND_HOST", "BYTEPS_HOST_SCHEDULER", "BYTEPS_READY_FILE",
-    "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BYTEPS_LAUNCH_ID", "BYTEPS_ELASTIC_NEWCOMER",
-    "HOROVOD_HOSTNAME", "HOROVOD_ELASTIC", origins.LAUNCHED_BY, *HOROVOD_PLACEMENT,
-)
-
-
 def default_server_command() -> List[str]:
     return [sys.executable, "-m", "bps_tf.server"]
 
 
 class UsageError(ValueError):
     """Options that cannot describe a job; nothing was started."""
-
-
-# ------------------------------------------------------------- environment
-
-def _clean_env(environ: Mapping[str, str]) -> Dict[str, str]:
-    return {k: v for k, v in environ.items() if k not in PLACEMENT_VARIABLES}
-
-
-def _job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> Dict[str, str]:
-    """What every process of a local job shares."""
-    env = _clean_env(environ)
-    # One token per job: the connections are encrypted with keys derived from
-    # it, and processes of another job are refused.
-    env.setdefault("BYTEPS_JOB_TOKEN", secrets.token_hex(16))
-    env.update({
-        "DMLC_NUM_WORKER": str(num_workers),
-        "DMLC_NUM_SERVER": str(num_servers),
-        origins.LAUNCHED_BY: f"{PROG} -np {num_workers} --servers {num_servers}",
-        "DMLC_PS_ROOT_URI": LOCALHOST,
-        "DMLC_NODE_HOST": LOCALHOST,
-        "BYTEPS_BIND_HOST": LOCALHOST,
-    })
-    return env
-
-
-def _server_env(job_env: Mapping[str, str], server_id: int, scheduler_port: int,
-                ready_file: str = "", health_port: int = 0) -> Dict[str, str]:
-    env = dict(job_env)
-    env.update({
-        "DMLC_ROLE": "server",
-        "BYTEPS_SERVER_ID": str(server_id),
-        "BYTEPS_HOST_SCHEDULER": "1" if ready_file else "0",
-        "DMLC_PS_ROOT_PORT": str(scheduler_port),
-        "BYTEPS_SERVER_PORT": "0",
-        # One port per server on this host: server i gets the base port + i.
-        "BYTEPS_HEALTH_PORT": str(health_port + server_id if health_port else 0),
-    })
-    if ready_file:
-        env["BYTEPS_READY_FILE"] = ready_file
-    return env
-
-
-def _worker_env(job_env: Mapping[str, str], slot: launch_hosts.Slot,
-                scheduler_port: int) -> Dict[str, str]:
-    env = dict(job_env)
-    env.update({
-        "DMLC_ROLE": "worker",
-        "DMLC_WORKER_ID": str(slot.rank),
-        # bps_tf's own layout: one machine, whatever -H calls its hosts.
-        "BYTEPS_LOCAL_RANK": str(slot.rank),
-        "BYTEPS_LOCAL_SIZE": str(slot.size),
-        "DMLC_PS_ROOT_PORT": str(scheduler_port),
-    })
-    # horovodrun's: the host as -H lists it (localhost by default), and the
-    # worker's place among that host's workers.
-    env.update(elastic_launch.horovod_env(slot))
-    env.pop("BYTEPS_HEALTH_PORT", None)     # workers serve no health service
-    return env
 
 
 def _fixed_slots(num_workers: int, hosts: Optional[str]) -> List[launch_hosts.Slot]:
@@ -207,7 +132,7 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
         with catch_stop_signals(job), _Ending(job) as ending:
             if num_servers == 0:
                 say(f"starting 1 worker and no servers: {' '.join(command)} runs alone")
-                env = child_env(_clean_env(environ), environ, job.output is not None)
+                env = child_env(environments.clean_env(environ), environ, job.output is not None)
                 ending.code = _run_one(job, "worker 0", "worker", command, env, deadline,
                                        timeout)
             else:
@@ -274,7 +199,7 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
         job.repeat_term_s = 0.5
     else:
         slots = fixed or _fixed_slots(num_workers, None)
-    shared = child_env(_job_env(environ, len(slots), num_servers), environ,
+    shared = child_env(environments.job_env(environ, len(slots), num_servers), environ,
                        job.output is not None)
     if elastic:
         shared = elastic_launch.elastic_env(shared, elastic["min_np"], elastic["max_np"],
@@ -285,18 +210,18 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
                             ready_file, health, deadline, timeout, ready_timeout,
                             shutdown_timeout)
 
-    env0 = _server_env(shared, 0, 0, ready_file, health)
+    env0 = environments.server_env(shared, 0, 0, ready_file, health)
     server0 = job.start("server 0", "server", _server_argv(server_command, env0), env0)
     port = _wait_for_scheduler_port(job, server0, ready_file, ready_timeout, deadline, timeout)
     say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
-        f"{LOCALHOST}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
+        f"{environments.LOCALHOST}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
         f"{token_source(environ, local=True)}")
 
     for server_id in range(1, num_servers):
-        env = _server_env(shared, server_id, port, health_port=health)
+        env = environments.server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
     for slot in slots:
-        job.start(f"worker {slot.rank}", "worker", command, _worker_env(shared, slot, port))
+        job.start(f"worker {slot.rank}", "worker", command, environments.worker_env(shared, slot, port))
     return supervise_fixed(job, deadline, timeout, shutdown_timeout)
 
 
@@ -306,13 +231,13 @@ def _run_elastic(job: Job, launch, slots, shared: Mapping[str, str], num_servers
                  timeout: Optional[float], ready_timeout: float, shutdown_timeout: float) -> int:
     # The scheduler in a process of its own, restarted in place when it is
     # lost; servers replaced when they end (keeper.py, docs/elastic.md).
-    keeper = Keeper(job, shared, num_servers, ready_file, _server_env,
+    keeper = Keeper(job, shared, num_servers, ready_file, environments.server_env,
                     lambda env: _server_argv(server_command, env), health,
                     lambda child, path: _wait_for_scheduler_port(job, child, path, ready_timeout,
                                                                  deadline, timeout))
     port = keeper.start()
     say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
-        f"{LOCALHOST}: the scheduler on port {port}{health_ports(health, num_servers)}; "
+        f"{environments.LOCALHOST}: the scheduler on port {port}{health_ports(health, num_servers)}; "
         f"{token_source(environ, local=True)}")
     launch.shared = dict(shared)
     launch.keeper = keeper

@@ -151,8 +151,14 @@ def leaving_on_purpose() -> None:
     """Elastic: this worker leaves the job now, with exit code 0 (removed, or
     asked to): a SIGTERM from here on is the launcher saying the same and must
     not end it by the signal. The launcher tells the scheduler and signals the
-    worker at once, so the two orders arrive in either order."""
+    worker at once, so the two orders arrive in either order.
+
+    The signal is ignored by the kernel, not only by our handler: Python
+    puts the default action back while it finalizes, and a SIGTERM that came
+    then would still end the worker by the signal."""
     _sigterm["leaving"] = True
+    if _sigterm["installed"] and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _handle_sigterm_as_leave() -> None:
