@@ -7,18 +7,18 @@ The job: `bpslaunch -np 2 --servers 2 --min-np 1 --max-np 2
 --host-discovery-script "cat HOSTS" --discovery-interval 0.5`, its workers
 running benchmarks/workers/elastic_soak_fit.py (a small MLP on a synthetic
 classification task under `BytePSStrategy(elastic=True)`, a fixed global
-batch, ~250 steps an epoch). Hosts have one slot each (`127.0.0.N:1`
-lines, hosts as horovodrun has them). bpslaunch runs the scheduler in its
-own process and replaces a lost server or scheduler itself
+batch, ~250 steps an epoch). Hosts have one slot each (`HOST:1` lines,
+hosts as horovodrun has them). bpslaunch runs the scheduler in its own
+process and replaces a lost server or scheduler itself
 (bps_tf/launch/keeper.py).
 
-Where it runs: as root with `ip netns`, the whole job runs in a network
-namespace of its own (benchmarks/netns_hosts.py: its own loopback, ports
-and abstract Unix sockets, apart from everything else on the machine);
-otherwise on the machine's loopback. Either way the hosts are distinct
-loopback names: bpslaunch's elastic mode is local (every process it starts
-binds 127.0.0.1 and its discovery script may name this machine only), so it
-cannot put its workers on namespace hosts of their own. `--place` picks.
+Where it runs (`--place`): as root with `ip netns`, on network-namespace
+hosts (benchmarks/netns_hosts.py: each its own address, loopback, ports
+and abstract Unix sockets, on one bridge). bpslaunch, the scheduler and the
+servers run on the first host (`--address`); each worker runs on a host of
+its own, started there by bpslaunch through `--host-exec` (a script that
+runs `exec ip netns exec NS "$@"` for the host), so every sum crosses the
+bridge over TCP. Without root: on the machine's loopback, hosts 127.0.0.N.
 
 The chaos loop: every 30-60 s (and never before the job recovered from the
 previous event) it picks one process at random -- a worker that trains in
@@ -84,44 +84,66 @@ POLL_S = 0.2
 
 @dataclass
 class Place:
-    name: str          # netns / loopback
+    name: str          # netns-hosts / loopback
     prefix: tuple      # the command prefix that puts bpslaunch there
     text: str
+    pool: list         # the worker hosts' addresses, in the order they are offered
+    options: list      # bpslaunch's options that start the workers on them (--host-exec)
+
+
+def enter_script(path: Path, hosts) -> str:
+    """bpslaunch's --host-exec for namespace hosts: `sh PATH {host}` runs the
+    worker in that host's namespace, in place (`exec ip netns exec`)."""
+    cases = "".join(f"  {h.ip}) exec ip netns exec {h.name} \"$@\" ;;\n" for h in hosts)
+    path.write_text("#!/bin/sh\n# bpslaunch --host-exec: run the command on host $1, in place\n"
+                    f"host=$1; shift\ncase \"$host\" in\n{cases}esac\n"
+                    "echo \"no namespace host $host\" >&2; exit 127\n")
+    return f"sh {path} {{host}}"
 
 
 @contextlib.contextmanager
-def place(choice: str):
+def place(choice: str, pool_size: int, work_dir: Path):
     why = "--place loopback"
+    loopback = [f"127.0.0.{i}" for i in range(2, min(pool_size + 2, 255))]
     with contextlib.ExitStack() as stack:
         if choice != "loopback":
             try:
-                net = stack.enter_context(NetnsHosts(1))
+                net = stack.enter_context(NetnsHosts(1 + pool_size))
             except NetnsUnavailable as exc:
-                if choice == "netns":
-                    raise JobFailed(f"--place netns: {exc}") from None
+                if choice == "netns-hosts":
+                    raise JobFailed(f"--place netns-hosts: {exc}") from None
                 why = f"no namespace: {exc}"
             else:
-                yield Place("netns", net.hosts[0].prefix,
-                            f"network namespace {net.names[0]} (the whole job; its own "
-                            f"loopback), hosts 127.0.0.N in it")
+                home, workers = net.hosts[0], net.hosts[1:]
+                yield Place("netns-hosts", home.prefix,
+                            f"network-namespace hosts on a bridge: bpslaunch, the scheduler "
+                            f"and the servers on {home.ip}, each worker on a host of its own "
+                            f"({workers[0].ip} ... {workers[-1].ip}, started there by "
+                            f"--host-exec)",
+                            [h.ip for h in workers],
+                            ["--host-exec", enter_script(work_dir / "enter_host.sh", workers),
+                             "--address", home.ip])
                 return
-        yield Place("loopback", (), f"the machine's loopback, hosts 127.0.0.N ({why})")
+        yield Place("loopback", (), f"the machine's loopback, hosts 127.0.0.N ({why})",
+                    loopback, [])
 
 
 class Hosts:
-    """The discovery script's file: one `127.0.0.N:1` line per host."""
+    """The discovery script's file: one `HOST:1` line per host, taken in
+    turn from the pool (a SIGKILLed worker's host is blacklisted for good)."""
 
-    def __init__(self, path: Path, count: int):
+    def __init__(self, path: Path, count: int, pool: list):
         self.path = path
-        self.next = 2
+        self.pool = list(pool)
+        self.next = 0
         self.hosts = [self._fresh() for _ in range(count)]
         self._write()
 
     def _fresh(self) -> str:
-        if self.next > 254:
-            raise JobFailed("out of fresh loopback hosts (127.0.0.2 ... 127.0.0.254)")
+        if self.next >= len(self.pool):
+            raise JobFailed(f"out of fresh hosts ({len(self.pool)} in the pool)")
         self.next += 1
-        return f"127.0.0.{self.next - 1}"
+        return self.pool[self.next - 1]
 
     def replace(self, host: str) -> str:
         fresh = self._fresh()
@@ -174,13 +196,13 @@ def soak(args, procs: common.Processes, where: Place, rng: random.Random) -> dic
     out = procs.log_dir / "soak"
     out.mkdir()
     (out / "spec.json").write_text(json.dumps(dict(SPEC, seed=args.seed)))
-    hosts = Hosts(out / "hosts", args.workers)
+    hosts = Hosts(out / "hosts", args.workers, where.pool)
     token = secrets.token_hex(16)
     limit = args.minutes * 60 + 900
     command = [PYTHON, "-m", "bps_tf.launch", "-np", str(args.workers), "--servers",
                str(args.servers), "--min-np", "1", "--max-np", str(args.workers),
                "--host-discovery-script", f"cat {hosts.path}", "--discovery-interval", "0.5",
-               "--timeout", str(limit), PYTHON, SCRIPT, str(out), "soak"]
+               "--timeout", str(limit), *where.options, PYTHON, SCRIPT, str(out), "soak"]
     launcher = procs.start("bpslaunch", command, common.child_env({"BYTEPS_JOB_TOKEN": token}),
                            where.prefix, must_succeed=False)
     progress, log, family = Progress(out), Tail(launcher.log), Descendants(launcher.popen.pid)
@@ -303,8 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="data, model and chaos (default 0)")
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "elastic_soak.json"),
                     help="the JSON result (default benchmarks/results/elastic_soak.json)")
-    ap.add_argument("--place", choices=("auto", "netns", "loopback"), default="auto",
-                    help="auto: a network namespace when root, else loopback")
+    ap.add_argument("--place", choices=("auto", "netns-hosts", "loopback"), default="auto",
+                    help="auto: network-namespace hosts when root, else loopback hosts")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--victims", default="worker,server,scheduler",
@@ -321,7 +343,10 @@ def main(argv=None) -> int:
     procs = common.Processes(log_dir)
     passed = False
     try:
-        with common.stop_on_signals(), place(args.place) as where:
+        # Hosts for the workers: the first ones, and one fresh host for each
+        # event that may blacklist one (at most one event every 30 s).
+        pool_size = args.workers + int(args.minutes * 60 / INTERVAL_S[0]) + 2
+        with common.stop_on_signals(), place(args.place, pool_size, log_dir) as where:
             print(f"elastic soak: {args.minutes:g} min of chaos; {args.workers} workers, "
                   f"{args.servers} servers; {where.text}; logs in {log_dir}", flush=True)
             result = soak(args, procs, where, rng)

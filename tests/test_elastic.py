@@ -164,6 +164,12 @@ def test_hosts_lines_slots_and_horovods_rank_plan():
         hosts.parse_hosts("other-host:4", local)
     with pytest.raises(ValueError, match="expected host:slots"):
         hosts.parse_hosts("localhost:two", local)
+    # --host-exec: any host, each worker started through the prefix on its own.
+    assert hosts.parse_hosts("other-host:4", None) == {"other-host": 4}
+    run_on = hosts.check_host_exec("ip netns exec 'ns {host}'", "10.0.0.1")
+    assert run_on.argv("h1", ["python", "x.py"]) == \
+        ["ip", "netns", "exec", "ns h1", "python", "x.py"]
+    assert hosts.check_host_exec(None, None).argv("h1", ["python"]) == ["python"]
     # Horovod's assignment: host by host, up to --max-np; cross ranks per local rank.
     plan = hosts.plan([("a", 2), ("b", 2)], 3)
     assert [(s.host, s.local_rank, s.rank, s.size, s.local_size, s.cross_rank, s.cross_size)

@@ -6,7 +6,8 @@ elastic contract (docs/elastic.md), on workers without TensorFlow
 Hosts are hosts: 127.0.0.1, 127.0.0.2 and localhost are three of them here.
 - discovery: hosts added (the running workers hear at once, through
   ``state._host_messages``), then a host removed (its workers leave at the
-  next commit, exit 0, no rollback); --reset-limit 2 holds, 1 fails;
+  next commit, exit 0, no rollback); --reset-limit 2 holds, 1 fails; each
+  worker started on its host through --host-exec;
 - fixed hosts (-H): a worker fails (exception): its host is blacklisted and
   its other worker leaves with it in the same reset;
 - the default launch (no hosts): a SIGKILLed worker is noticed at once (the
@@ -72,9 +73,13 @@ SCHEDULE = [(0, ["127.0.0.1:2"]), (1, ["127.0.0.1:2", "127.0.0.2:2"]), (None, ["
 @pytest.fixture(scope="module")
 def hosts_job(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("hosts"))
+    # Each worker started on its host through --host-exec (`env` runs the
+    # command in place, as `ip netns exec` does), the servers at --address.
     return _launch(tmp, ["-np", "2", "--min-num-proc", "2", "--max-num-proc", "4",
                          "--host-discovery-script", _discovery(tmp, SCHEDULE),
-                         "--discovery-interval", "0.2", "--reset-limit", "2"],
+                         "--discovery-interval", "0.2", "--reset-limit", "2",
+                         "--host-exec", "env BPS_TEST_HOST_EXEC={host}",
+                         "--address", "127.0.0.1"],
                    ["--discovery-schedule", json.dumps(SCHEDULE)])
 
 
@@ -90,6 +95,14 @@ def test_hosts_added_then_removed(hosts_job):
     done = [e for e in events if e["event"] == "done"]
     assert sorted((e["start_rank"], e["size"], e["w"]) for e in done) == \
         [(2, 2, 30.0), (3, 2, 30.0)], done
+
+
+def test_host_exec_starts_each_worker_on_its_host(hosts_job):
+    proc, _, events = hosts_job
+    done = [e for e in events if e["event"] == "done"]
+    assert done and all(e["host_exec"] == e["hostname"] == e["node_host"] == "127.0.0.2"
+                        for e in done), done
+    assert "on 127.0.0.1: the scheduler on port" in proc.stderr, _tail(proc)
 
 
 def test_removed_hosts_workers_exit_0_and_are_no_failure(hosts_job):

@@ -343,6 +343,14 @@ def test_cannot_start_the_command(job, capsys):
     (["--shutdown-timeout", "60", "python"], "only applies with -np"),
     (["-np", "two", "python"], "expected a number, got 'two'"),
     (["-np", "2", "--health-port", "70000", "python"], "at most 65535"),
+    (["-np", "2", "-H", "a:2", "--host-exec", "env X={host}", "python"], "needs --address"),
+    (["-np", "2", "-H", "a:2", "--host-exec", "env", "--address", "127.0.0.1", "python"],
+     "does not name the host"),
+    (["-np", "2", "--address", "127.0.0.1", "python"], "applies with --host-exec only"),
+    (["-np", "2", "--host-exec", "env X={host}", "--address", "127.0.0.1", "python"],
+     "give the hosts"),
+    (["--host-exec", "env X={host}", "--address", "127.0.0.1", "python"],
+     "only applies with -np"),
 ])
 def test_cli_usage_errors(argv, needle, capsys):
     assert launcher.main(argv) == launcher.EXIT_USAGE

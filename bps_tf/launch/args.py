@@ -108,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "name of this machine (localhost, 127.0.0.1, 127.0.0.2, ...; "
                              "two names are two hosts); ranks go host by host. With "
                              "--min-np: an elastic job on these fixed hosts")
+    parser.add_argument("--host-exec", dest="host_exec", metavar="PREFIX",
+                        help="local mode with hosts (-H or --host-discovery-script): start "
+                             "each worker on its host through this command prefix, {host} "
+                             "replaced by the host, e.g. 'ip netns exec ns-{host}'; it must "
+                             "run the command in place (exec), so that signals reach it. The "
+                             "hosts may then be any machines; needs --address")
+    parser.add_argument("--address", metavar="ADDR",
+                        help="with --host-exec: this machine's address that the hosts reach; "
+                             "the scheduler and the servers run here and listen on it")
     parser.add_argument("--log-level", dest="log_level", type=_log_level, metavar="LEVEL",
                         help="BYTEPS_LOG_LEVEL for every process (horovodrun's): TRACE, "
                              "DEBUG, INFO, WARNING, ERROR or FATAL")

@@ -47,7 +47,9 @@ def decode(text: str) -> Dict[str, str]:
 class SchedulerLink:
     """The launcher's end; every method is safe to call when the link failed."""
 
-    def __init__(self, port: int, environ: Mapping[str, str], host: str = "127.0.0.1"):
+    def __init__(self, port: int, environ: Mapping[str, str], host: str = ""):
+        # The scheduler listens where the job's processes reach it (--address).
+        host = host or environ.get("DMLC_PS_ROOT_URI") or "127.0.0.1"
         self._link = None
         try:
             from bps_tf.runtime.loader import load_core

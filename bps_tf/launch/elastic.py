@@ -37,8 +37,9 @@ import time
 from typing import Dict, List, Mapping, Optional
 
 from bps_tf.launch.control import SchedulerLink
-from bps_tf.launch.hosts import (DEFAULT_HOST, HostPool, Slot, check_cooldown, local_names,
-                                 parse_hosts, plan)
+from bps_tf.launch.environments import horovod_env, place_on_host
+from bps_tf.launch.hosts import (DEFAULT_HOST, HostExec, HostPool, Slot, check_cooldown,
+                                 local_names, parse_hosts, plan)
 from bps_tf.launch.output import plural, say
 from bps_tf.launch.procs import LOG, POLL_INTERVAL_S, Child, Job, Stop
 from bps_tf.runtime import config
@@ -73,8 +74,9 @@ class ElasticLaunch:
 
     def __init__(self, job: Job, pool: HostPool, shared: Mapping[str, str], command,
                  *, min_np: int, max_np: int, hosts_mode: bool, blacklist_after: int,
-                 elastic_timeout: float):
+                 elastic_timeout: float, host_exec: HostExec = HostExec()):
         self.job = job
+        self.host_exec = host_exec
         self.pool = pool
         self.shared = dict(shared)
         self.command = list(command)
@@ -134,9 +136,11 @@ class ElasticLaunch:
     def _start(self, slot: Slot, newcomer: bool) -> Worker:
         launch_id = str(self.started)
         self.started += 1
-        child = self.job.start(f"worker {launch_id}", "worker", self.command,
-                               worker_env(self.shared, slot, self.port, launch_id, newcomer,
-                                          self.elastic_timeout))
+        env = worker_env(self.shared, slot, self.port, launch_id, newcomer, self.elastic_timeout)
+        if self.host_exec.template:
+            place_on_host(env, slot.host)
+        child = self.job.start(f"worker {launch_id}", "worker",
+                               self.host_exec.argv(slot.host, self.command), env)
         worker = Worker(child, launch_id, slot, newcomer)
         self.workers[child.pid] = worker
         return worker
@@ -314,14 +318,6 @@ def elastic_env(shared: Mapping[str, str], min_np: int, max_np: int, elastic_tim
     return env
 
 
-def horovod_env(slot: Slot) -> Dict[str, str]:
-    """What horovodrun tells a worker about its place, as at its start."""
-    return {"HOROVOD_HOSTNAME": slot.host, "HOROVOD_RANK": str(slot.rank),
-            "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(slot.local_size), "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(slot.cross_size)}
-
-
 def worker_env(shared: Mapping[str, str], slot: Slot, scheduler_port: int, launch_id: str,
                newcomer: bool, elastic_timeout: float) -> Dict[str, str]:
     """A worker of an elastic local job: a starting worker has its rank in
@@ -364,17 +360,20 @@ def make_launch(job: Job, num_workers: int, command, elastic: Mapping[str, objec
     (args.elastic_options); ValueError when they are malformed."""
     hosts_mode = bool(elastic.get("hosts") or elastic.get("discovery"))
     cooldown = check_cooldown(elastic.get("cooldown"))
+    host_exec = elastic.get("host_exec") or HostExec()
+    local = None if host_exec.template else local_names()
     if elastic.get("hosts"):
-        pool = HostPool(parse_hosts(str(elastic["hosts"]), local_names()), None, 1, 1.0, cooldown)
+        pool = HostPool(parse_hosts(str(elastic["hosts"]), local), None, 1, 1.0, cooldown)
     elif elastic.get("discovery"):
         pool = HostPool(None, str(elastic["discovery"]), int(elastic.get("slots") or 1),
-                        float(elastic["discovery_interval"]), cooldown)
+                        float(elastic["discovery_interval"]), cooldown,
+                        any_host=local is None)
     else:
         pool = plain_pool(num_workers)
     return ElasticLaunch(job, pool, {}, command, min_np=int(elastic["min_np"]),
                          max_np=int(elastic["max_np"]), hosts_mode=hosts_mode,
                          blacklist_after=int(elastic["blacklist_after"]),
-                         elastic_timeout=float(elastic["elastic_timeout"]))
+                         elastic_timeout=float(elastic["elastic_timeout"]), host_exec=host_exec)
 
 
 def log_start(num: int, low: int, high: int, pool: HostPool, hosts_mode: bool,
@@ -391,5 +390,5 @@ def log_start(num: int, low: int, high: int, pool: HostPool, hosts_mode: bool,
     LOG.info("elastic job: min %d, max %d", low, high)
 
 
-__all__: List[str] = ["ElasticLaunch", "elastic_env", "worker_env", "horovod_env",
+__all__: List[str] = ["ElasticLaunch", "elastic_env", "worker_env",
                       "check_options", "plain_pool", "make_launch", "log_start"]

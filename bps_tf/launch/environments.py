@@ -9,7 +9,6 @@ from __future__ import annotations
 import secrets
 from typing import Dict, Mapping
 
-from bps_tf.launch import elastic as elastic_launch
 from bps_tf.launch import hosts as launch_hosts
 from bps_tf.launch.output import PROG
 from bps_tf.runtime import origins
@@ -36,8 +35,10 @@ def clean_env(environ: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in environ.items() if k not in PLACEMENT_VARIABLES}
 
 
-def job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> Dict[str, str]:
-    """What every process of a local job shares."""
+def job_env(environ: Mapping[str, str], num_workers: int, num_servers: int,
+            address: str = LOCALHOST) -> Dict[str, str]:
+    """What every process of a local job shares; the scheduler and the
+    servers listen on ``address`` (--address with --host-exec)."""
     env = clean_env(environ)
     # One token per job: the connections are encrypted with keys derived from
     # it, and processes of another job are refused.
@@ -46,15 +47,15 @@ def job_env(environ: Mapping[str, str], num_workers: int, num_servers: int) -> D
         "DMLC_NUM_WORKER": str(num_workers),
         "DMLC_NUM_SERVER": str(num_servers),
         origins.LAUNCHED_BY: f"{PROG} -np {num_workers} --servers {num_servers}",
-        "DMLC_PS_ROOT_URI": LOCALHOST,
-        "DMLC_NODE_HOST": LOCALHOST,
-        "BYTEPS_BIND_HOST": LOCALHOST,
+        "DMLC_PS_ROOT_URI": address,
+        "DMLC_NODE_HOST": address,
+        "BYTEPS_BIND_HOST": address,
     })
     return env
 
 
 def server_env(job_env: Mapping[str, str], server_id: int, scheduler_port: int,
-                ready_file: str = "", health_port: int = 0) -> Dict[str, str]:
+               ready_file: str = "", health_port: int = 0) -> Dict[str, str]:
     env = dict(job_env)
     env.update({
         "DMLC_ROLE": "server",
@@ -71,18 +72,36 @@ def server_env(job_env: Mapping[str, str], server_id: int, scheduler_port: int,
 
 
 def worker_env(job_env: Mapping[str, str], slot: launch_hosts.Slot,
-                scheduler_port: int) -> Dict[str, str]:
+               scheduler_port: int, remote: bool = False) -> Dict[str, str]:
     env = dict(job_env)
     env.update({
         "DMLC_ROLE": "worker",
         "DMLC_WORKER_ID": str(slot.rank),
-        # bps_tf's own layout: one machine, whatever -H calls its hosts.
-        "BYTEPS_LOCAL_RANK": str(slot.rank),
-        "BYTEPS_LOCAL_SIZE": str(slot.size),
+        # bps_tf's own layout: one machine, whatever -H calls its hosts;
+        # with --host-exec (remote), the hosts are machines of their own.
+        "BYTEPS_LOCAL_RANK": str(slot.local_rank if remote else slot.rank),
+        "BYTEPS_LOCAL_SIZE": str(slot.local_size if remote else slot.size),
         "DMLC_PS_ROOT_PORT": str(scheduler_port),
     })
     # horovodrun's: the host as -H lists it (localhost by default), and the
     # worker's place among that host's workers.
-    env.update(elastic_launch.horovod_env(slot))
+    env.update(horovod_env(slot))
     env.pop("BYTEPS_HEALTH_PORT", None)     # workers serve no health service
+    if remote:
+        place_on_host(env, slot.host)
     return env
+
+
+def horovod_env(slot: launch_hosts.Slot) -> Dict[str, str]:
+    """What horovodrun tells a worker about its place, as at its start."""
+    return {"HOROVOD_HOSTNAME": slot.host, "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size), "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size)}
+
+
+def place_on_host(env: Dict[str, str], host: str) -> None:
+    """A worker on a host of its own (--host-exec) names that host as its
+    address; it listens on nothing."""
+    env["DMLC_NODE_HOST"] = host
+    env.pop("BYTEPS_BIND_HOST", None)

@@ -4,7 +4,9 @@ Hosts come from ``-H host:slots,...`` (fixed) or a host discovery script
 (``host:slots`` lines, run again every ``--discovery-interval`` seconds).
 Each listed name is a host of its own, even two names of this machine
 (``localhost`` and ``127.0.0.1``): a local launcher starts every host's
-workers here, and a host's slots are worker processes. Hosts are kept in
+workers here, and a host's slots are worker processes. With ``--host-exec``
+the hosts are other machines (or network namespaces), and each worker is
+started on its host through that command prefix (HostExec). Hosts are kept in
 the order they first appeared; ranks are planned over them in that order,
 each host's slots in turn, up to ``--max-np`` (Horovod's assignment), so
 the oldest hosts hold the lowest ranks.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import random
 import socket
+import shlex
 import subprocess
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -48,11 +51,12 @@ def is_local(host: str, local: set) -> bool:
     return len(parts) == 4 and parts[0] == "127" and all(p.isdigit() and int(p) < 256 for p in parts)
 
 
-def parse_hosts(text: str, local: set, default_slots: int = 1, where: str = "-H") -> Dict[str, int]:
+def parse_hosts(text: str, local: Optional[set], default_slots: int = 1,
+                where: str = "-H") -> Dict[str, int]:
     """{host: slots}, in order, from ``host:slots`` items (lines of a discovery
     script, or -H's comma-separated list); ``host`` alone has
     ``default_slots``. Raises ValueError naming a malformed item or a host
-    that is not this machine."""
+    that is not this machine (``local``'s names; None: any host, --host-exec)."""
     hosts: Dict[str, int] = {}
     items = text.replace(",", "\n").splitlines()
     for number, raw in enumerate(items, 1):
@@ -67,10 +71,12 @@ def parse_hosts(text: str, local: set, default_slots: int = 1, where: str = "-H"
             raise ValueError(f"{where} item {number} {raw!r}: expected host:slots") from None
         if count < 0:
             raise ValueError(f"{where} item {number} {raw!r}: slots must not be negative")
-        if not is_local(host, local):
+        if not host:
+            raise ValueError(f"{where} item {number} {raw!r}: no host name")
+        if local is not None and not is_local(host, local):
             raise ValueError(f"{where} item {number} {raw!r}: host {host!r} is not this machine; "
-                             f"a local bpslaunch starts workers here only (its names: "
-                             f"{', '.join(sorted(local))}, 127.x.y.z)")
+                             f"without --host-exec bpslaunch starts workers here only (its "
+                             f"names: {', '.join(sorted(local))}, 127.x.y.z)")
         hosts[host] = hosts.get(host, 0) + count
     return hosts
 
@@ -107,12 +113,14 @@ def plan(hosts: Sequence[Tuple[str, int]], max_np: int) -> List[Slot]:
                  len(at_local[local])) for rank, (host, local) in enumerate(taken)]
 
 
-def fixed_slots(num_workers: int, hosts: Optional[str]) -> List[Slot]:
-    """A fixed job's workers on -H's hosts (this machine's names), or on
-    localhost. ValueError when -H is malformed or offers too few slots."""
+def fixed_slots(num_workers: int, hosts: Optional[str], any_host: bool = False) -> List[Slot]:
+    """A fixed job's workers on -H's hosts (this machine's names, or any with
+    --host-exec), or on localhost. ValueError when -H is malformed or offers
+    too few slots."""
     if not hosts:
         return plan([(DEFAULT_HOST, num_workers)], num_workers)
-    slots = plan(list(parse_hosts(hosts, local_names()).items()), num_workers)
+    slots = plan(list(parse_hosts(hosts, None if any_host else local_names()).items()),
+                 num_workers)
     if len(slots) < num_workers:
         raise ValueError(f"-np {num_workers}, but -H {hosts} offers {len(slots)} slot(s)")
     return slots
@@ -130,12 +138,12 @@ class HostPool:
 
     def __init__(self, fixed: Optional[Dict[str, int]], script: Optional[str],
                  default_slots: int, interval_s: float,
-                 cooldown: Optional[Tuple[float, float]] = None):
+                 cooldown: Optional[Tuple[float, float]] = None, any_host: bool = False):
         self.script = script
         self.default_slots = default_slots
         self.interval_s = interval_s
         self.cooldown = cooldown
-        self.local = local_names()
+        self.local = None if any_host else local_names()
         self.slots: Dict[str, int] = dict(fixed or {})
         self.order: List[str] = list(self.slots)
         self.state: Dict[str, _HostState] = {}
@@ -204,6 +212,41 @@ class HostPool:
 
     def describe(self) -> str:
         return ", ".join(f"{h}:{self.slots[h]}" for h in self.order) or "no hosts"
+
+
+class HostExec(NamedTuple):
+    """--host-exec and --address: each worker runs on its host through a
+    command prefix (``{host}`` in it names the host); the scheduler and the
+    servers stay on this machine and listen on ``address``, which the hosts
+    reach. Empty: every host is a name of this machine."""
+    template: str = ""
+    address: str = ""
+
+    def argv(self, host: str, command: Sequence[str]) -> List[str]:
+        if not self.template:
+            return list(command)
+        return [part.replace("{host}", host) for part in shlex.split(self.template)] + \
+            list(command)
+
+
+def check_host_exec(template: Optional[str], address: Optional[str]) -> HostExec:
+    """The checked pair; ValueError saying what is missing or malformed."""
+    if not template:
+        if address:
+            raise ValueError("--address applies with --host-exec only: without it every "
+                             "process runs on this machine, at 127.0.0.1")
+        return HostExec()
+    try:
+        parts = shlex.split(template)
+    except ValueError as exc:
+        raise ValueError(f"--host-exec {template!r}: {exc}") from None
+    if not any("{host}" in p for p in parts):
+        raise ValueError(f"--host-exec {template!r} does not name the host: put {{host}} where "
+                         f"it goes, e.g. 'ip netns exec ns-{{host}}'")
+    if not address:
+        raise ValueError("--host-exec needs --address ADDR: this machine's address that the "
+                         "workers' hosts reach (the scheduler and the servers listen on it)")
+    return HostExec(template, address)
 
 
 def check_cooldown(pair: Optional[Sequence[float]]) -> Optional[Tuple[float, float]]:

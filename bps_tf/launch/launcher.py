@@ -60,9 +60,10 @@ class UsageError(ValueError):
     """Options that cannot describe a job; nothing was started."""
 
 
-def _fixed_slots(num_workers: int, hosts: Optional[str]) -> List[launch_hosts.Slot]:
+def _fixed_slots(num_workers: int, hosts: Optional[str],
+                 any_host: bool = False) -> List[launch_hosts.Slot]:
     try:
-        return launch_hosts.fixed_slots(num_workers, hosts)
+        return launch_hosts.fixed_slots(num_workers, hosts, any_host)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -102,7 +103,8 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
               prefix_output: bool = False,
               health_port: Optional[int] = None,
               elastic: Optional[Mapping[str, object]] = None,
-              hosts: Optional[str] = None) -> int:
+              hosts: Optional[str] = None,
+              host_exec: launch_hosts.HostExec = launch_hosts.HostExec()) -> int:
     """Run ``command`` as ``num_workers`` workers plus ``num_servers`` servers on 127.0.0.1.
 
     Returns 0 when every worker exits 0, otherwise a non-zero code (see
@@ -113,8 +115,9 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     (default: BYTEPS_HEALTH_PORT) turns on the servers' gRPC health service,
     server i on port ``health_port + i``. ``elastic`` (args.elastic_options'
     keys) makes the job elastic (bps_tf.launch.elastic). ``hosts``: -H of a
-    fixed job (the HOROVOD_* variables follow its hosts). Every started
-    process is gone when this returns.
+    fixed job (the HOROVOD_* variables follow its hosts). ``host_exec``
+    (--host-exec, --address): the workers run on their hosts through it.
+    Every started process is gone when this returns.
     """
     if num_servers is None:
         num_servers = 1 if num_workers > 1 or elastic else 0
@@ -122,7 +125,12 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     if elastic and num_servers == 0:
         raise UsageError("an elastic job needs a server to sum the gradients; "
                          "leave --servers out or give 1 or more")
-    fixed = None if elastic else _fixed_slots(num_workers, hosts)
+    if host_exec.template and not (hosts or (elastic and elastic.get("discovery"))):
+        raise UsageError("--host-exec starts workers on the hosts of -H or "
+                         "--host-discovery-script: give the hosts")
+    if elastic:
+        elastic = dict(elastic, host_exec=host_exec)
+    fixed = None if elastic else _fixed_slots(num_workers, hosts, bool(host_exec.template))
     environ = os.environ if environ is None else environ
     health = _health_base(health_port, environ)
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
@@ -138,7 +146,8 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
             else:
                 ending.code = _run_local_cluster(
                     job, num_workers, num_servers, command, server_command, environ, workdir,
-                    deadline, timeout, ready_timeout, shutdown_timeout, health, elastic, fixed)
+                    deadline, timeout, ready_timeout, shutdown_timeout, health, elastic, fixed,
+                    host_exec)
         return ending.code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -186,7 +195,8 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
                      workdir: str, deadline: Optional[float], timeout: Optional[float],
                      ready_timeout: float, shutdown_timeout: float, health: int,
                      elastic: Optional[Mapping[str, object]] = None,
-                     fixed: Optional[List[launch_hosts.Slot]] = None) -> int:
+                     fixed: Optional[List[launch_hosts.Slot]] = None,
+                     host_exec: launch_hosts.HostExec = launch_hosts.HostExec()) -> int:
     launch = None
     if elastic:
         try:
@@ -199,7 +209,8 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
         job.repeat_term_s = 0.5
     else:
         slots = fixed or _fixed_slots(num_workers, None)
-    shared = child_env(environments.job_env(environ, len(slots), num_servers), environ,
+    address = host_exec.address or environments.LOCALHOST
+    shared = child_env(environments.job_env(environ, len(slots), num_servers, address), environ,
                        job.output is not None)
     if elastic:
         shared = elastic_launch.elastic_env(shared, elastic["min_np"], elastic["max_np"],
@@ -214,14 +225,16 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
     server0 = job.start("server 0", "server", _server_argv(server_command, env0), env0)
     port = _wait_for_scheduler_port(job, server0, ready_file, ready_timeout, deadline, timeout)
     say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
-        f"{environments.LOCALHOST}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
+        f"{address}: scheduler in server 0 on port {port}{health_ports(health, num_servers)}; "
         f"{token_source(environ, local=True)}")
 
     for server_id in range(1, num_servers):
         env = environments.server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
+    remote = bool(host_exec.template)
     for slot in slots:
-        job.start(f"worker {slot.rank}", "worker", command, environments.worker_env(shared, slot, port))
+        job.start(f"worker {slot.rank}", "worker", host_exec.argv(slot.host, command),
+                  environments.worker_env(shared, slot, port, remote))
     return supervise_fixed(job, deadline, timeout, shutdown_timeout)
 
 
@@ -237,8 +250,8 @@ def _run_elastic(job: Job, launch, slots, shared: Mapping[str, str], num_servers
                                                                  deadline, timeout))
     port = keeper.start()
     say(f"starting {plural(len(slots), 'worker')} and {plural(num_servers, 'server')} on "
-        f"{environments.LOCALHOST}: the scheduler on port {port}{health_ports(health, num_servers)}; "
-        f"{token_source(environ, local=True)}")
+        f"{shared['DMLC_PS_ROOT_URI']}: the scheduler on port {port}"
+        f"{health_ports(health, num_servers)}; {token_source(environ, local=True)}")
     launch.shared = dict(shared)
     launch.keeper = keeper
     launch.start_workers(port, slots)
@@ -390,10 +403,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.hosts and args.num_proc is None and not args.elastic:
         say("-H/--hosts needs -np (local mode)")
         return EXIT_USAGE
+    try:
+        host_exec = launch_hosts.check_host_exec(args.host_exec, args.address)
+    except ValueError as exc:
+        say(str(exc))
+        return EXIT_USAGE
     if args.num_proc is None and not args.elastic:
         if args.servers is not None:
             say("--servers only applies with -np (local mode); in cluster mode the servers "
                 "come from TF_CONFIG or DMLC_NUM_SERVER")
+            return EXIT_USAGE
+        if host_exec.template:
+            say("--host-exec only applies with -np (local mode): in cluster mode each process "
+                "is launched on its own host")
             return EXIT_USAGE
         if args.shutdown_timeout is not None:
             say("--shutdown-timeout only applies with -np (local mode): in cluster mode each "
@@ -419,7 +441,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_local(args.num_proc, args.servers, args.command, timeout=args.timeout,
                          shutdown_timeout=args.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S,
                          prefix_output=args.prefix, health_port=args.health_port,
-                         elastic=elastic, hosts=args.hosts, environ=environ)
+                         elastic=elastic, hosts=args.hosts, environ=environ,
+                         host_exec=host_exec)
     except UsageError as exc:
         say(str(exc))
         return EXIT_USAGE

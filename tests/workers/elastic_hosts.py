@@ -162,5 +162,7 @@ def train(state):
 
 state = State(epoch=0, batch=0, commits=0, rendezvous=0)
 train(state)
-note("done", rank=basics.rank(), size=basics.size(), w=state.w, launch_id=LAUNCH_ID)
+note("done", rank=basics.rank(), size=basics.size(), w=state.w, launch_id=LAUNCH_ID,
+     hostname=HOSTNAME, node_host=os.environ.get("DMLC_NODE_HOST"),
+     host_exec=os.environ.get("BPS_TEST_HOST_EXEC"))
 sys.exit(0)
