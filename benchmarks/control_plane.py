@@ -23,9 +23,12 @@ checked, one round per --interval seconds). Measured:
   one core: heartbeats and their acks), and per process kind the file
   descriptors, sockets, threads and memory (PSS: shared pages split between
   their users, so the numbers add up);
-* membership change (elastic job, --elastic-at N): one worker is SIGKILLed;
-  "detect" is until the survivors' operations fail (the scheduler's
-  BYTEPS_TIMEOUT, --loss-timeout here, dominates it), "rejoin" from there
+* membership change (elastic job, --elastic-at N): one worker is SIGKILLed
+  and, as bpslaunch does when its child dies, reported to the scheduler at
+  once over the launcher's link (--no-report: not reported, as for a hung
+  worker or a job without bpslaunch; then the scheduler's BYTEPS_TIMEOUT,
+  --loss-timeout here, dominates "detect"); "detect" is until the
+  survivors' operations fail, "rejoin" from there
   until every survivor's restart() returned (the new membership formed),
   "reform" until every survivor had its next sum (declaring the tensors
   again and one round of data).
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import median  # noqa: E402
+from bps_tf.launch.control import SchedulerLink  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 WORKER = str(common.WORKERS_DIR / "scale_worker.py")
@@ -131,7 +135,8 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
                                dict(base, DMLC_ROLE="server", BYTEPS_SERVER_ID=str(i),
                                     BYTEPS_SERVER_PORT="0")) for i in range(s)]
         workers = [procs.start(f"worker{r}", [common.PYTHON, WORKER, str(spec)],
-                               dict(base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(r)))
+                               dict(base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(r),
+                                    BYTEPS_LAUNCH_ID=str(r)))
                    for r in range(n)]
         # 289 processes on 2 cores stand for 289 machines: the scheduler and the
         # servers, which would have CPUs of their own, go first (root only), so
@@ -161,12 +166,19 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
                             **{f"{key}_median": median(h[key] for h in held) for key in held[0]}}
         result["load_steady"] = load()
         if elastic:
+            link = SchedulerLink(port, base) if args.report else None
             victim = workers[-1]
             victim.must_succeed = False
             t_kill = time.time()
             os.killpg(victim.popen.pid, signal.SIGKILL)
+            if link is not None:   # what bpslaunch does when its child dies
+                victim.popen.wait()
+                link.lost(str(n - 1), f"worker{n - 1} was killed by signal SIGKILL")
             result["t_kill"] = t_kill
+            result["reported"] = link is not None
             wait_files(procs, out, "after", n - 1, args.form_timeout)
+            if link is not None:
+                link.close()
         (out / "stop").touch()
         procs.wait(workers if not elastic else workers[:-1], args.form_timeout)
         procs.wait([sched] + servers, 120)
@@ -256,6 +268,9 @@ def main() -> int:
                    help="run this worker count as an elastic job and kill one worker (0: none)")
     p.add_argument("--loss-timeout", type=float, default=3.0,
                    help="BYTEPS_TIMEOUT of the elastic job: how long a silent worker is waited for")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="do not report the killed worker to the scheduler (as bpslaunch does): "
+                        "it is then found lost after --loss-timeout")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between rounds")
     p.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     p.add_argument("--settle", type=float, default=3.0, help="seconds after the first sums")

@@ -161,7 +161,12 @@ def scenario(tmp_path_factory):
         c.start_server(1)
         after = c.wait_for("the replacement server", lambda: c.stepped_past(0, epoch_above=epoch))
         # 3. The scheduler's process is lost and started again at its address.
+        #    Worker 1 again comes back late: the servers, which reported at
+        #    once, hear nothing for longer than BYTEPS_TIMEOUT and report
+        #    again; the same process reporting twice is no second claim.
         epoch = max(p["epoch"] for p in after)
+        with open(os.path.join(out, "slow_1"), "w") as f:
+            f.write(str(3 * SCALE + 2))
         c.procs["scheduler"].send_signal(signal.SIGKILL)
         c.procs["scheduler"].wait(10)
         times["scheduler_killed"] = time.time()
@@ -208,6 +213,7 @@ def test_the_job_survives_and_every_process_ends_cleanly(scenario):
     # the late survivor (step 2) was waited for, not dropped
     assert not os.path.exists(os.path.join(c.out, "slow_1")), "worker 1 never restarted"
     assert "did not come back" not in log and "no longer a member" not in log, log
+    assert "is claimed twice" not in log, log
 
 
 def test_final_weights_equal_an_uninterrupted_run_bit_for_bit(scenario):
@@ -240,6 +246,6 @@ def test_recovery_times(scenario):
     _, times, _, _ = scenario
     # a SIGKILLed server: its workers' links break, or BYTEPS_TIMEOUT=3 s
     assert times["server_back"] - times["server_killed"] < 3 + 10 * SCALE
-    assert times["scheduler_back"] - times["scheduler_killed"] < 15 * SCALE
+    assert times["scheduler_back"] - times["scheduler_killed"] < 3 * SCALE + 2 + 15 * SCALE
     print("recovery:", {k: round(times[k.replace("killed", "back")] - v, 2)
                         for k, v in times.items() if k.endswith("killed")})

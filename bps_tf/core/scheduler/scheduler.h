@@ -267,6 +267,8 @@ class Scheduler {
   void BeginRecovery();
   // The same HELLO at a scheduler that never went away: the node's link broke.
   void Relinked(const Peer& from, const Node& n, const Config& kv, std::vector<Outgoing>* out);
+  // A recovering server that reported already, reporting again: its link is updated.
+  bool ReportedAgain(const Peer& from, const Node& n, std::vector<Outgoing>* out);
 
   Config cfg_;
   int num_workers_;

@@ -78,6 +78,7 @@ void Scheduler::OnRecoverHello(const Peer& from, const Node& node, const Config&
   if (!recovering_) return Relinked(from, n, kv, out);
   const bool admitted = kv.Get("welcomed") == "1";
   const int epoch = KvInt(kv, "epoch", 0);
+  if (n.role == Role::kServer && admitted && ReportedAgain(from, n, out)) return;
   // The next epoch is above any epoch a node reports (servers drop pushes
   // of another epoch, so it must be new to every one of them).
   if (!servers_starting_ && epoch + 1 > epoch_) epoch_ = epoch + 1;
@@ -93,6 +94,10 @@ void Scheduler::OnRecoverHello(const Peer& from, const Node& node, const Config&
       }
     }
     nodes_[from] = n;
+    // Heard: it sends heartbeats again while the epoch forms (the workers
+    // may take longer than BYTEPS_TIMEOUT to return to their commit), and
+    // is neither taken for silent nor reports again.
+    out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
     BPS_LOG(kInfo, Describe(n) << " is back (it was in membership epoch " << epoch << ")");
     MaybeFinishEpoch(out);
     return;
@@ -115,6 +120,10 @@ void Scheduler::OnRecoverHello(const Peer& from, const Node& node, const Config&
     note.Set("epoch", std::to_string(epoch_));
     note.Set("why", change_why_);
     out->push_back(Reply(from, MsgType::kWorkersChanged, note.Serialize()));
+    // Its heartbeats on this link say it is alive while its program reaches
+    // the change, as a survivor's do after any change (SurvivorsOnTheirWay).
+    old_links_[from] = n.id;
+    heard_from_[n.id] = Clock::now();
     BPS_LOG(kInfo, "worker " << n.id << " (host " << n.hostname << ", pid " << n.pid
                              << ") reported membership epoch " << epoch << "; it restarts");
     MaybeFinishEpoch(out);
@@ -122,6 +131,25 @@ void Scheduler::OnRecoverHello(const Peer& from, const Node& node, const Config&
   }
   // Restarted already (it was between two epochs): back.
   OnElasticHello(from, n, kv, out);
+}
+
+bool Scheduler::ReportedAgain(const Peer& from, const Node& n, std::vector<Outgoing>* out) {
+  for (auto it = nodes_.begin(); it != nodes_.end(); ++it) {
+    const Node& m = it->second;
+    if (m.role != Role::kServer || m.id != n.id || m.pid != n.pid || m.hostname != n.hostname) {
+      continue;
+    }
+    // The same server again (our answer was lost, or its link changed):
+    // nothing new, so the others' reports are not waited for any longer.
+    Node moved = m;
+    moved.peer = from;
+    moved.last_seen = Clock::now();
+    nodes_.erase(it);
+    nodes_[from] = moved;
+    out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+    return true;
+  }
+  return false;
 }
 
 void Scheduler::Relinked(const Peer& from, const Node& node, const Config& kv,
