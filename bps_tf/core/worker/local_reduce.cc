@@ -85,9 +85,19 @@ void LocalReduce::Impl::Drop(int fd) {
   conns.erase(fd);  // closes it
   if (r < 0 && is_root()) return;  // a connection that never said who it is
   if (stop) return;
-  Fail("local reduce: " + Who(is_root() ? r : root) +
-       " closed its connection (it exited or crashed); the push_pulls of this host cannot "
-       "complete (BYTEPS_LOCAL_REDUCE=0 makes every worker push on its own)");
+  const std::string why = "local reduce: " + Who(is_root() ? r : root) +
+                          " closed its connection (it exited or crashed); the push_pulls of "
+                          "this host cannot complete (BYTEPS_LOCAL_REDUCE=0 makes every worker "
+                          "push on its own)";
+  if (waiting.empty() && gathers.empty()) {
+    // Nothing of this host was lost: at a job's end a worker of it simply
+    // exits first. A later push_pull here still fails with the reason.
+    std::lock_guard<std::mutex> lock(mu);
+    if (failed.empty()) failed = why;
+    BPS_LOG(kInfo, why);
+    return;
+  }
+  Fail(why);
 }
 
 LocalReduce& LocalReduce::Get() {
