@@ -109,6 +109,17 @@ def wait_files(procs: common.Processes, directory: Path, stem: str, count: int,
         time.sleep(0.05)
 
 
+def pump(link, seconds: float) -> None:
+    """Waits ``seconds``; the launcher's link does its I/O (its handshake,
+    its reports) only while it is read, as bpslaunch reads it in its loop."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if link is None:
+            time.sleep(max(0.0, end - time.monotonic()))
+        else:
+            link.receive(50)
+
+
 def run_size(n: int, s: int, args, elastic: bool) -> dict:
     result = {"workers": n, "servers": s, "elastic": elastic, "load_before": load()}
     with common.processes(keep_logs=args.keep_logs) as procs:
@@ -153,9 +164,11 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
         time.sleep(args.settle)
         pids = {"scheduler": [sched.popen.pid], "server": [c.popen.pid for c in servers],
                 "worker": [c.popen.pid for c in workers]}
+        # bpslaunch's link, opened as bpslaunch opens it: before anything is lost.
+        link = SchedulerLink(port, base) if elastic and args.report else None
         before = {k: [cpu_seconds(p) for p in v] for k, v in pids.items()}
         t0 = time.monotonic()
-        time.sleep(args.steady)
+        pump(link, args.steady)
         window = time.monotonic() - t0
         after = {k: [cpu_seconds(p) for p in v] for k, v in pids.items()}
         for kind, plist in pids.items():
@@ -166,7 +179,6 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
                             **{f"{key}_median": median(h[key] for h in held) for key in held[0]}}
         result["load_steady"] = load()
         if elastic:
-            link = SchedulerLink(port, base) if args.report else None
             victim = workers[-1]
             victim.must_succeed = False
             t_kill = time.time()
@@ -174,6 +186,7 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
             if link is not None:   # what bpslaunch does when its child dies
                 victim.popen.wait()
                 link.lost(str(n - 1), f"worker{n - 1} was killed by signal SIGKILL")
+                pump(link, 1.0)
             result["t_kill"] = t_kill
             result["reported"] = link is not None
             wait_files(procs, out, "after", n - 1, args.form_timeout)

@@ -21,8 +21,8 @@ No TensorFlow here.
 from __future__ import annotations
 
 import random
-import socket
 import shlex
+import socket
 import subprocess
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
