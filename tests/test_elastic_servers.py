@@ -249,3 +249,37 @@ def test_recovery_times(scenario):
     assert times["scheduler_back"] - times["scheduler_killed"] < 3 * SCALE + 2 + 15 * SCALE
     print("recovery:", {k: round(times[k.replace("killed", "back")] - v, 2)
                         for k, v in times.items() if k.endswith("killed")})
+
+
+def test_the_scheduler_and_a_server_lost_together(tmp_path):
+    """The scheduler's process and a server die at once (on Kubernetes the
+    scheduler runs inside server 0's pod): the workers' sums fail, they
+    restart their membership and say HELLO as returning members to the new
+    scheduler, which must take them as its reports, not as newcomers."""
+    out = str(tmp_path)
+    c = Cluster(out)
+    try:
+        first = c.wait_for("the first steps", lambda: c.stepped_past(8))
+        epoch = max(p["epoch"] for p in first)
+        for name in ("scheduler", "server1"):
+            c.procs[name].send_signal(signal.SIGKILL)
+        for name in ("scheduler", "server1"):
+            c.procs[name].wait(10)
+        c.start_scheduler()
+        c.start_server(1)
+        after = c.wait_for("training after the scheduler and server 1 came back",
+                           lambda: c.stepped_past(0, epoch_above=epoch))
+        assert all(p["size"] == 2 for p in after), after
+        open(os.path.join(out, "finish"), "w").close()
+        codes = {name: c.procs[name].wait(60 * SCALE)
+                 for name in ("worker0", "worker1", "server0", "server1", "scheduler")}
+        done = [c.read(f"done_{r}") for r in (0, 1)]
+    finally:
+        c.close()
+    log = c.logs()
+    assert codes == dict.fromkeys(codes, 0), (codes, log)
+    assert "no longer a member" not in log and "is left" not in log, log
+    for r, d in enumerate(done):   # every step trained right, rollbacks included
+        assert d is not None, log
+        got = np.load(os.path.join(out, f"w_{r}.npy"))
+        assert np.array_equal(got, _reference(d["trained"], d["step"])), r

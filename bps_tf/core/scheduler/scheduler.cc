@@ -285,6 +285,18 @@ void Scheduler::OnHello(const Peer& from, const FrameHeader& h, const Config& kv
     OnRecoverHello(from, n, kv, out);
     return;
   }
+  if (elastic_ && n.role == Role::kWorker && (!welcomed_ || recovering_) && n.id >= 0 &&
+      kv.Get("rejoin") == "1") {
+    // A member back from a membership change at a scheduler that never
+    // formed one, or that is rebuilding: the scheduler restarted meanwhile
+    // (with a server lost at the same time, or while this worker was between
+    // two epochs). Its HELLO is its report; it is no newcomer.
+    Config report = kv;
+    report.Set("recover", "1");
+    report.Set("welcomed", "0");
+    OnRecoverHello(from, n, report, out);
+    return;
+  }
   if (elastic_ && n.role == Role::kServer && welcomed_) {
     OnServerHello(from, n, kv, out);
     return;

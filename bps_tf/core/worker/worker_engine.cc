@@ -28,6 +28,8 @@ void WorkerEngine::Init(const Config& cfg) {
   if (state_ != State::kIdle && state_ != State::kStopped) {
     throw Error("bps_tf is already initialising or has failed: " + fatal_);
   }
+  // Elastic: the membership this engine leaves, told in a rejoining HELLO.
+  last_membership_ = {epoch_, size_, num_servers_};
   ResetLocked(cfg);
   std::string role = cfg.Get("role", "local");
   local_mode_ = role == "local" || role == "evaluator" || (size_ == 1 && num_servers_ == 0);
@@ -153,6 +155,13 @@ void WorkerEngine::JoinCluster(const Config& cfg) {
   // Elastic: a member coming back after a membership change (its rank is the
   // old one); any other HELLO once the job runs is a newcomer's.
   extra.Set("rejoin", cfg.Get("elastic_rejoin", "0"));
+  // ... and the epoch it comes from: a scheduler restarted meanwhile takes
+  // this HELLO as its report (scheduler_recover.cc).
+  if (cfg.Get("elastic_rejoin", "0") == "1") {
+    extra.Set("epoch", std::to_string(last_membership_.epoch));
+    extra.Set("size", std::to_string(last_membership_.size));
+    extra.Set("servers", std::to_string(last_membership_.servers));
+  }
   // Elastic: the launcher's name for this process (it reports the process's
   // end under it), and the rank it planned for a newcomer.
   extra.Set("launch_id", cfg.Get("launch_id"));

@@ -172,6 +172,11 @@ class WorkerEngine {
   std::atomic<bool> initialized_{false};
   bool local_mode_ = false;
   uint16_t epoch_ = 0;  // elastic: the membership epoch, in every message to a server
+  // Elastic: the membership the last Init left (a rejoining HELLO tells it, so
+  // that a scheduler restarted meanwhile awaits every member of it).
+  struct LastMembership {
+    int epoch = 0, size = 0, servers = 0;
+  } last_membership_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
   bool homogeneous_ = true;
   HostGroup host_group_;
