@@ -284,3 +284,47 @@ def test_elastic_indexed_job_gains_and_loses_a_worker_while_training(tmp_path):
     assert accuracy >= 0.9 and size == 2
     history = re.search(r"HISTORY (\[.*\])", rank0)
     assert history and json.loads(history.group(1)) == list(range(int(EPOCHS))), rank0[-3000:]
+
+
+def test_elastic_indexed_job_survives_the_loss_of_server_0s_pod(tmp_path):
+    """Server 0's pod, which runs the scheduler, is lost mid-training; the Job
+    controller makes a new pod with the same index, name and address (the
+    manifest's backoffLimit allows it). The workers and server 1 re-register
+    with the scheduler in it, the new server 0 joins, and training goes on
+    from the last commit to the end."""
+    workdir = str(tmp_path)
+    docs = render.load(os.path.join(EXAMPLES, "indexed-job-elastic.yaml"))
+    server_job = render.find(docs, render.JOB, "bps-tf-elastic-server")
+    worker_job = render.find(docs, render.JOB, "bps-tf-elastic-worker")
+    assert server_job["spec"]["backoffLimit"] > 0      # a lost server pod is replaced
+    rendered = render.indexed_job_pods(server_job) + render.indexed_job_pods(worker_job)
+    addresses = _addresses(len(rendered))
+    no_gates = [GATED, workdir, "99", "99"]           # only for its HISTORY line
+    pods = [Pod(p, a, workdir, no_gates) for p, a in zip(rendered, addresses)]
+    servers, workers = pods[:2], pods[2:4]
+    port = _free_port([p.address for p in servers])
+    health = _free_port([p.address for p in servers], avoid=(port,))
+    secrets = [render.secret_from_literal("bps-tf-elastic-token", token=TOKEN)]
+    common = {"DMLC_PS_ROOT_PORT": str(port), "BYTEPS_TIMEOUT": str(int(5 * TIMEOUT_SCALE)),
+              "BYTEPS_K8S_TEST_HOSTS": _hosts(pods)}
+    server_env = {**common, "BYTEPS_HEALTH_PORT": str(health)}
+    replacement = Pod(servers[0].pod, servers[0].address, workdir)
+    replacement.log_path = os.path.join(workdir, "server-0-replacement.log")
+    try:
+        for pod in servers + workers:
+            pod.start(secrets, server_env if pod in servers else common)
+        _wait_until(lambda: "Epoch 3/" in workers[0].output(), "epoch 3", pods)
+        servers[0].kill()          # the node is lost: SIGKILL, no grace
+        replacement.start(secrets, server_env)
+        _wait_all([servers[1], replacement] + workers)
+    finally:
+        for pod in pods + [replacement]:
+            pod.kill()
+    scheduler = replacement.output()
+    assert "this scheduler was restarted" in scheduler, scheduler[-3000:]
+    assert "starts with 2 worker(s) (the scheduler restarted)" in scheduler, scheduler[-3000:]
+    rank0 = workers[0].output()
+    accuracy, size = _accuracy(rank0)
+    assert accuracy >= 0.9 and size == 2
+    history = re.search(r"HISTORY (\[.*\])", rank0)
+    assert history and json.loads(history.group(1)) == list(range(int(EPOCHS))), rank0[-3000:]
