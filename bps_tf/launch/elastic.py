@@ -137,7 +137,7 @@ class ElasticLaunch:
         launch_id = str(self.started)
         self.started += 1
         env = worker_env(self.shared, slot, self.port, launch_id, newcomer, self.elastic_timeout)
-        if self.host_exec.template:
+        if self.host_exec.remote:
             place_on_host(env, slot.host)
         child = self.job.start(f"worker {launch_id}", "worker",
                                self.host_exec.argv(slot.host, self.command), env)
@@ -361,7 +361,7 @@ def make_launch(job: Job, num_workers: int, command, elastic: Mapping[str, objec
     hosts_mode = bool(elastic.get("hosts") or elastic.get("discovery"))
     cooldown = check_cooldown(elastic.get("cooldown"))
     host_exec = elastic.get("host_exec") or HostExec()
-    local = None if host_exec.template else local_names()
+    local = None if host_exec.remote else local_names()
     if elastic.get("hosts"):
         pool = HostPool(parse_hosts(str(elastic["hosts"]), local), None, 1, 1.0, cooldown)
     elif elastic.get("discovery"):

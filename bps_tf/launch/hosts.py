@@ -222,8 +222,12 @@ class HostExec(NamedTuple):
     template: str = ""
     address: str = ""
 
+    @property
+    def remote(self) -> bool:
+        return bool(self.template)
+
     def argv(self, host: str, command: Sequence[str]) -> List[str]:
-        if not self.template:
+        if not self.remote:
             return list(command)
         return [part.replace("{host}", host) for part in shlex.split(self.template)] + \
             list(command)

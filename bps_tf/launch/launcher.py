@@ -125,12 +125,12 @@ def run_local(num_workers: int, num_servers: Optional[int], command: Sequence[st
     if elastic and num_servers == 0:
         raise UsageError("an elastic job needs a server to sum the gradients; "
                          "leave --servers out or give 1 or more")
-    if host_exec.template and not (hosts or (elastic and elastic.get("discovery"))):
+    if host_exec.remote and not (hosts or (elastic and elastic.get("discovery"))):
         raise UsageError("--host-exec starts workers on the hosts of -H or "
                          "--host-discovery-script: give the hosts")
     if elastic:
         elastic = dict(elastic, host_exec=host_exec)
-    fixed = None if elastic else _fixed_slots(num_workers, hosts, bool(host_exec.template))
+    fixed = None if elastic else _fixed_slots(num_workers, hosts, host_exec.remote)
     environ = os.environ if environ is None else environ
     health = _health_base(health_port, environ)
     job = Job(grace, ChildOutput(hides_tf_startup(environ)) if prefix_output else None)
@@ -231,10 +231,9 @@ def _run_local_cluster(job: Job, num_workers: int, num_servers: int, command: Se
     for server_id in range(1, num_servers):
         env = environments.server_env(shared, server_id, port, health_port=health)
         job.start(f"server {server_id}", "server", _server_argv(server_command, env), env)
-    remote = bool(host_exec.template)
     for slot in slots:
         job.start(f"worker {slot.rank}", "worker", host_exec.argv(slot.host, command),
-                  environments.worker_env(shared, slot, port, remote))
+                  environments.worker_env(shared, slot, port, host_exec.remote))
     return supervise_fixed(job, deadline, timeout, shutdown_timeout)
 
 
@@ -413,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say("--servers only applies with -np (local mode); in cluster mode the servers "
                 "come from TF_CONFIG or DMLC_NUM_SERVER")
             return EXIT_USAGE
-        if host_exec.template:
+        if host_exec.remote:
             say("--host-exec only applies with -np (local mode): in cluster mode each process "
                 "is launched on its own host")
             return EXIT_USAGE

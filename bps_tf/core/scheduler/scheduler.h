@@ -269,6 +269,9 @@ class Scheduler {
   void Relinked(const Peer& from, const Node& n, const Config& kv, std::vector<Outgoing>* out);
   // A recovering server that reported already, reporting again: its link is updated.
   bool ReportedAgain(const Peer& from, const Node& n, std::vector<Outgoing>* out);
+  // The member that is the same process as `n` (role, id, pid, host), now
+  // reached on `from`; null when there is none.
+  const Node* MoveToLink(const Peer& from, const Node& n);
 
   Config cfg_;
   int num_workers_;

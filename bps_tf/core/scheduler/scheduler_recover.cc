@@ -133,41 +133,37 @@ void Scheduler::OnRecoverHello(const Peer& from, const Node& node, const Config&
   OnElasticHello(from, n, kv, out);
 }
 
-bool Scheduler::ReportedAgain(const Peer& from, const Node& n, std::vector<Outgoing>* out) {
+const Scheduler::Node* Scheduler::MoveToLink(const Peer& from, const Node& n) {
   for (auto it = nodes_.begin(); it != nodes_.end(); ++it) {
     const Node& m = it->second;
-    if (m.role != Role::kServer || m.id != n.id || m.pid != n.pid || m.hostname != n.hostname) {
+    if (m.role != n.role || m.id != n.id || m.pid != n.pid || m.hostname != n.hostname ||
+        m.departed) {
       continue;
     }
-    // The same server again (our answer was lost, or its link changed):
-    // nothing new, so the others' reports are not waited for any longer.
     Node moved = m;
     moved.peer = from;
     moved.last_seen = Clock::now();
     nodes_.erase(it);
-    nodes_[from] = moved;
-    out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
-    return true;
+    return &(nodes_[from] = moved);
   }
-  return false;
+  return nullptr;
+}
+
+bool Scheduler::ReportedAgain(const Peer& from, const Node& n, std::vector<Outgoing>* out) {
+  // The same server again (our answer was lost, or its link changed):
+  // nothing new, so the others' reports are not waited for any longer.
+  if (MoveToLink(from, n) == nullptr) return false;
+  out->push_back(Reply(from, MsgType::kHeartbeatAck, ""));
+  return true;
 }
 
 void Scheduler::Relinked(const Peer& from, const Node& node, const Config& kv,
                          std::vector<Outgoing>* out) {
   Node n = node;
   const bool admitted = kv.Get("welcomed") == "1";
-  for (auto it = nodes_.begin(); it != nodes_.end(); ++it) {
-    Node& m = it->second;
-    if (m.role != n.role || m.id != n.id || m.pid != n.pid || m.hostname != n.hostname ||
-        m.departed) {
-      continue;
-    }
+  if (const Node* same = MoveToLink(from, n)) {
     // The same process on a new link: only its peer changes.
-    Node moved = m;
-    moved.peer = from;
-    moved.last_seen = Clock::now();
-    nodes_.erase(it);
-    nodes_[from] = moved;
+    const Node moved = *same;
     BPS_LOG(kWarning, Describe(moved) << " re-registered: its link to the scheduler broke");
     if (n.role == Role::kServer) {
       if (servers_starting_ && !servers_started_.count(n.id)) {
