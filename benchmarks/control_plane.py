@@ -181,6 +181,8 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
         if elastic:
             victim = workers[-1]
             victim.must_succeed = False
+            survivors = {k: [p for p in v if p != victim.popen.pid] for k, v in pids.items()}
+            cpu_before = {k: sum(cpu_seconds(p) for p in v) for k, v in survivors.items()}
             t_kill = time.time()
             os.killpg(victim.popen.pid, signal.SIGKILL)
             if link is not None:   # what bpslaunch does when its child dies
@@ -190,6 +192,11 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
             result["t_kill"] = t_kill
             result["reported"] = link is not None
             wait_files(procs, out, "after", n - 1, args.form_timeout)
+            # CPU seconds each kind spent from the kill until every survivor had
+            # its next sum: on 2 shared cores, what the change costs.
+            result["change_cpu_s"] = {k: sum(cpu_seconds(p) for p in v) - cpu_before[k]
+                                      for k, v in survivors.items()}
+            result["change_wall_s"] = time.time() - t_kill
             if link is not None:
                 link.close()
         (out / "stop").touch()
@@ -230,6 +237,11 @@ def summarize(result: dict, records: List[dict], t_launch: float) -> dict:
         result["rejoin_s"] = max(c["rejoined"] for c in changes) - max(c["seen"] for c in changes)
         result["change_s"] = max(c["next_sum"] for c in changes) - result["t_kill"]
         result["size_after"] = sorted({c["size"] for c in changes})
+        # CPU seconds of all survivors together: restart() (shutdown and a
+        # new init()), then declaring again and the first round after it.
+        result["workers_cpu_s_restart"] = sum(c["cpu_rejoined"] - c["cpu_seen"] for c in changes)
+        result["workers_cpu_s_next_round"] = sum(c["cpu_next_sum"] - c["cpu_rejoined"]
+                                                 for c in changes)
     return result
 
 
@@ -261,6 +273,12 @@ ROWS = (("processes", lambda r: r["workers"] + r["servers"] + 1),
         ("change: rejoin s", lambda r: r.get("rejoin_s", float("nan"))),
         ("change: reform s (to the next sum)", lambda r: r.get("reform_s", float("nan"))),
         ("change: kill to sum s", lambda r: r.get("change_s", float("nan"))),
+        ("change: CPU s workers' restart() / next round",
+         lambda r: f"{r['workers_cpu_s_restart']:.1f} / {r['workers_cpu_s_next_round']:.1f}"
+         if "workers_cpu_s_restart" in r else "-"),
+        ("change: CPU s workers / servers / scheduler",
+         lambda r: " / ".join(f"{r['change_cpu_s'][k]:.1f}" for k in
+                              ("worker", "server", "scheduler")) if "change_cpu_s" in r else "-"),
         ("load (1/5/15 min) steady", lambda r: r["load_steady"]))
 
 

@@ -12,7 +12,9 @@ rate: M = rate x seconds bytes, in 4n float32 tensors. Columns:
 * bound (C++ echo): the raw-TCP data movement of a push_pull (each worker
   sends M split over the servers and gets it back; benchmarks/echo);
 * bps_tf: push_pull of the set by numpy workers (the engine of the TF op,
-  without TensorFlow's start-up), n servers;
+  without TensorFlow's start-up), n servers, default settings;
+* bps_tf, BYTEPS_LINK_RATE: the same with BYTEPS_LINK_RATE=--rate, which
+  sizes partitions and credit to the link (--no-link-rate leaves it out);
 * Horovod-gloo: hvd.allreduce of the same tensors on the n worker hosts
   (benchmarks/.hvd-venv from setup_horovod.sh; left out, with the reason,
   without it);
@@ -40,6 +42,15 @@ from benchmarks.common import median  # noqa: E402
 from benchmarks.netns_hosts import NetnsHosts, NetnsUnavailable  # noqa: E402
 
 ECHO, BPS, HVD, RING = "bound (C++ echo)", "bps_tf", "Horovod-gloo", "TF ring"
+TUNED = "bps_tf, BYTEPS_LINK_RATE"
+# The second bps_tf column: the same job with BYTEPS_LINK_RATE set to the
+# links' rate, which sizes partitions and credit to the link instead of the
+# defaults' 1 MiB partitions and 8 MiB credit (sized for loopback and
+# 10 Gbit): a worker's pushes then leave in waves of about 20 ms of the link
+# spread over the servers, so each server's first sums are ready, and go
+# back, while later pushes still travel; with the defaults every tensor is
+# in flight at once and the sums come back only after the pushes end
+# (docs/scaling.md#the-edge-as-n-grows).
 
 
 def gradient_case(n: int, total_bytes: int, warmup: int, reps: int) -> dict:
@@ -66,6 +77,10 @@ def runners(net, n: int, case: dict, args, horovod: bool):
     def bps():
         return median(netns_cluster.run_bps(net, case, n, n, "bps_numpy.py", env=env))
 
+    def tuned():
+        return median(netns_cluster.run_bps(net, case, n, n, "bps_numpy.py",
+                                            env=dict(env, BYTEPS_LINK_RATE=args.rate)))
+
     def hvd():
         with common.processes() as procs:
             spec = common.write_spec(procs.log_dir, {"out_dir": str(procs.log_dir),
@@ -78,6 +93,8 @@ def runners(net, n: int, case: dict, args, horovod: bool):
         return median(netns_cluster.run_tf(net, case, n))
 
     plan = {ECHO: echo, BPS: bps}
+    if not args.no_link_rate:
+        plan[TUNED] = tuned
     if horovod:
         plan[HVD] = hvd
     if not args.no_tf:
@@ -124,14 +141,16 @@ def measure(n: int, args, horovod: bool, failures: dict) -> dict:
     row["bound_ring_s"] = theory * m / rate
     row["theory_edge"] = theory
     t = row["seconds"]
-    if BPS in t:
-        row["bps_over_bound"] = row["bound_ps_s"] / t[BPS]
+    for ours, tag in ((BPS, ""), (TUNED, "tuned_")):
+        if ours not in t:
+            continue
+        row[f"{tag}bps_over_bound"] = row["bound_ps_s"] / t[ours]
         for name in (HVD, RING):
             if name in t:
                 # Per round, then the median: both from the same round's load.
-                pairs = [a / b for a, b in zip(row["all_rounds"][name], row["all_rounds"][BPS])]
-                row[f"edge_{name}"] = median(pairs)
-                row[f"edge_{name}_over_theory"] = median(pairs) / theory
+                pairs = [a / b for a, b in zip(row["all_rounds"][name], row["all_rounds"][ours])]
+                row[f"{tag}edge_{name}"] = median(pairs)
+                row[f"{tag}edge_{name}_over_theory"] = median(pairs) / theory
                 row[f"{name}_over_ring_bound"] = row["bound_ring_s"] / t[name]
     if ECHO in t:
         row["echo_over_bound"] = row["bound_ps_s"] / t[ECHO]
@@ -155,6 +174,8 @@ def main() -> int:
                     help="net.ipv4.tcp_slow_start_after_idle=0 on every host")
     ap.add_argument("--no-horovod", action="store_true")
     ap.add_argument("--no-tf", action="store_true")
+    ap.add_argument("--no-link-rate", action="store_true",
+                    help="leave out the bps_tf column with BYTEPS_LINK_RATE set to --rate")
     ap.add_argument("--bps-env", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting for the bps_tf jobs (repeatable)")
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -173,23 +194,28 @@ def main() -> int:
     except NetnsUnavailable as exc:
         print(f"ps_edge: {exc}", file=sys.stderr)
         return 2
-    names = [ECHO, BPS] + ([HVD] if horovod else []) + ([] if args.no_tf else [RING])
+    names = [ECHO, BPS] + ([] if args.no_link_rate else [TUNED]) + \
+        ([HVD] if horovod else []) + ([] if args.no_tf else [RING])
     common.print_table(
         f"seconds per step, {args.rate} links, M = {args.rate} x {args.seconds:g} s "
         f"(bounds: M/B for push/pull, 2(n-1)/n M/B for a ring)",
         ["n", "M/B", "ring bound"] + names + ["load after"],
         [[r["n"], r["bound_ps_s"], r["bound_ring_s"]] +
          [r["seconds"].get(k, float("nan")) for k in names] + [r["load_after"]] for r in rows])
+    edge_rows = []
+    for r in rows:
+        for ours, tag in ((BPS, ""), (TUNED, "tuned_")):
+            if ours in r["seconds"]:
+                edge_rows.append([r["n"], ours, r["theory_edge"]] + [
+                    r.get(f"{tag}{key}", float("nan")) for key in (
+                        f"edge_{HVD}", f"edge_{HVD}_over_theory", f"edge_{RING}",
+                        f"edge_{RING}_over_theory", "bps_over_bound")] +
+                    [r.get("echo_over_bound", float("nan"))])
     common.print_table(
         "the edge: t(all-reduce) / t(bps_tf) per round, median; theory 2(n-1)/n; target: "
         "edge / theory >= 0.9",
-        ["n", "theory", "vs Horovod", "/ theory", "vs TF ring", "/ theory", "bps/bound",
-         "echo/bound", "hvd/ring bound"],
-        [[r["n"], r["theory_edge"], r.get(f"edge_{HVD}", float("nan")),
-          r.get(f"edge_{HVD}_over_theory", float("nan")), r.get(f"edge_{RING}", float("nan")),
-          r.get(f"edge_{RING}_over_theory", float("nan")), r.get("bps_over_bound", float("nan")),
-          r.get("echo_over_bound", float("nan")), r.get(f"{HVD}_over_ring_bound", float("nan"))]
-         for r in rows])
+        ["n", "bps_tf", "theory", "vs Horovod", "/ theory", "vs TF ring", "/ theory",
+         "bps/bound", "echo/bound"], edge_rows)
     for note in notes:
         print(f"note: {note}")
     for n, cols in failures.items():

@@ -168,17 +168,28 @@ def fit_ring(points, key) -> dict:
     return best[1]
 
 
-def load_points(path: Path):
+# ps_edge.py's bps_tf columns: the defaults, and BYTEPS_LINK_RATE set to the
+# links' rate (its partition size: bps_tf.runtime.config.sized_to_link).
+COLUMNS = ("bps_tf", "bps_tf, BYTEPS_LINK_RATE")
+
+
+def partition_bytes(column: str, rate: float) -> int:
+    from bps_tf.runtime import config
+    sized = config.sized_to_link(rate) if column != COLUMNS[0] else {}
+    return sized.get("partition_bytes", int(config.BY_ENV["BYTEPS_PARTITION_BYTES"].default))
+
+
+def load_points(path: Path, column: str = "bps_tf"):
     data = json.loads(path.read_text())
     points = []
     for r in data["rows"]:
         t = r["seconds"]
-        if "bps_tf" not in t:
+        if column not in t:
             continue
         b = common.parse_rate(r["rate"])
         per_tensor = r["gradient_bytes"] / r["tensors"]
         points.append({"n": r["n"], "m": r["gradient_bytes"], "b": b,
-                       "p": min(per_tensor, 1 << 20), "t_bps": t["bps_tf"],
+                       "p": min(per_tensor, partition_bytes(column, b)), "t_bps": t[column],
                        "t_hvd": t.get("Horovod-gloo"), "t_ring": t.get("TF ring"),
                        "t_echo": t.get("bound (C++ echo)"), "load": r.get("load_after")})
     return data, points
@@ -223,6 +234,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default=str(common.RESULTS_DIR / "ps_edge.json"))
+    ap.add_argument("--column", default=COLUMNS[0], choices=COLUMNS,
+                    help="which of ps_edge.py's bps_tf columns to fit: the default settings, "
+                         "or BYTEPS_LINK_RATE set to the links' rate")
     ap.add_argument("--cpu", default=str(common.RESULTS_DIR / "scaling_cpu.json"))
     ap.add_argument("--calibrate-cpu", action="store_true",
                     help="measure the CPU terms now and write them to --cpu")
@@ -241,7 +255,9 @@ def main() -> int:
     cpu = json.loads(Path(args.cpu).read_text())
     print(f"CPU terms ({args.cpu}): a server {cpu['server_core_s_per_byte'] * 1e9:.3f} "
           f"core-ns per gradient byte, a worker {cpu['worker_core_s_per_byte'] * 1e9:.3f}")
-    _, points = load_points(Path(args.points))
+    _, points = load_points(Path(args.points), args.column)
+    if not points:
+        raise SystemExit(f"{args.points} has no column {args.column!r}")
     fits = {"bps_tf": fit_ps(points, cpu), "ring": fit_ring(points, "t_hvd"),
             "tf_ring": fit_ring(points, "t_ring")}
     print(f"fitted: bps_tf eta {fits['bps_tf']['eta']:.3f}, d {fits['bps_tf']['d'] / 1e6:.2f} MB "

@@ -16,9 +16,9 @@ CHECKS = os.path.join(ROOT, "tests", "workers", "engine_checks.py")
 PART = 64 * 1024  # small partitions keep "3 partitions + 1 byte" cheap
 
 
-def run_checks(tmp_path, mode, workers=3, servers=2, env=None, expect_ok=True):
+def run_checks(tmp_path, mode, workers=3, servers=2, env=None, expect_ok=True, part=PART):
     out = str(tmp_path)
-    env = dict({"BYTEPS_PARTITION_BYTES": str(PART)}, **(env or {}))
+    env = dict({"BYTEPS_PARTITION_BYTES": str(part)} if part else {}, **(env or {}))
     proc = launch(workers, servers, [CHECKS, mode, out], env=env)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -146,6 +146,29 @@ def test_settings_disagreement_names_setting_and_both_values(tmp_path):
     for err in errors:
         assert "partition_bytes" in err and str(PART) in err and "1024" in err
     assert proc.returncode != 0  # the server reports the failed job
+
+
+def test_a_link_rate_on_every_node_sizes_the_partitions_and_sums_stay_exact(tmp_path):
+    """BYTEPS_LINK_RATE=100mbit gives 32 KiB partitions on every node (the
+    scheduler places them, the servers take them); tensors of several
+    partitions and a last partial one sum exactly."""
+    res, _ = run_checks(tmp_path, "sums", workers=2, env={"BYTEPS_LINK_RATE": "100mbit"},
+                        part=None)
+    assert len(res) == 2
+    for r in res.values():
+        assert r["partition_bytes"] == 32768, r
+        assert r["bad"] == [] and r["checked"] > 50, r
+
+
+def test_a_link_rate_given_to_some_nodes_only_is_named(tmp_path):
+    res, proc = run_checks(tmp_path, "settings_link_rate", workers=2, servers=1,
+                           env={"BYTEPS_RENDEZVOUS_TIMEOUT": "20"}, expect_ok=False, part=None)
+    errors = [r["init_error"] for r in res.values()]
+    assert errors, proc.stderr
+    for err in errors:
+        assert "partition_bytes" in err and "32768" in err and "1048576" in err, err
+        assert "BYTEPS_LINK_RATE" in err, err
+    assert proc.returncode != 0
 
 
 def test_zmq_constants_match_pyzmq():

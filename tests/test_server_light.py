@@ -57,3 +57,20 @@ def test_servers_ignore_a_bps_tf_checkout_in_the_working_directory(tmp_path, mon
         os.chdir(old_cwd)
     assert code == 0
     assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
+
+
+def test_starting_a_node_imports_no_process_or_file_tools():
+    """A job of a few hundred processes starts each of them: importing bps_tf
+    and loading the core stay free of what only a fallback needs
+    (ctypes.util's library search imports subprocess and tempfile, ~10 ms a
+    process, and runs subprocesses when called)."""
+    code = ("import sys\n"
+            "import bps_tf\n"
+            "from bps_tf.runtime import basics, elastic_core, loader, server\n"
+            "loader.load_core()\n"
+            "print(' '.join(m for m in ('subprocess', 'ctypes.util', 'tempfile', 'tensorflow')\n"
+            "               if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [], out.stdout

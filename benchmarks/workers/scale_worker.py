@@ -82,10 +82,11 @@ def main():
         except Exception as exc:   # noqa: BLE001 - a membership change, or a real failure
             if not (elastic_core.enabled() and elastic_core.changed()):
                 raise
-            t_seen = time.time()
+            t_seen, cpu_seen = time.time(), cpu()
             elastic_core.restart()
             core = basics.core()
             changes.append({"failed_round_start": t0, "seen": t_seen, "rejoined": time.time(),
+                            "cpu_seen": cpu_seen, "cpu_rejoined": cpu(),
                             "size": basics.size(), "error": str(exc)[:200]})
             after_change = True
             continue
@@ -96,6 +97,7 @@ def main():
             touch(out_dir, f"first.{first_rank}")
         if after_change:
             changes[-1]["next_sum"] = t1
+            changes[-1]["cpu_next_sum"] = cpu()
             touch(out_dir, f"after.{first_rank}")
             after_change = False
         if stopping:

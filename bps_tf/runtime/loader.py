@@ -11,7 +11,6 @@ core says so, naming the fix, when it is missing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import importlib
 import importlib.util
@@ -39,6 +38,7 @@ def _then_system(first: list[str], name: str, last: list[str]):
     runs ldconfig (and gcc when that fails) in subprocesses, which cost each
     of a few hundred processes of a job a tenth of a second of CPU."""
     yield from first
+    import ctypes.util   # here: it imports subprocess, tempfile and more, ~10 ms a process
     system = ctypes.util.find_library(name)
     if system:
         yield system

@@ -17,6 +17,10 @@ if MODE == "settings":
     # Worker 1 disagrees with the cluster on the partition size.
     if os.environ.get("DMLC_WORKER_ID") == "1":
         os.environ["BYTEPS_PARTITION_BYTES"] = "1024"
+if MODE == "settings_link_rate":
+    # Worker 1 alone is told the links' rate, which sizes its partitions.
+    if os.environ.get("DMLC_WORKER_ID") == "1":
+        os.environ["BYTEPS_LINK_RATE"] = "100mbit"
 
 import bps_tf  # noqa: E402
 from bps_tf.runtime import basics  # noqa: E402
@@ -53,7 +57,10 @@ def start(name, array, priority=0):
 
 
 def check_sums():
-    part = int(os.environ["BYTEPS_PARTITION_BYTES"])
+    # The size this node resolved (BYTEPS_PARTITION_BYTES, or BYTEPS_LINK_RATE's).
+    from bps_tf.runtime import config
+    part = int(config.core_settings()["partition_bytes"])
+    result["partition_bytes"] = part
     pending = []
     for dname in ["float16", "bfloat16", "float32", "float64", "int32", "int64"]:
         dt = dtype_of(dname)

@@ -111,7 +111,7 @@ struct SharedSetting {
 constexpr SharedSetting kSharedSettings[] = {
     {"num_workers", "DMLC_NUM_WORKER"},
     {"num_servers", "DMLC_NUM_SERVER"},
-    {"partition_bytes", "BYTEPS_PARTITION_BYTES"},
+    {"partition_bytes", "BYTEPS_PARTITION_BYTES (or BYTEPS_LINK_RATE, which sizes it)"},
     {"async", "BYTEPS_ENABLE_ASYNC"},
     // A node whose token or encryption differs fails its handshake before
     // its HELLO; this still catches nodes that both run without a token.
