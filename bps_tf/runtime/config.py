@@ -133,7 +133,7 @@ SETTINGS = (
             "TCP_NOTSENT_LOWAT are sized to it instead of to fast links "
             "(credit 20 ms of the link, partitions an eighth of it), so each "
             "server's first sums go back while later pushes still travel. At "
-            "100 mbit and 8 workers this took a step from 1.96 s to 1.17 s "
+            "100 mbit and 8 workers this took a step from 1.9 s to 1.17 s "
             "(docs/scaling.md#the-edge-as-n-grows). A variable set explicitly "
             "wins; unset: sized for fast links."),
     Setting("BYTEPS_SCHEDULING_CREDIT", "credit_bytes", "0", _int,
