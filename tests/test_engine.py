@@ -264,3 +264,16 @@ def test_the_last_to_join_is_the_latest_notice_no_other_worker_saw_join():
     assert core.last_to_join([(1, 0b001), (0, 0)]) == 1
     assert core.last_to_join([(0, 0), (1, 0)]) == 1
     assert core.last_to_join([(1, 0), (0, 0)]) == 0
+
+
+def test_a_worker_that_crashes_by_a_signal_prints_where_it_was(tmp_path):
+    """bpslaunch's children run with Python's fault handler: a worker killed
+    by SIGSEGV prints its Python stack, so a crash in a job is not silent."""
+    script = tmp_path / "crash.py"
+    script.write_text("import ctypes\n\n\ndef crash_here():\n    ctypes.string_at(0)\n\n\n"
+                      "crash_here()\n")
+    proc = launch(1, 1, [str(script)], timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "SIGSEGV" in out, out
+    assert "Fatal Python error: Segmentation fault" in out and "crash_here" in out, out

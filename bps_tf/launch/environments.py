@@ -43,6 +43,9 @@ def job_env(environ: Mapping[str, str], num_workers: int, num_servers: int,
     # One token per job: the connections are encrypted with keys derived from
     # it, and processes of another job are refused.
     env.setdefault("BYTEPS_JOB_TOKEN", secrets.token_hex(16))
+    # A process that dies by a fatal signal (SIGSEGV, SIGABRT...) prints every
+    # thread's Python stack before it goes, so its crash says where it was.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update({
         "DMLC_NUM_WORKER": str(num_workers),
         "DMLC_NUM_SERVER": str(num_servers),
