@@ -70,12 +70,16 @@ def fmt_size(n: int) -> str:
 
 
 def parse_rate(text: str) -> float:
-    """A tc rate ('1gbit', '500mbit') -> bytes per second (decimal units, as tc)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*", text.lower())
-    if not m:
+    """A tc rate ('1gbit', '500mbit') -> bytes per second (decimal units, as
+    tc): the parser of BYTEPS_LINK_RATE, which takes the same text."""
+    from bps_tf.runtime.config import parse_link_rate
+    try:
+        rate = parse_link_rate(text)
+    except ValueError:
+        rate = 0
+    if not rate:
         raise ValueError(f"not a rate: {text!r} (examples: 1gbit, 500mbit)")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    return float(m.group(1)) * scale / 8
+    return rate
 
 
 # ------------------------------------------------------------------ stats

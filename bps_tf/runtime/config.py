@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional
 
@@ -42,24 +43,16 @@ def _cipher_threads(text: str) -> int:
     return n
 
 
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def _link_rate(text: str) -> float:
-    """'' (unset) -> 0; '100mbit', '25gbit', '1.5gbit' -> bytes per second."""
-    text = text.strip().lower()
-    if not text:
+def parse_link_rate(text: str) -> float:
+    """A link rate as tc writes it ('100mbit', '1.5gbit', decimal units) ->
+    bytes per second; '' (unset) -> 0."""
+    if not text.strip():
         return 0.0
-    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            try:
-                rate = float(text[:-len(unit)]) * _RATE_UNITS[unit] / 8
-            except ValueError:
-                break
-            if rate > 0 and rate != float("inf"):
-                return rate
-            break
-    raise ValueError("it must be a link rate such as 100mbit, 1gbit or 25gbit")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*", text.lower())
+    rate = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8 if m else 0
+    if rate <= 0:
+        raise ValueError("it must be a link rate such as 100mbit, 1gbit or 25gbit")
+    return rate
 
 
 def _nonnegative_float(text: str) -> float:
@@ -127,7 +120,7 @@ SETTINGS = (
             "on one machine down to 1 MiB, and a power of two keeps tensors of "
             "1 MiB, 4 MiB, ... free of a small last piece: docs/performance.md "
             "sections 16 and 18.)"),
-    Setting("BYTEPS_LINK_RATE", "", "", _link_rate,
+    Setting("BYTEPS_LINK_RATE", "", "", parse_link_rate,
             "The rate of each host's link, each way (100mbit, 1gbit, 25gbit), "
             "on every node: below about 2.4 Gbit the partitions, the credit and "
             "TCP_NOTSENT_LOWAT are sized to it instead of to fast links "
@@ -363,6 +356,7 @@ SETTINGS = (
 )
 
 BY_ENV: Dict[str, Setting] = {s.env: s for s in SETTINGS}
+BY_CORE_KEY: Dict[str, Setting] = {s.core_key: s for s in SETTINGS if s.core_key}
 
 # Horovod's names for the same knobs, read when the BytePS name is not set.
 ALIASES: Dict[str, str] = {
@@ -409,8 +403,7 @@ def core_settings(environ: Optional[Mapping[str, str]] = None) -> Dict[str, obje
     # the same partition size from the same rate).
     env = os.environ if environ is None else environ
     for key, sized in sized_to_link(value("BYTEPS_LINK_RATE", environ)).items():
-        setting = next(s for s in SETTINGS if s.core_key == key)
-        if setting.env not in env:
+        if BY_CORE_KEY[key].env not in env:
             values[key] = sized
             if key == "credit_bytes":   # at least one partition of an explicit size
                 values[key] = max(sized, int(values["partition_bytes"]))
