@@ -1,4 +1,4 @@
-"""Keras model.fit, unchanged, across workers with BytePSStrategy (scikit-learn's digits).
+"""Keras model.fit, unchanged, across workers with BytePSStrategy (handwriting-like digits).
 
     bpslaunch -np 2 --servers 1 python examples/keras_digits.py
     bpslaunch -np 2 --servers 1 python examples/keras_digits.py --mode async --batch-size 32
@@ -10,7 +10,7 @@ The script is an ordinary Keras script: build and compile under
 global batch; each worker trains on its shard of every batch and the
 gradients are summed through the servers, so every worker holds the same
 weights. ``evaluate`` returns the metrics of the whole test set on every
-worker; rank 0 prints them. The data ships with scikit-learn (nothing is
+worker; rank 0 prints them. The data is drawn by examples/digits_data.py (nothing is
 downloaded).
 
 In an elastic job (``BYTEPS_ELASTIC=1``, e.g. examples/k8s/indexed-job-elastic.yaml)
@@ -27,15 +27,16 @@ import os
 
 import numpy as np
 import keras
-from sklearn.datasets import load_digits
 
 import bps_tf
 
+from digits_data import load_digits   # this folder: the data, drawn at start
+
 
 def load_data():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int64")
+    images, labels = load_digits()
+    x = (images / 16.0).astype("float32")
+    y = labels
     order = np.random.RandomState(0).permutation(len(x))   # the same on every worker
     x, y = x[order], y[order]
     split = len(x) * 4 // 5

@@ -9,7 +9,7 @@ Written the way Horovod's Keras examples are:
 scale the learning rate by the number of workers, wrap the optimizer,
 broadcast rank 0's weights, average the metrics, warm the learning rate up,
 let rank 0 alone checkpoint and print. Each worker trains on its own shard
-of scikit-learn's digits (nothing is downloaded).
+of the digits drawn by examples/digits_data.py (nothing is downloaded).
 """
 import argparse
 import os
@@ -17,9 +17,10 @@ import tempfile
 
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import bps_tf.keras as hvd   # was: import horovod.tensorflow.keras as hvd
+
+from digits_data import load_digits   # this folder: the data, drawn at start
 
 
 def main():
@@ -32,9 +33,9 @@ def main():
     hvd.init()
     tf.keras.utils.set_random_seed(args.seed)
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int64")
+    images, labels = load_digits()
+    x = (images / 16.0).astype("float32")
+    y = labels
     order = np.random.RandomState(0).permutation(len(x))
     x, y = x[order], y[order]
     split = len(x) * 4 // 5

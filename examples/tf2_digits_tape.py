@@ -1,27 +1,28 @@
-"""Data-parallel training with DistributedGradientTape on scikit-learn's digits.
+"""Data-parallel training with DistributedGradientTape on handwriting-like digits.
 
     bpslaunch -np 2 --servers 1 python examples/tf2_digits_tape.py
     python examples/tf2_digits_tape.py            # one process, size 1
 
 Each worker trains on its own shard (rows rank::size) of the training set;
 the gradients are averaged across workers, so every worker holds the same
-weights. Rank 0 prints the test accuracy. The data ships with scikit-learn
-(nothing is downloaded).
+weights. Rank 0 prints the test accuracy. The data is drawn by
+examples/digits_data.py (nothing is downloaded).
 """
 import argparse
 
 import numpy as np
 import tensorflow as tf
 import keras
-from sklearn.datasets import load_digits
 
 import bps_tf as bps
 
+from digits_data import load_digits   # this folder: the data, drawn at start
+
 
 def load_data():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int64")
+    images, labels = load_digits()
+    x = (images / 16.0).astype("float32")
+    y = labels
     order = np.random.RandomState(0).permutation(len(x))   # same on every worker
     x, y = x[order], y[order]
     split = len(x) * 4 // 5

@@ -3,7 +3,6 @@ cluster of 2 workers x 2 servers started without BYTEPS_ENABLE_ASYNC:
 tests/workers/async_checks.py runs the phases and this file checks them."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,6 @@ from cluster_runner import launch  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "async_checks.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytest.importorskip("sklearn")   # the digits data ships with scikit-learn
 
 
 @pytest.fixture(scope="module")

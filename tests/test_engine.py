@@ -171,6 +171,19 @@ def test_a_link_rate_given_to_some_nodes_only_is_named(tmp_path):
     assert proc.returncode != 0
 
 
+def test_a_tensor_of_too_many_partitions_is_refused_naming_both_settings(tmp_path):
+    # 65,536 partitions of 64 bytes: the scheduler refuses the declaration
+    # with the numbers and the two settings that size partitions; the engine
+    # goes on with the next tensor.
+    res, _ = run_checks(tmp_path, "too_many_parts", workers=2, servers=1, part=64)
+    assert sorted(res) == [0, 1]
+    for r in res.values():
+        err = r["error"]
+        assert err and "too_many_parts" in err and "65536 partitions of 64 bytes, more than the 65535" in err, err
+        assert "BYTEPS_PARTITION_BYTES" in err and "BYTEPS_LINK_RATE" in err, err
+        assert r["after"] == [3.0] * 40, r
+
+
 def test_zmq_constants_match_pyzmq():
     zmq = pytest.importorskip("zmq")
     with open(os.path.join(ROOT, "bps_tf", "core", "transport", "zmq_api.h")) as f:

@@ -3,7 +3,7 @@
     bpslaunch -np 2 --servers 2 python tests/workers/async_checks.py OUT_DIR
 
 The cluster starts WITHOUT BYTEPS_ENABLE_ASYNC (keys are asynchronous per
-request). Phases, in order, on scikit-learn's digits (examples/keras_digits.py):
+request). Phases, in order, on the examples' digits (examples/keras_digits.py):
 
 0. "modes": rank 0 asks for mode="async", rank 1 for "sync": both refuse.
 1. "strategy": BytePSStrategy(mode="async"), model.fit unchanged; evaluate,
@@ -30,10 +30,13 @@ os.environ["BYTEPS_LOG_LEVEL"] = "INFO"
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_record import Checks  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples"))
+from digits_data import load_digits  # noqa: E402
 
 import bps_tf  # noqa: E402
 from bps_tf.comm import async_training  # noqa: E402
@@ -44,9 +47,9 @@ BATCH = 32
 
 
 def load_data():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int64")
+    images, labels = load_digits()
+    x = (images / 16.0).astype("float32")
+    y = labels
     order = np.random.RandomState(0).permutation(len(x))
     x, y = x[order], y[order]
     split = len(x) * 4 // 5

@@ -143,6 +143,20 @@ def check_mismatch():
     h1.wait(60)
 
 
+def check_too_many_parts():
+    # 64-byte partitions: a tensor of 2^16 partitions is refused where it is
+    # declared, and a small one after it still sums.
+    h, _ = start("too_many_parts", np.zeros(65536 * 16, np.float32))
+    try:
+        h.wait(60)
+        result["error"] = None
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    h, out = start("after_too_many_parts", np.full(40, rank + 1, np.float32))
+    h.wait(60)
+    result["after"] = out.tolist()
+
+
 def check_timeline():
     """Horovod's start_timeline/stop_timeline: only what ran in between is
     recorded; a second start is refused; a stop with nothing recording is None."""
@@ -321,6 +335,7 @@ def check_join_lost():
 
 
 {"sums": check_sums, "priority": check_priority, "mismatch": check_mismatch,
+ "too_many_parts": check_too_many_parts,
  "rounds": check_rounds, "timeline": check_timeline, "async": check_async, "reduce": check_reduce_ops,
  "join": check_join, "join_lost": check_join_lost}[MODE]()
 result["stats"] = {k: v for k, v in basics.stats().items() if k != "send_log"}

@@ -25,11 +25,16 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   return a;
 }
 
+uint64_t Scheduler::PartBytes(int dtype) const {
+  // Whole elements only: a partition never splits one.
+  uint64_t elem = std::max<uint64_t>(DTypeSize(dtype), 1);
+  return std::max<uint64_t>(elem, (static_cast<uint64_t>(partition_bytes_) / elem) * elem);
+}
+
 std::vector<int> Scheduler::Place(int dtype, uint64_t bytes) {
   std::vector<int> servers;
   if (server_load_.empty()) server_load_.assign(1, 0);
-  uint64_t elem = std::max<uint64_t>(DTypeSize(dtype), 1);
-  uint64_t part = std::max<uint64_t>(elem, (static_cast<uint64_t>(partition_bytes_) / elem) * elem);
+  const uint64_t part = PartBytes(dtype);
   for (uint64_t off = 0; off < bytes; off += part) {
     uint64_t len = std::min(part, bytes - off);
     size_t best = 0;
@@ -80,9 +85,16 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
   std::string invalid;
   if (name.empty() || elem == 0 || bytes < 0 || bytes % static_cast<int64_t>(elem) != 0) {
     invalid = "malformed declaration of tensor '" + name + "'";
-  } else if (static_cast<uint64_t>(bytes) / static_cast<uint64_t>(partition_bytes_) >= kMaxParts) {
-    invalid = "tensor '" + name + "' (" + std::to_string(bytes) + " bytes) needs more than " +
-              std::to_string(kMaxParts) + " partitions; raise BYTEPS_PARTITION_BYTES";
+  } else if ((static_cast<uint64_t>(bytes) + PartBytes(h.dtype) - 1) / PartBytes(h.dtype) >=
+             kMaxParts) {
+    // Each partition's index lives in the low kPartBits of its key.
+    const uint64_t part = PartBytes(h.dtype);
+    const uint64_t parts = (static_cast<uint64_t>(bytes) + part - 1) / part;
+    invalid = "tensor '" + name + "' (" + std::to_string(bytes) + " bytes) needs " +
+              std::to_string(parts) + " partitions of " + std::to_string(part) +
+              " bytes, more than the " + std::to_string(kMaxParts - 1) +
+              " a tensor may have; raise BYTEPS_PARTITION_BYTES (or BYTEPS_LINK_RATE, which "
+              "sizes it)";
   }
   if (!invalid.empty()) {
     Config c;
