@@ -12,7 +12,9 @@ alone; bpslaunch runs it inside server 0), S servers and N workers
 checked, one round per --interval seconds). Measured:
 
 * start: from launching the first process until every worker had imported
-  numpy and bps_tf (Python's cost, not the control plane's);
+  numpy and bps_tf (Python's cost, not the control plane's); its floor is
+  the CPU seconds of those starts over the cores: no control plane forms
+  the job sooner on this machine;
 * form: from launching the first process until every worker's init()
   returned; "form after last" is the control plane's own part: from the
   moment the last worker called init() (its HELLO) until every worker was
@@ -58,6 +60,7 @@ from bps_tf.launch.control import SchedulerLink  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 WORKER = str(common.WORKERS_DIR / "scale_worker.py")
+CORES = os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------ /proc
@@ -253,6 +256,8 @@ ROWS = (("processes", lambda r: r["workers"] + r["servers"] + 1),
         ("first sum s", lambda r: r["first_sum_s"]),
         ("round ms", lambda r: r["round_ms_median"]),
         ("CPU s: workers' start", lambda r: r["workers_cpu_s_import"]),
+        # Forming cannot take less on this machine, whatever the control plane does.
+        ("start floor s (that CPU / the cores)", lambda r: r["workers_cpu_s_import"] / CORES),
         ("CPU s: workers' init()", lambda r: r["workers_cpu_s_init"]),
         ("CPU s: workers' first round", lambda r: r["workers_cpu_s_first_round"]),
         ("CPU s: servers until first sum", lambda r: r["servers_cpu_s_to_first_sum"]),
