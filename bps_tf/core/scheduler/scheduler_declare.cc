@@ -82,14 +82,13 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
   int rank = nodes_[from].id;
   int64_t bytes = kv.GetInt("bytes", -1);
   size_t elem = DTypeSize(h.dtype);
+  // Each partition's index lives in the low kPartBits of its key.
+  const uint64_t part = PartBytes(h.dtype);
+  const uint64_t parts = bytes < 0 ? 0 : (static_cast<uint64_t>(bytes) + part - 1) / part;
   std::string invalid;
   if (name.empty() || elem == 0 || bytes < 0 || bytes % static_cast<int64_t>(elem) != 0) {
     invalid = "malformed declaration of tensor '" + name + "'";
-  } else if ((static_cast<uint64_t>(bytes) + PartBytes(h.dtype) - 1) / PartBytes(h.dtype) >=
-             kMaxParts) {
-    // Each partition's index lives in the low kPartBits of its key.
-    const uint64_t part = PartBytes(h.dtype);
-    const uint64_t parts = (static_cast<uint64_t>(bytes) + part - 1) / part;
+  } else if (parts >= kMaxParts) {
     invalid = "tensor '" + name + "' (" + std::to_string(bytes) + " bytes) needs " +
               std::to_string(parts) + " partitions of " + std::to_string(part) +
               " bytes, more than the " + std::to_string(kMaxParts - 1) +
