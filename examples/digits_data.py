@@ -6,7 +6,8 @@ moves the stroke points a little, then slants, rotates, scales and shifts the
 whole digit, draws it with a pen of random width on a 32x32 grid and counts
 the inked pixels of each 4x4 block: 8x8 images with values 0..16, the layout
 of the classic optical-digits benchmark. The same seed gives the same data
-on every worker and every machine.
+on every worker (on CPUs whose float32 matrix products round differently,
+a pixel on the edge of a stroke may differ: never the sizes or the labels).
 
 Why not a dataset package: scikit-learn (where such digits usually come
 from) makes every ``import tensorflow`` about 1.5 s slower once it is
