@@ -78,11 +78,6 @@ _RETIRE_WHY = ("TensorFlow frees a multi-device iterator's dataset before it sto
 # Kept on the epoch iterator itself: what it keeps (the generator's frame)
 # refers back to it, so a table beside it would keep both alive for ever.
 _RETIRED_ATTR = "_bps_tf_retired"
-# Only where every iter() starts a pipeline of its own (arrays, a
-# tf.data.Dataset): an iterator kept over a Python generator would go on
-# taking that generator's batches from the epoch's. A Keras that renames
-# these keeps its own reset.
-_REITERABLE_ADAPTERS = ("ArrayDataAdapter", "TFDatasetAdapter")
 
 
 def _retiring(attr):
@@ -127,8 +122,7 @@ def _iterator_reset(original):
     def reset(self):
         dropped = (CURRENT_ITERATOR.get(self), EPOCH_GENERATOR.get(self))
         original(self)
-        if (type(ADAPTER.get(self)).__name__ in _REITERABLE_ADAPTERS and
-                any(d is not None for d in dropped)):
+        if any(d is not None for d in dropped):
             object.__setattr__(self, _RETIRED_ATTR, dropped)   # frees the previous reset's
         if self in _unsized:
             NUM_BATCHES.set(self, None)
