@@ -45,17 +45,6 @@ def test_a_reset_keeps_the_dropped_iterator_until_the_next_reset():
     assert current() is None and generator() is None   # released one reset later
 
 
-def test_an_epoch_iterator_reset_by_it_is_still_freed_with_what_it_kept():
-    cls = roles.epoch_iterator_class()
-    reset = epoch_length._iterator_reset(cls.reset)
-    epoch, current, generator = _peeked(cls)
-    reset(epoch)
-    owner = weakref.ref(epoch)
-    del epoch
-    gc.collect()
-    assert owner() is None and current() is None and generator() is None
-
-
 def test_without_it_keras_drops_the_iterator_at_once():
     # What the wrapper changes: Keras' own reset frees the peeked iterator.
     cls = roles.epoch_iterator_class()

@@ -75,9 +75,7 @@ STEPS = _attribute("steps_per_epoch", "read: whether the user chose the epoch's 
 _RETIRE_WHY = ("TensorFlow frees a multi-device iterator's dataset before it stops the "
                "iterator's prefetch thread: an iterator Keras drops right after its first batch "
                "can crash the process")
-# Kept on the epoch iterator itself: what it keeps (the generator's frame)
-# refers back to it, so a table beside it would keep both alive for ever.
-_RETIRED_ATTR = "_bps_tf_retired"
+_retired: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _retiring(attr):
@@ -123,7 +121,7 @@ def _iterator_reset(original):
         dropped = (CURRENT_ITERATOR.get(self), EPOCH_GENERATOR.get(self))
         original(self)
         if any(d is not None for d in dropped):
-            object.__setattr__(self, _RETIRED_ATTR, dropped)   # frees the previous reset's
+            _retired[self] = dropped   # frees the previous reset's
         if self in _unsized:
             NUM_BATCHES.set(self, None)
     return reset
