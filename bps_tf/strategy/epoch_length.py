@@ -64,30 +64,6 @@ STRATEGY = _attribute("_distribute_strategy", "read: whether the epoch is a Byte
 ADAPTER = _attribute("data_adapter", "read: whether the data is a user's tf.data.Dataset")
 STEPS = _attribute("steps_per_epoch", "read: whether the user chose the epoch's length")
 
-# TensorFlow's multi-device iterator (tf.distribute's input under several
-# workers) releases its dataset before it stops its prefetch thread, so one
-# dropped while that thread is inside a GetNext can crash the process
-# (SIGSEGV in MultiDeviceBuffer::BackgroundThread, seen in an elastic
-# evaluate). Keras drops one exactly then: fit and evaluate peek at a first
-# batch to build the model and reset the epoch iterator at once, while the
-# thread fetches the next. A reset here keeps what it drops until the same
-# epoch iterator's next reset or its end, when that thread has long parked.
-_RETIRE_WHY = ("TensorFlow frees a multi-device iterator's dataset before it stops the "
-               "iterator's prefetch thread: an iterator Keras drops right after its first batch "
-               "can crash the process")
-_retired: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _retiring(attr):
-    return PrivateAttribute(f"keras epoch iterator.{attr}", GROUP, roles.epoch_iterator_class,
-                            attr, ("__init__",), roles.EPOCH_ITERATOR_ROLE,
-                            changes="read at reset: what the reset drops is kept until the "
-                                    "next reset", why=_RETIRE_WHY, when_missing="fallback")
-
-
-CURRENT_ITERATOR = _retiring("_current_iterator")
-EPOCH_GENERATOR = _retiring("_epoch_iterator")
-
 
 def _iterator_method(attr):
     locate = lambda: (hooks.defining_class(roles.epoch_iterator_class(), attr), attr)  # noqa
@@ -111,17 +87,13 @@ def _iterator_init(original):
 
 
 @hooks.register("keras epoch iterator.reset", GROUP, _iterator_method("reset"),
-                changes="keeps such an epoch unsized when Keras reads the local count again; "
-                        "keeps the iterators it drops until the next reset",
+                changes="keeps such an epoch unsized when Keras reads the local count again",
                 why=_WHY, when_missing="fallback", private=True,
                 found_by="role: " + roles.EPOCH_ITERATOR_ROLE)
 def _iterator_reset(original):
     @functools.wraps(original)
     def reset(self):
-        dropped = (CURRENT_ITERATOR.get(self), EPOCH_GENERATOR.get(self))
         original(self)
-        if any(d is not None for d in dropped):
-            _retired[self] = dropped   # frees the previous reset's
         if self in _unsized:
             NUM_BATCHES.set(self, None)
     return reset
