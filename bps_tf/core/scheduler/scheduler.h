@@ -233,8 +233,6 @@ class Scheduler {
   // Each partition of a tensor of `bytes` to the server with the fewest
   // bytes so far (server_load_).
   std::vector<int> Place(int dtype, uint64_t bytes);
-  // The bytes of each partition of a tensor of `dtype` (the last may be shorter).
-  uint64_t PartBytes(int dtype) const;
 
   // Elastic servers (scheduler_servers.cc). A server that is lost, leaves
   // or joins changes the membership as a worker does: the epoch that

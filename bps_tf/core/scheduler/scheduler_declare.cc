@@ -25,16 +25,10 @@ Scheduler::Assignment Scheduler::Assign(const std::string& name, const std::stri
   return a;
 }
 
-uint64_t Scheduler::PartBytes(int dtype) const {
-  // Whole elements only: a partition never splits one.
-  uint64_t elem = std::max<uint64_t>(DTypeSize(dtype), 1);
-  return std::max<uint64_t>(elem, (static_cast<uint64_t>(partition_bytes_) / elem) * elem);
-}
-
 std::vector<int> Scheduler::Place(int dtype, uint64_t bytes) {
   std::vector<int> servers;
   if (server_load_.empty()) server_load_.assign(1, 0);
-  const uint64_t part = PartBytes(dtype);
+  const uint64_t part = PartitionBytes(partition_bytes_, DTypeSize(dtype));
   for (uint64_t off = 0; off < bytes; off += part) {
     uint64_t len = std::min(part, bytes - off);
     size_t best = 0;
@@ -83,7 +77,7 @@ void Scheduler::OnDeclare(const Peer& from, const FrameHeader& h, const Config& 
   int64_t bytes = kv.GetInt("bytes", -1);
   size_t elem = DTypeSize(h.dtype);
   // Each partition's index lives in the low kPartBits of its key.
-  const uint64_t part = PartBytes(h.dtype);
+  const uint64_t part = PartitionBytes(partition_bytes_, elem);
   const uint64_t parts = bytes < 0 ? 0 : (static_cast<uint64_t>(bytes) + part - 1) / part;
   std::string invalid;
   if (name.empty() || elem == 0 || bytes < 0 || bytes % static_cast<int64_t>(elem) != 0) {

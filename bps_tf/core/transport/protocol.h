@@ -150,6 +150,14 @@ constexpr uint64_t kMaxParts = 1ULL << kPartBits;
 // sends the same default, so this is only a fallback for direct core users.
 constexpr int64_t kDefaultPartitionBytes = 1 << 20;
 inline uint64_t PartKey(uint64_t tensor_key, uint64_t part) { return tensor_key | part; }
+// The bytes of each partition (the last may be shorter) of a tensor whose
+// elements are `elem` bytes: whole elements only, a partition never splits
+// one. The scheduler places and counts partitions by it, workers cut by it.
+inline uint64_t PartitionBytes(uint64_t partition_bytes, uint64_t elem) {
+  elem = elem == 0 ? 1 : elem;
+  const uint64_t whole = (partition_bytes / elem) * elem;
+  return whole > elem ? whole : elem;
+}
 
 // Asynchronous keys (parameter-server training): the server holds the
 // value, adds each push to it and answers that push at once with the value

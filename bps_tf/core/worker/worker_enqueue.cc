@@ -299,8 +299,7 @@ void WorkerEngine::OnDeclared(uint64_t request_id, const Config& kv) {
       auto waiters = declaring_[sigkey];
       if (!waiters.empty()) {
         const Task* t = waiters.front();
-        uint64_t elem = DTypeSize(t->dtype);
-        info->part_bytes = std::max<uint64_t>(elem, (partition_bytes_ / elem) * elem);
+        info->part_bytes = PartitionBytes(partition_bytes_, DTypeSize(t->dtype));
       }
     }
     // A refused declaration is not kept: the next call under this name (the
