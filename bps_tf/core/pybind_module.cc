@@ -20,6 +20,7 @@
 #include "scheduler/launcher_link.h"
 #include "scheduler/scheduler.h"
 #include "server/reply_scheduler.h"
+#include "transport/channel.h"
 #include "transport/cipher_pool.h"
 #include "transport/curve_check.h"
 #include "transport/link_cipher.h"
@@ -162,6 +163,8 @@ void AddCompressors(py::module_& m) {
   });
   m.def("stream_seed", &bps::StreamSeed);
   m.def("wakeup_lost_count", &bps::WakeupLostCount, py::arg("items"), py::arg("timeout_ms"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("channel_slow_waits", &bps::ChannelSlowWaits, py::arg("rounds"), py::arg("timeout_ms"),
         py::call_guard<py::gil_scoped_release>());
   // Internal, for tests: the scheduler's rule naming the last worker to join.
   m.def("last_to_join", &bps::LastToJoin, py::arg("order"));

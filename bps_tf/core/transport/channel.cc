@@ -4,13 +4,17 @@
 // record each way first, then every message sealed (link_cipher.h).
 #include "transport/channel.h"
 
+#include <poll.h>
+
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <vector>
 
 #include "common/common.h"
 #include "common/stats.h"
+#include "transport/channel_link.h"
 #include "transport/local_links.h"
 #include "transport/sealed_links.h"
 #include "transport/security.h"
@@ -19,24 +23,7 @@ namespace bps {
 
 namespace {
 
-// A closed connection in the middle of a handshake has an innocent cause
-// now and then (the peer was restarting); the same failure again and again
-// means the two ends cannot agree.
-constexpr int kFailuresBeforeRefusal = 3;
-
-struct Link {
-  std::unique_ptr<Socket> socket;         // null once closed
-  std::unique_ptr<HandshakeWatch> watch;  // declared after: destroyed first
-  bool routed = false;                    // the listening link
-  bool sealed = false;                    // its messages go through SealedLinks
-  std::string endpoint;
-  int failures_in_a_row = 0;
-  bool connected = false;  // a connection was made (kEventConnected)
-  // What the last Wait found readable: only those are read, so a node with
-  // hundreds of links does not try each one at every wake-up.
-  bool readable = true, watch_readable = true;
-  bool dropped = false;  // its connection broke since it was up (Dropped)
-};
+using Link = ChannelLink;
 
 // Marks an alert: an ERROR a listening end seals to a peer whose message it
 // rejected, read by the peer's channel (never by an engine). Headers the
@@ -70,6 +57,8 @@ class ZmqChannel : public Channel {
     if (IsIpcEndpoint(endpoint)) l.socket->SetReconnectInterval(-1);
     SecurityOf(endpoint).ApplyClient(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get(), /*drops=*/true));
+    l.fd = SocketSignalFd(l.socket->get());
+    l.watch_fd = SocketSignalFd(l.watch->socket());
     l.endpoint = endpoint;
     l.sealed = SecurityOf(endpoint).sealed();
     l.socket->Connect(endpoint);
@@ -85,6 +74,7 @@ class ZmqChannel : public Channel {
     // there before the first peer can reach the port.
     if (security_.mode != LinkSecurity::Mode::kNone && !zap_) {
       zap_.reset(new ZapHandler(ctx_, security_, local_security_));
+      zap_fd_ = SocketSignalFd(zap_->socket());
     }
     Link l;
     l.socket.reset(new Socket(ctx_, zmqc::kRouter));
@@ -95,6 +85,8 @@ class ZmqChannel : public Channel {
     l.socket->SetMaxMsgSize(max_message_bytes);
     SecurityOf(endpoint).ApplyServer(l.socket->get());
     l.watch.reset(new HandshakeWatch(ctx_, l.socket.get()));
+    l.fd = SocketSignalFd(l.socket->get());
+    l.watch_fd = SocketSignalFd(l.watch->socket());
     l.sealed = SecurityOf(endpoint).sealed();
     *bound = l.endpoint = l.socket->Bind(endpoint);  // a failure leaves no link behind
     links_.push_back(std::move(l));
@@ -103,7 +95,7 @@ class ZmqChannel : public Channel {
 
   bool SendShared(const Peer& to, const FrameHeader& header, Msg&& payload,
                   SharedSealSlot* slot) override {
-    Socket* s = Open(to.link);
+    Socket* s = SendingOn(to.link);
     if (!s) return false;
     FrameHeader h = header;
     h.payload_bytes = payload.size();
@@ -136,23 +128,41 @@ class ZmqChannel : public Channel {
   }
 
   bool Wait(long timeout_ms) override {
-    items_.clear();
-    items_.push_back({nullptr, wake_->fd(), zmqc::kPollIn, 0});
-    if (zap_) items_.push_back({zap_->socket(), 0, zmqc::kPollIn, 0});
+    // One poll(2) over the signal fds, then libzmq is asked only about the
+    // sockets that signalled or were sent on. zmq_poll asks every socket
+    // before and after it waits, a system call each: with 32 servers, two
+    // sockets each, that was most of a worker's CPU at 256 workers.
+    bool pending = false;
     for (auto& l : links_) {
       if (!l.socket) continue;
-      items_.push_back({l.socket->get(), 0, zmqc::kPollIn, 0});
-      items_.push_back({l.watch->socket(), 0, zmqc::kPollIn, 0});
+      if (l.sent || l.fd < 0) l.readable = l.readable || SocketHasInput(l.socket->get());
+      if (l.watch_fd < 0) l.watch_readable = l.watch_readable || SocketHasInput(l.watch->socket());
+      l.sent = false;
+      pending = pending || l.readable || l.watch_readable;
     }
-    if (zmq_poll(items_.data(), static_cast<int>(items_.size()), timeout_ms) < 0) {
-      return zmq_errno() == EINTR;
+    fds_.clear();
+    fds_.push_back({wake_->fd(), POLLIN, 0});
+    if (zap_) fds_.push_back({zap_fd_, POLLIN, 0});
+    for (auto& l : links_) {
+      if (!l.socket) continue;
+      fds_.push_back({l.fd, POLLIN, 0});
+      fds_.push_back({l.watch_fd, POLLIN, 0});
     }
-    if (items_[0].revents) wake_->Drain();
+    const int n = poll(fds_.data(), fds_.size(), pending ? 0 : static_cast<int>(timeout_ms));
+    if (n < 0) return errno == EINTR;
+    if (fds_[0].revents) wake_->Drain();
+    // Now and then a wait that found nothing asks every socket: a signal
+    // this bookkeeping missed costs a moment, never a hang.
+    const auto now = std::chrono::steady_clock::now();
+    const bool sweep = n == 0 && !pending && now - last_sweep_ > std::chrono::milliseconds(100);
+    if (sweep) last_sweep_ = now;
     size_t k = zap_ ? 2 : 1;
     for (auto& l : links_) {
       if (!l.socket) continue;
-      l.readable = items_[k++].revents != 0;
-      l.watch_readable = items_[k++].revents != 0;
+      if ((fds_[k++].revents || sweep) && !l.readable) l.readable = SocketHasInput(l.socket->get());
+      if ((fds_[k++].revents || sweep) && !l.watch_readable) {
+        l.watch_readable = SocketHasInput(l.watch->socket());
+      }
     }
     CheckHandshakes();
     return true;
@@ -211,40 +221,16 @@ class ZmqChannel : public Channel {
     return links_[static_cast<size_t>(link)].socket.get();
   }
 
+  // The socket of `link`, to send on (Wait asks it again, Link::sent).
+  Socket* SendingOn(int link) {
+    Socket* s = Open(link);
+    if (s) links_[static_cast<size_t>(link)].sent = true;
+    return s;
+  }
+
   void CheckHandshakes() {
     if (zap_) zap_->Serve();
-    for (Link& l : links_) {
-      HandshakeEvent e;
-      while (l.watch && l.watch_readable && l.watch->Next(&e)) {
-        if (e.dropped()) {
-          if (!l.routed) l.dropped = true;
-        } else if (e.connection()) {
-          l.connected = true;
-          if (!IsIpcEndpoint(l.endpoint)) CapUnsentBytes(static_cast<int>(e.value), unsent_cap_);
-        } else if (e.closed()) {
-          // A TCP attempt is retried; a Unix-socket link that never connected
-          // is not (Connect), and what it queues would wait forever.
-          if (!l.routed && !l.connected && IsIpcEndpoint(l.endpoint) && refusal_.empty()) {
-            refusal_ = UnixLinkGaveUp(l.endpoint);
-          }
-        } else if (!e.failed()) {
-          l.failures_in_a_row = 0;
-        } else if (l.routed) {
-          uint64_t n = ++Stats::Get().connections_refused;
-          // An intruder retrying must not flood the log: the first refusal
-          // says why, the count comes at exit.
-          if (n == 1) {
-            BPS_LOG(kWarning, "refused a connection on " << l.endpoint << ": "
-                                  << ExplainHandshakeFailure(e, SecurityOf(l.endpoint), false));
-          }
-        } else if (++l.failures_in_a_row >= kFailuresBeforeRefusal || e.definitive()) {
-          if (refusal_.empty()) {
-            refusal_ = "the connection to " + l.endpoint + " was refused: " +
-                       ExplainHandshakeFailure(e, SecurityOf(l.endpoint), true);
-          }
-        }
-      }
-    }
+    for (Link& l : links_) l.TakeWatchEvents(SecurityOf(l.endpoint), unsent_cap_, &refusal_);
   }
 
   // [route] [header] [payload] on the listening link, [header] [payload]
@@ -374,7 +360,7 @@ class ZmqChannel : public Channel {
       std::vector<Msg> frames;
       frames.emplace_back(from.route.data(), from.route.size());
       cipher->Seal(alert, Msg(text.data(), text.size()), &frames);
-      links_[static_cast<size_t>(link)].socket->SendFrames(&frames);
+      SendingOn(link)->SendFrames(&frames);
     }
     sealed_->Forget(link, from.route);
     return false;
@@ -411,7 +397,7 @@ class ZmqChannel : public Channel {
 
   // One frame (a record) to a peer, never sealed.
   void SendRecord(const Peer& to, Msg&& record) {
-    Socket* s = Open(to.link);
+    Socket* s = SendingOn(to.link);
     if (!s) return;
     std::vector<Msg> frames;
     if (links_[static_cast<size_t>(to.link)].routed) frames.emplace_back(to.route.data(), to.route.size());
@@ -454,7 +440,7 @@ class ZmqChannel : public Channel {
       h.version = version;
       h.payload_bytes = why.size();
       // In clear: a node of another release reads no sealed message.
-      Socket* s = Open(link);
+      Socket* s = SendingOn(link);
       std::vector<Msg> frames;
       frames.emplace_back(from.route.data(), from.route.size());
       frames.emplace_back(&h, sizeof(h));
@@ -482,7 +468,9 @@ class ZmqChannel : public Channel {
   std::unique_ptr<ZapHandler> zap_;  // answers for the listening link
   std::unique_ptr<SealedLinks> sealed_;  // with BYTEPS_ENCRYPTION=1
   std::vector<Link> links_;
-  std::vector<zmq_pollitem_t> items_;
+  int zap_fd_ = -1;  // zap_'s signal fd
+  std::vector<pollfd> fds_;  // what Wait polls
+  std::chrono::steady_clock::time_point last_sweep_;
   std::vector<Msg> frames_;
   std::string refusal_;
   std::set<std::string> foreign_peers_;  // link/route of peers already told

@@ -105,6 +105,13 @@ class Channel {
 std::unique_ptr<Channel> MakeZmqChannel(int io_threads, Wakeup* wake,
                                         const LinkSecurity& security, int unsent_cap = 0);
 
+// Checks Wait against lost signals: two channels in this thread ping-pong
+// `rounds` times over loopback TCP, and the side that got an answer sends
+// once more before it waits for it (a send takes in libzmq's signal of the
+// answer). Returns how many waits took over half of `timeout_ms` for a
+// message that was there (0 when none was lost; it stops at 3).
+long ChannelSlowWaits(long rounds, long timeout_ms);
+
 }  // namespace bps
 
 #endif  // BPS_TF_CORE_TRANSPORT_CHANNEL_H_

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <random>
 
 #include "transport/transport.h"
@@ -59,7 +60,18 @@ bool AbstractEndpointListed(const std::string& endpoint) {
   return !ListedNames("", endpoint.substr(6)).empty();  // "@...", as /proc/net/unix lists it
 }
 
-std::set<std::string> ListedServerSockets() { return ListedNames(kServerSocketPrefix, ""); }
+std::set<std::string> ListedServerSockets(const std::vector<std::string>& wanted) {
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  bool known = !wanted.empty();
+  for (const auto& name : wanted) known = known && seen.count(name) != 0;
+  if (!known) {
+    std::set<std::string> listed = ListedNames(kServerSocketPrefix, "");
+    seen.insert(listed.begin(), listed.end());
+  }
+  return seen;
+}
 
 std::string UnixLinkGaveUp(const std::string& endpoint) {
   return "could not connect to the Unix socket " + endpoint +

@@ -7,6 +7,7 @@
 
 #include <set>
 #include <string>
+#include <vector>
 
 #include "common/common.h"
 
@@ -31,10 +32,15 @@ std::string NewServerSocketEndpoint();
 // a name that only looked local.
 bool AbstractEndpointListed(const std::string& endpoint);
 
-// Every servers' Unix socket listed in /proc/net/unix now ("@bps_tf-server-..."),
+// Every servers' Unix socket listed in /proc/net/unix ("@bps_tf-server-..."),
 // read once: the file lists every Unix socket of the namespace, so reading
-// it per server cost each of N workers S reads of O(N x S) lines.
-std::set<std::string> ListedServerSockets();
+// it per server cost each of N workers S reads of O(N x S) lines. Names
+// this process saw listed before count as listed, and the file is read
+// only when one of `wanted` ("@..." names) is not among them: a name holds
+// its server's pid and 64 random bits, so it is that server's for good,
+// and a restarted membership (elastic) that reaches the same servers reads
+// nothing (at 256 workers + 32 servers the file has 16,000 lines).
+std::set<std::string> ListedServerSockets(const std::vector<std::string>& wanted = {});
 
 // Why a Unix-socket link this node opened was lost before it ever
 // connected (libzmq never retries one, channel.cc): the listener's queue

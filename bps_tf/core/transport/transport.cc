@@ -242,4 +242,17 @@ long WakeupLostCount(long items, int timeout_ms) {
   return lost;
 }
 
+bool SocketHasInput(void* socket) {
+  int events = 0;
+  size_t len = sizeof(events);
+  return zmq_getsockopt(socket, zmqc::kEvents, &events, &len) == 0 &&
+         (events & zmqc::kPollIn) != 0;
+}
+
+int SocketSignalFd(void* socket) {
+  int fd = -1;
+  size_t len = sizeof(fd);
+  return zmq_getsockopt(socket, zmqc::kFd, &fd, &len) == 0 ? fd : -1;
+}
+
 }  // namespace bps

@@ -96,7 +96,15 @@ class Socket {
   void* sock_;
 };
 
-// An eventfd that makes zmq_poll return when another thread has work.
+// Whether libzmq holds a message to read on `socket` now (ZMQ_EVENTS).
+// Asking takes in the commands its signal fd announced, which clears it.
+bool SocketHasInput(void* socket);
+// The fd libzmq signals when `socket` may have something new (ZMQ_FD):
+// readable then, but a send or receive on the socket can take the signal
+// in without a message being read; -1 if none.
+int SocketSignalFd(void* socket);
+
+// An eventfd that makes a poll(2) return when another thread has work.
 class Wakeup {
  public:
   Wakeup();
