@@ -7,7 +7,6 @@
 #include <poll.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <set>
 #include <vector>
@@ -135,8 +134,7 @@ class ZmqChannel : public Channel {
     bool pending = false;
     for (auto& l : links_) {
       if (!l.socket) continue;
-      if (l.sent || l.fd < 0) l.readable = l.readable || SocketHasInput(l.socket->get());
-      if (l.watch_fd < 0) l.watch_readable = l.watch_readable || SocketHasInput(l.watch->socket());
+      if (l.sent) l.readable = l.readable || SocketHasInput(l.socket->get());
       l.sent = false;
       pending = pending || l.readable || l.watch_readable;
     }
@@ -153,9 +151,8 @@ class ZmqChannel : public Channel {
     if (fds_[0].revents) wake_->Drain();
     // Now and then a wait that found nothing asks every socket: a signal
     // this bookkeeping missed costs a moment, never a hang.
-    const auto now = std::chrono::steady_clock::now();
-    const bool sweep = n == 0 && !pending && now - last_sweep_ > std::chrono::milliseconds(100);
-    if (sweep) last_sweep_ = now;
+    const bool sweep = n == 0 && !pending && SecondsSince(last_sweep_) > 0.1;
+    if (sweep) last_sweep_ = Clock::now();
     size_t k = zap_ ? 2 : 1;
     for (auto& l : links_) {
       if (!l.socket) continue;
@@ -470,7 +467,7 @@ class ZmqChannel : public Channel {
   std::vector<Link> links_;
   int zap_fd_ = -1;  // zap_'s signal fd
   std::vector<pollfd> fds_;  // what Wait polls
-  std::chrono::steady_clock::time_point last_sweep_;
+  Clock::time_point last_sweep_;
   std::vector<Msg> frames_;
   std::string refusal_;
   std::set<std::string> foreign_peers_;  // link/route of peers already told

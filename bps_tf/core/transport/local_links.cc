@@ -6,6 +6,7 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -60,7 +61,24 @@ bool AbstractEndpointListed(const std::string& endpoint) {
   return !ListedNames("", endpoint.substr(6)).empty();  // "@...", as /proc/net/unix lists it
 }
 
-std::set<std::string> ListedServerSockets(const std::vector<std::string>& wanted) {
+namespace {
+// Server s's Unix-socket endpoint from the WELCOME when the server runs on
+// `machine` (MachineNetnsId()), else "".
+std::string SameMachineSocket(const Config& welcome, int s, const std::string& machine) {
+  const std::string key = "server." + std::to_string(s);
+  const std::string ipc = welcome.Get(key + ".local");
+  const bool same = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
+  return same ? ipc : "";
+}
+}  // namespace
+
+std::set<std::string> ListedServerSockets(const Config& welcome, int num_servers,
+                                          const std::string& machine) {
+  std::vector<std::string> wanted;  // "@..." names, as /proc/net/unix lists them
+  for (int s = 0; s < num_servers; ++s) {
+    const std::string ipc = SameMachineSocket(welcome, s, machine);
+    if (IsIpcEndpoint(ipc)) wanted.push_back(ipc.substr(6));
+  }
   static std::mutex mu;
   static std::set<std::string> seen;
   std::lock_guard<std::mutex> lock(mu);
@@ -83,9 +101,8 @@ std::string UnixLinkGaveUp(const std::string& endpoint) {
 
 std::string ServerEndpoint(const Config& welcome, int s, const std::string& machine,
                            bool* local, const std::set<std::string>* listed) {
-  const std::string key = "server." + std::to_string(s);
-  const std::string ipc = welcome.Get(key + ".local");
-  *local = !machine.empty() && !ipc.empty() && welcome.Get(key + ".machine") == machine;
+  const std::string ipc = SameMachineSocket(welcome, s, machine);
+  *local = !ipc.empty();
   const bool found = listed ? IsIpcEndpoint(ipc) && listed->count(ipc.substr(6)) != 0
                             : AbstractEndpointListed(ipc);
   if (*local && !found) {
@@ -93,7 +110,7 @@ std::string ServerEndpoint(const Config& welcome, int s, const std::string& mach
                                  << " is not visible here; reaching it over TCP");
     *local = false;
   }
-  return *local ? ipc : welcome.Get(key);
+  return *local ? ipc : welcome.Get("server." + std::to_string(s));
 }
 
 }  // namespace bps

@@ -7,7 +7,6 @@
 
 #include <set>
 #include <string>
-#include <vector>
 
 #include "common/common.h"
 
@@ -36,11 +35,13 @@ bool AbstractEndpointListed(const std::string& endpoint);
 // read once: the file lists every Unix socket of the namespace, so reading
 // it per server cost each of N workers S reads of O(N x S) lines. Names
 // this process saw listed before count as listed, and the file is read
-// only when one of `wanted` ("@..." names) is not among them: a name holds
+// only when the socket of one of the WELCOME's servers on `machine`
+// (MachineNetnsId()) is not among them: a name holds
 // its server's pid and 64 random bits, so it is that server's for good,
 // and a restarted membership (elastic) that reaches the same servers reads
 // nothing (at 256 workers + 32 servers the file has 16,000 lines).
-std::set<std::string> ListedServerSockets(const std::vector<std::string>& wanted = {});
+std::set<std::string> ListedServerSockets(const Config& welcome, int num_servers,
+                                          const std::string& machine);
 
 // Why a Unix-socket link this node opened was lost before it ever
 // connected (libzmq never retries one, channel.cc): the listener's queue

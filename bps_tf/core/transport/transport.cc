@@ -252,7 +252,10 @@ bool SocketHasInput(void* socket) {
 int SocketSignalFd(void* socket) {
   int fd = -1;
   size_t len = sizeof(fd);
-  return zmq_getsockopt(socket, zmqc::kFd, &fd, &len) == 0 ? fd : -1;
+  if (zmq_getsockopt(socket, zmqc::kFd, &fd, &len) != 0) {
+    throw Error(ZmqError("reading a socket's signal fd"));
+  }
+  return fd;
 }
 
 }  // namespace bps

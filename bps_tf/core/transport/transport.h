@@ -101,7 +101,7 @@ class Socket {
 bool SocketHasInput(void* socket);
 // The fd libzmq signals when `socket` may have something new (ZMQ_FD):
 // readable then, but a send or receive on the socket can take the signal
-// in without a message being read; -1 if none.
+// in without a message being read. Throws Error if libzmq has none.
 int SocketSignalFd(void* socket);
 
 // An eventfd that makes a poll(2) return when another thread has work.

@@ -225,14 +225,8 @@ void WorkerEngine::OnWelcome(const Config& w) {
   std::string id = "data-worker-" + std::to_string(rank_) + "-" + std::to_string(getpid()) +
                    (epoch_ ? "-e" + std::to_string(epoch_) : "");
   const std::string machine = enable_ipc_ ? MachineNetnsId() : "";
-  std::vector<std::string> wanted;  // the Unix sockets of this machine's servers
-  for (int s = 0; !machine.empty() && s < num_servers_; ++s) {
-    const std::string key = "server." + std::to_string(s);
-    const std::string ipc = w.Get(key + ".local");
-    if (IsIpcEndpoint(ipc) && w.Get(key + ".machine") == machine) wanted.push_back(ipc.substr(6));
-  }
-  const std::set<std::string> listed = machine.empty() ? std::set<std::string>()
-                                                       : ListedServerSockets(wanted);
+  const std::set<std::string> listed =
+      machine.empty() ? std::set<std::string>() : ListedServerSockets(w, num_servers_, machine);
   server_ids_.clear();
   for (int s = 0; s < num_servers_; ++s) {
     bool local = false;
