@@ -230,3 +230,49 @@ def test_job_whose_training_finished_exits_0_while_a_replacement_starts(default_
     assert [(e["launch_id"], e["w"]) for e in done] == [("0", 60.0)], done
     end = proc.stderr.strip().splitlines()[-1]
     assert "job finished" in end and "worker 4 SIGTERM" in end, end
+
+
+LEAVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                      "elastic_leaver_pending.py")
+
+
+def test_a_leaver_still_waiting_when_the_others_restart_fails_at_once_and_exits_0(tmp_path):
+    # The others restart after the commit's agreement (an agreed change:
+    # nothing of theirs is failed). A worker that leaves at that commit may
+    # still wait for an operation of the old epoch; the servers drop what
+    # they still had queued for it when the new epoch starts, so only the
+    # scheduler's notice can end that wait. Before, it waited until the
+    # scheduler was gone (seen as a 2-minute failure of a removed host's job).
+    wait_s = 40 * TIMEOUT_SCALE
+    proc = subprocess.run(
+        [sys.executable, "-m", "bps_tf.launch", "-np", "3", "--servers", "1",
+         "--min-np", "2", "--max-np", "3", "--timeout", str(int(90 * TIMEOUT_SCALE)),
+         sys.executable, LEAVER, str(tmp_path), str(wait_s)],
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, capture_output=True,
+        text=True, timeout=int(90 * TIMEOUT_SCALE) + 30, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, _tail(proc)
+    got = {}
+    for launch in ("0", "1", "2"):
+        with open(os.path.join(str(tmp_path), f"w{launch}.json")) as f:
+            got[launch] = json.load(f)
+    assert all(got[w]["first"] == 6.0 for w in got), got
+    # bpslaunch starts a replacement for the leaver, which may join the new
+    # epoch: every member of it has the sum of its ranks + 1, the leaver's
+    # push in none.
+    size = got["0"]["size_after"]
+    for stayer in ("0", "1"):
+        assert got[stayer]["agreed"] == 3.0 and got[stayer]["size_after"] == size, got
+        assert got[stayer]["after"] == size * (size + 1) / 2, got
+    newcomer = os.path.join(str(tmp_path), "w3.json")
+    if size == 3:
+        with open(newcomer) as f:
+            assert json.load(f)["after"] == 6.0
+    else:
+        assert size == 2 and not os.path.exists(newcomer), got
+    leaver = got["2"]
+    assert leaver["asked"] and leaver["leaving"], leaver
+    assert "pending" not in leaver, leaver
+    assert "the workers changed (membership epoch 1" in leaver["pending_error"], leaver
+    assert leaver["pending_s"] < wait_s / 2, leaver
+    end = proc.stderr.strip().splitlines()[-1]
+    assert "job finished" in end and "worker 2 exit 0" in end, end

@@ -136,8 +136,14 @@ void Scheduler::StartEpoch(const std::string& why, const Peer* lost, std::vector
     if (!it->second.departed && !(lost && it->first == *lost)) {
       // After an agreed change the others are past the commit's agreement
       // and restart by themselves; failing their operations now would only
-      // race with its last replies (some would roll back, some not).
-      if (!agreed) out->push_back(Reply(it->first, MsgType::kWorkersChanged, note.Serialize()));
+      // race with its last replies (some would roll back, some not). A
+      // worker that leaves is told all the same: it comes back to no epoch,
+      // and the servers drop its replies still queued when the new one
+      // starts, so an operation it still waits for would never end. Rolled
+      // back or not, it then leaves (exit 0) and its state goes with it.
+      if (!agreed || it->second.leaving) {
+        out->push_back(Reply(it->first, MsgType::kWorkersChanged, note.Serialize()));
+      }
       // A worker asked to leave does not come back.
       if (!it->second.leaving) {
         expected_.insert(it->second.id);
