@@ -65,6 +65,7 @@ std::string Stats::Json() {
     << ",\"elastic_announced\":" << elastic_announced
     << ",\"elastic_waiting\":" << elastic_waiting
     << ",\"frames_stale_epoch\":" << frames_stale_epoch
+    << ",\"sweep_found_input\":" << sweep_found_input
     << ",\"elastic_updates\":[";
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < host_updates_.size(); ++i) {

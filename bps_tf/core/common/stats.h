@@ -64,6 +64,9 @@ class Stats {
   std::atomic<uint64_t> elastic_announced{0};
   std::atomic<uint64_t> elastic_waiting{0};
   std::atomic<uint64_t> frames_stale_epoch{0};
+  // Input a channel's 100 ms sweep found before its signal fd showed it: input that came
+  // after the poll returned, or a signal missed (transport/channel.cc).
+  std::atomic<uint64_t> sweep_found_input{0};
 
   void RecordSend(const std::string& name, uint32_t part, int64_t priority);
   std::string Json();

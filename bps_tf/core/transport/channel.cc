@@ -149,15 +149,20 @@ class ZmqChannel : public Channel {
     const int n = poll(fds_.data(), fds_.size(), pending ? 0 : static_cast<int>(timeout_ms));
     if (n < 0) return errno == EINTR;
     if (fds_[0].revents) wake_->Drain();
-    // Now and then a wait that found nothing asks every socket: a signal
-    // this bookkeeping missed costs a moment, never a hang.
-    const bool sweep = n == 0 && !pending && SecondsSince(last_sweep_) > 0.1;
+    // Every 100 ms every socket is asked, busy or not (a process that
+    // always has traffic never has a quiet wait): a signal this bookkeeping
+    // missed costs a moment, never a lost link.
+    const bool sweep = SecondsSince(last_sweep_) > 0.1;
     if (sweep) last_sweep_ = Clock::now();
     size_t k = zap_ ? 2 : 1;
     for (auto& l : links_) {
       if (!l.socket) continue;
-      if ((fds_[k++].revents || sweep) && !l.readable) l.readable = SocketHasInput(l.socket->get());
-      if ((fds_[k++].revents || sweep) && !l.watch_readable) {
+      const bool signalled = fds_[k++].revents != 0, watch_signalled = fds_[k++].revents != 0;
+      if ((signalled || sweep) && !l.readable) {
+        l.readable = SocketHasInput(l.socket->get());
+        if (l.readable && !signalled) Stats::Get().sweep_found_input++;
+      }
+      if ((watch_signalled || sweep) && !l.watch_readable) {
         l.watch_readable = SocketHasInput(l.watch->socket());
       }
     }
