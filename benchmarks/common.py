@@ -223,6 +223,14 @@ def child_env(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def _renice(pid: int, nice: int) -> None:
+    """Every thread of a process (Linux keeps a nice value per thread)."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(task), nice)
+
+
 def _die_with_parent():
     # If the benchmark itself is SIGKILLed, the kernel still stops its
     # children (PR_SET_PDEATHSIG survives exec of non-setuid programs such
@@ -260,13 +268,40 @@ class Processes:
     children: List[Child] = field(default_factory=list)
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str],
-              prefix: Sequence[str] = (), must_succeed: bool = True) -> Child:
+              prefix: Sequence[str] = (), must_succeed: bool = True,
+              nice: Optional[int] = None, own_session: bool = True,
+              from_thread: bool = False) -> Child:
+        """Each child leads a process group of its own (stop() signals the
+        group); ``own_session=False`` keeps it in this process's session.
+        ``nice``: the child's nice value, set before it runs anything, so
+        every thread it starts has it (Linux keeps one per thread).
+        ``from_thread``: safe to call from several threads at once (no
+        Python code runs in the child before exec: its nice is set just
+        after, and it does not end with this process if that is killed).
+
+        With autogroups (/proc/sys/kernel/sched_autogroup_enabled, on in many
+        kernels) the kernel shares the CPU between sessions first, and a
+        thread's nice counts only within its session: a benchmark that gives
+        some of its children priority keeps them all in its own session."""
         log = self.log_dir / (re.sub(r"[^\w.-]+", "_", name) + ".log")
+
+        def prepare():
+            if own_session:
+                os.setsid()
+            else:
+                os.setpgid(0, 0)
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            _die_with_parent()
+
+        spawn = (dict(start_new_session=own_session, process_group=None if own_session else 0)
+                 if from_thread else dict(preexec_fn=prepare))
         with open(log, "wb") as out:
             popen = subprocess.Popen(list(prefix) + list(argv), env=dict(env), stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent,
-                                     cwd=str(REPO))
+                                     cwd=str(REPO), **spawn)
+        if from_thread and nice is not None:
+            _renice(popen.pid, nice)
         child = Child(name, popen, log, must_succeed)
         self.children.append(child)
         return child
@@ -317,8 +352,8 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_has_members(pgid: int) -> bool:
-    """Whether a live (non-zombie) process is in the session and process
-    group that ``start_new_session`` made for one of our children."""
+    """Whether a live (non-zombie) process is in the process group made for
+    one of our children (in the session it leads, or in ours)."""
     if not os.path.isdir("/proc/self"):
         return True
     for entry in os.scandir("/proc"):
@@ -330,7 +365,8 @@ def _group_has_members(pgid: int) -> bool:
         except OSError:
             continue
         # fields: state, ppid, pgrp, session, ...
-        if fields[0] != "Z" and int(fields[2]) == pgid and int(fields[3]) == pgid:
+        in_group = int(fields[2]) == pgid and int(fields[3]) in (pgid, os.getsid(0))
+        if fields[0] != "Z" and in_group:
             return True
     return False
 
