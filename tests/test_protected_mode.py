@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,8 @@ def test_a_weak_token_is_refused_off_loopback_with_the_way_to_make_one(token, wh
     assert "refusing a weak BYTEPS_JOB_TOKEN" in message and why in message, message
     assert security.MAKE_TOKEN in message and "BYTEPS_ALLOW_INSECURE=1" in message
     # The command it names prints a token that passes.
-    command = security.MAKE_TOKEN.replace("python", sys.executable, 1)
+    # (quoted: a clone's folder may have a space in its name)
+    command = security.MAKE_TOKEN.replace("python", shlex.quote(sys.executable), 1)
     made = subprocess.run(command, shell=True, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert len(made) >= 16 and security.token_weakness(made) == ""

@@ -130,8 +130,12 @@ class Plan(keras.callbacks.Callback):
         elif (epoch, batch) == (3, 3) and "scheduler" in PLAN and _once("kill_scheduler"):
             self._kill("scheduler", "scheduler", signal.SIGKILL)
         elif (epoch, batch) == (4, 2) and "worker" in PLAN and _once("term_worker"):
-            with open(_path("hosts"), "w") as f:
-                f.write("localhost:1\n")     # no replacement for the worker that leaves
+            # No replacement for the worker that leaves. Written aside and
+            # renamed: bpslaunch reads the file every 0.5 s, and an empty one
+            # (truncated, not yet written) says no host at all is left.
+            with open(_path("hosts.tmp"), "w") as f:
+                f.write("localhost:1\n")
+            os.replace(_path("hosts.tmp"), _path("hosts"))
             self.updates_before = len(elastic_core.host_updates())
             self._kill("worker", "1", signal.SIGTERM)
 
