@@ -285,21 +285,17 @@ class Processes:
         some of its children priority keeps them all in its own session."""
         log = self.log_dir / (re.sub(r"[^\w.-]+", "_", name) + ".log")
 
-        def prepare():
-            if own_session:
-                os.setsid()
-            else:
-                os.setpgid(0, 0)
+        def prepare():   # runs after Popen made the session or group
             if nice is not None:
                 os.setpriority(os.PRIO_PROCESS, 0, nice)
             _die_with_parent()
 
-        spawn = (dict(start_new_session=own_session, process_group=None if own_session else 0)
-                 if from_thread else dict(preexec_fn=prepare))
         with open(log, "wb") as out:
             popen = subprocess.Popen(list(prefix) + list(argv), env=dict(env), stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=str(REPO), **spawn)
+                                     cwd=str(REPO), start_new_session=own_session,
+                                     process_group=None if own_session else 0,
+                                     preexec_fn=None if from_thread else prepare)
         if from_thread and nice is not None:
             _renice(popen.pid, nice)
         child = Child(name, popen, log, must_succeed)
@@ -356,6 +352,7 @@ def _group_has_members(pgid: int) -> bool:
     one of our children (in the session it leads, or in ours)."""
     if not os.path.isdir("/proc/self"):
         return True
+    sessions = (pgid, os.getsid(0))
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -365,8 +362,7 @@ def _group_has_members(pgid: int) -> bool:
         except OSError:
             continue
         # fields: state, ppid, pgrp, session, ...
-        in_group = int(fields[2]) == pgid and int(fields[3]) in (pgid, os.getsid(0))
-        if fields[0] != "Z" and in_group:
+        if fields[0] != "Z" and int(fields[2]) == pgid and int(fields[3]) in sessions:
             return True
     return False
 

@@ -143,17 +143,11 @@ def run_size(n: int, s: int, args, elastic: bool) -> dict:
                         "BYTEPS_TIMEOUT": str(args.loss_timeout)})
         base = common.child_env(env)
         server_argv = [common.PYTHON, "-m", "bps_tf.server"]
-        # 289 processes on 2 cores stand for 289 machines: the scheduler and the
-        # servers, which would have CPUs of their own, go first (root only), so
-        # a starved scheduler is not taken for a lost one (--no-priority: off);
-        # so does this process, which stands for the cluster's manager (and
-        # for bpslaunch, which reports the killed worker). Each child gets its
-        # nice value before it starts a thread (Linux keeps one per thread),
-        # and stays in this session: with autogroups the kernel shares the CPU
-        # between sessions first, so a scheduler in a session of its own got a
-        # 289th of the machine whatever its nice, and read the servers'
-        # heartbeats seconds late; and a child starting its own session waited
-        # ~90 ms at 0 among the busy ones before Popen could return.
+        # Priorities as the module's docstring says. Each child gets its nice
+        # value before it starts a thread (Linux keeps one per thread) and
+        # stays in this session: with autogroups a scheduler in a session of
+        # its own got a 289th of the machine whatever its nice, and read the
+        # heartbeats seconds late (docs/scaling.md).
         priority = bool(args.priority and os.geteuid() == 0)
         nice = {"scheduler": -10, "server": -5, "worker": 0} if priority else {}
         if priority:
